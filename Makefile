@@ -1,0 +1,56 @@
+# fastchain's developer and user entry points. Every target sets up the venv first.
+#
+#   make setup      create .venv (idempotent) with fastchain (editable) + test deps
+#   make test       the test suite (what CI runs)
+#   make test-np1   the same suite in .venv-np1: NumPy 1.26, Python 3.12, old setuptools
+#   make doctor     describe this machine
+
+PYTHON ?= python3
+VENV ?= .venv
+EXTRAS ?= test,mpi
+# Empty: the newest NumPy the registry offers (2.x). E.g. NUMPY_SPEC='numpy==1.26.*'.
+NUMPY_SPEC ?=
+# 1: keep setuptools<82 (which still ships pkg_resources) after building Chainer.
+OLD_SETUPTOOLS ?= 0
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.fastchain-setup
+
+.PHONY: setup test test-np1 doctor clean
+
+setup: $(STAMP)
+
+# Chainer 7.8.1's setup.py imports pkg_resources, which setuptools>=82 no longer
+# has, so a plain `pip install chainer` fails in pip's isolated build. Build it
+# without isolation against setuptools<82, then (by default) move to the newest
+# setuptools so the venv is what a user has today.
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -U pip
+	$(PIP) install "setuptools<82" wheel $(NUMPY_SPEC)
+	$(PY) -c "import importlib.metadata as m; m.version('chainer')" 2>/dev/null \
+	  || $(PIP) install --no-build-isolation "chainer==7.8.1"
+	$(PIP) install -e ".[$(EXTRAS)]" $(NUMPY_SPEC)
+	@if [ "$(OLD_SETUPTOOLS)" != 1 ]; then $(PIP) install -U setuptools; fi
+	$(PY) -c "import chainer, fastchain; print('fastchain ready: Chainer', chainer.__version__)"
+	@touch $(STAMP)
+
+test: setup
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# A working Python 3.12 (pyenv's shim may exist without the version selected).
+PY312 := $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do \
+	  $$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; break; }; done)
+
+test-np1:
+	@test -n "$(PY312)" || echo "no Python 3.12 found: .venv-np1 uses $(PYTHON)"
+	$(MAKE) test VENV=.venv-np1 PYTHON="$(or $(PY312),$(PYTHON))" \
+	  NUMPY_SPEC='numpy==1.26.*' OLD_SETUPTOOLS=1
+
+doctor: setup
+	$(VENV)/bin/fastchain doctor
+
+clean:
+	rm -rf .venv .venv-np1 .pytest_cache benchmarks/results/*.tmp

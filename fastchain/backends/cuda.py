@@ -1,0 +1,132 @@
+"""The CUDA edge: CuPy, the GPUs, cuDNN and NCCL.
+
+Every function here is safe to call with no CuPy, with CuPy but no driver, and
+with CuPy 14 (which has no cuDNN). Results are cached for the process.
+"""
+
+import functools
+
+from fastchain.backends._status import Status
+
+GPU_EXTRA = 'pip install "fastchain[gpu]" (cupy-cuda12x) on a machine with an NVIDIA GPU'
+CUDNN_FIX = ('cuDNN needs CuPy 13: pip install "cupy-cuda12x<14" "nvidia-cudnn-cu12<9" '
+             '(CuPy 14 removed cuDNN support)')
+
+
+def _cupy_module():
+    try:
+        import cupy
+    except Exception as e:  # ImportError, or a broken CUDA install
+        return None, e
+    return cupy, None
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_status():
+    """CuPy importable and a CUDA device usable (``cupy.is_available()``)."""
+    cupy, error = _cupy_module()
+    if cupy is None:
+        missing = isinstance(error, ModuleNotFoundError)
+        return Status(False, why='CuPy is not installed' if missing else
+                      'CuPy failed to import: {}'.format(error), fix=GPU_EXTRA)
+    version = cupy.__version__
+    try:
+        # On CuPy 13 without a driver this raises instead of returning False.
+        ok = bool(cupy.is_available())
+        why = None if ok else 'no CUDA device found by CuPy'
+    except Exception as e:
+        ok, why = False, 'CUDA is not usable: {}'.format(e)
+    detail = {}
+    for key, getter in (('cuda_runtime', 'runtimeGetVersion'),
+                        ('cuda_driver', 'driverGetVersion')):
+        try:
+            detail[key] = _cuda_version(getattr(cupy.cuda.runtime, getter)())
+        except Exception as e:
+            detail[key] = None
+            detail[key + '_error'] = str(e)
+    return Status(ok, version=version, why=why,
+                  fix=None if ok else 'check `nvidia-smi`; then ' + GPU_EXTRA,
+                  detail=detail)
+
+
+def _cuda_version(number):
+    # CUDA encodes 12.4 as 12040.
+    return '{}.{}'.format(number // 1000, (number % 1000) // 10) if number else None
+
+
+def available():
+    """True when a CUDA GPU can be used through CuPy."""
+    return cupy_status().available
+
+
+@functools.lru_cache(maxsize=None)
+def gpus():
+    """One dict per visible GPU: name, compute capability, memory, TensorCores."""
+    if not available():
+        return []
+    import cupy
+    found = []
+    for i in range(cupy.cuda.runtime.getDeviceCount()):
+        props = cupy.cuda.runtime.getDeviceProperties(i)
+        name = props.get('name', b'')
+        major, minor = props.get('major', 0), props.get('minor', 0)
+        found.append({
+            'index': i,
+            'name': name.decode() if isinstance(name, bytes) else str(name),
+            'compute_capability': '{}.{}'.format(major, minor),
+            'memory_bytes': int(props.get('totalGlobalMem', 0)),
+            # TensorCores arrived with Volta (sm_70).
+            'tensor_cores': major >= 7,
+        })
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_status():
+    """cuDNN usable by Chainer (needs a GPU and CuPy 13's cuDNN bindings)."""
+    cupy, _ = _cupy_module()
+    if cupy is None:
+        return Status(False, why='CuPy is not installed', fix=GPU_EXTRA)
+    major = int(cupy.__version__.split('.')[0])
+    try:
+        import cupy.cuda.cudnn as libcudnn
+        version = str(libcudnn.getVersion())
+    except Exception as e:
+        why = ('CuPy {} has no cuDNN (removed in CuPy 14)'.format(cupy.__version__)
+               if major >= 14 else 'cuDNN did not load: {}'.format(e))
+        return Status(False, why=why, fix=CUDNN_FIX)
+    if not available():
+        return Status(False, version=version, why=cupy_status().why,
+                      fix=cupy_status().fix)
+    import chainer.backends.cuda
+    if not chainer.backends.cuda.cudnn_enabled:
+        return Status(False, version=version,
+                      why='Chainer has cuDNN disabled (CHAINER_CUDNN=0?)',
+                      fix='unset CHAINER_CUDNN or set it to 1')
+    return Status(True, version=version)
+
+
+@functools.lru_cache(maxsize=None)
+def nccl_status():
+    """NCCL through CuPy's bindings."""
+    cupy, _ = _cupy_module()
+    if cupy is None:
+        return Status(False, why='CuPy is not installed', fix=GPU_EXTRA)
+    try:
+        from cupy.cuda import nccl
+        if not getattr(nccl, 'available', True):
+            raise ImportError('CuPy was built without NCCL')
+        version = str(nccl.get_version())
+    except Exception as e:
+        return Status(False, why='NCCL is not usable: {}'.format(e),
+                      fix='pip install nvidia-nccl-cu12')
+    if not available():
+        return Status(False, version=version, why=cupy_status().why,
+                      fix=cupy_status().fix)
+    return Status(True, version=version)
+
+
+def tensor_cores_available():
+    """True when every visible GPU has TensorCores (compute capability >= 7.0)."""
+    found = gpus()
+    return bool(found) and all(g['tensor_cores'] for g in found)

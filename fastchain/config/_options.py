@@ -1,0 +1,120 @@
+"""Options of ``fastchain.enable`` and the accelerator groups that own them."""
+
+import abc
+import dataclasses
+import importlib
+
+# Each accelerator group lives in its own module and exposes ``GROUP``.
+# Imported on the first enable()/report(), never at ``import fastchain``.
+GROUP_MODULES = (
+    'fastchain.cudnn._group',
+)
+
+
+class Option:
+    """One keyword of ``enable()``.
+
+    Args:
+        name (str): the keyword.
+        doc (str): one line for the error messages and the docs.
+        default: the value when the keyword is not given. ``None`` means
+            "on where available, without a warning where not".
+        choices (tuple): allowed values (after ``aliases``), if a finite set.
+        aliases (dict): accepted spellings mapped to a choice (``True`` ->
+            ``'always'``).
+        check (callable): ``value -> value`` that raises ``ValueError``, for
+            open-ended values.
+    """
+
+    def __init__(self, name, doc, default=None, choices=None, aliases=None,
+                 check=None):
+        self.name = name
+        self.doc = doc
+        self.default = default
+        self.choices = choices
+        self.aliases = aliases or {}
+        self.check = check
+
+    def normalize(self, value):
+        if value is None:
+            return None
+        for alias, target in self.aliases.items():
+            # `True == 1` in Python; compare types too so 1 is not True.
+            if type(value) is type(alias) and value == alias:
+                value = target
+                break
+        if self.choices is not None:
+            if not any(type(value) is type(c) and value == c
+                       for c in self.choices):
+                raise ValueError('fastchain.enable({}={!r}): expected one of {}'
+                                 .format(self.name, value, self._spellings()))
+            return value
+        if self.check is not None:
+            try:
+                return self.check(value)
+            except (TypeError, ValueError) as e:
+                raise ValueError('fastchain.enable({}={!r}): {}'.format(
+                    self.name, value, e)) from None
+        return value
+
+    def _spellings(self):
+        return ', '.join(repr(v) for v in list(self.choices) + list(self.aliases))
+
+
+def boolean(name, doc, default=None):
+    return Option(name, doc, default=default, choices=(True, False))
+
+
+@dataclasses.dataclass
+class State:
+    """How one accelerator stands after ``enable()`` (or before any).
+
+    ``requested`` is true when the user asked for it explicitly; only then
+    does an unavailable accelerator warn.
+    """
+
+    name: str
+    available: bool
+    active: bool
+    requested: bool = False
+    why: str = None
+    fix: str = None
+    setting: object = None
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+class Group(abc.ABC):
+    """A set of options that one accelerator module applies together.
+
+    Subclasses set ``name`` and ``options`` and implement :meth:`apply`
+    (make the changes through the recorder, return the states) and
+    :meth:`probe` (states without changing anything).
+    """
+
+    name = None
+    options = ()
+
+    @abc.abstractmethod
+    def apply(self, values, explicit, recorder):
+        """Make the changes ``values`` ask for; return a list of State."""
+
+    @abc.abstractmethod
+    def probe(self):
+        """A list of State (all inactive) describing what is available."""
+
+
+def groups():
+    return [importlib.import_module(m).GROUP for m in GROUP_MODULES]
+
+
+def all_options():
+    """{name: Option} over every group, in declaration order."""
+    found = {}
+    for group in groups():
+        for option in group.options:
+            if option.name in found:
+                raise RuntimeError('option {!r} declared twice'.format(option.name))
+            found[option.name] = option
+    return found

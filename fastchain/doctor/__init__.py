@@ -1,0 +1,1 @@
+"""``fastchain doctor`` and ``fastchain.report()``: what this machine offers."""

@@ -1,0 +1,90 @@
+"""Builds the machine/accelerator report shown by ``fastchain doctor``."""
+
+import importlib.metadata
+import os
+import platform
+import sys
+
+
+def _dist_version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model():
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def machine():
+    """The machine description benchmarks record (BENCHMARKS.md)."""
+    import numpy
+    import chainer
+    from fastchain.backends import cuda
+    cupy = cuda.cupy_status()
+    cudnn = cuda.cudnn_status()
+    nccl = cuda.nccl_status()
+    try:
+        memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    except (ValueError, OSError, AttributeError):
+        memory = None
+    return {
+        'cpu': _cpu_model(),
+        'cores': len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
+        else os.cpu_count(),
+        'memory_bytes': memory,
+        'gpus': cuda.gpus(),
+        'python': platform.python_version(),
+        'numpy': numpy.__version__,
+        'chainer': chainer.__version__,
+        'cupy': cupy.version,
+        'cudnn': cudnn.version,
+        'nccl': nccl.version,
+        'platform': platform.platform(),
+    }
+
+
+def report(mpi=False):
+    """Everything ``fastchain doctor`` shows, as a dict.
+
+    Args:
+        mpi (bool): also probe MPI. Importing ``mpi4py.MPI`` initialises MPI,
+            so it is left out unless asked for (the CLI asks).
+    """
+    import chainer  # noqa: F401  (applies the compat shims)
+    from fastchain import __version__, _compat
+    from fastchain.backends import cuda, nvtx
+    from fastchain.backends import mpi as mpi_backend
+    from fastchain.config import _enable
+
+    deps = {
+        'cupy': cuda.cupy_status().as_dict(),
+        'cudnn': cuda.cudnn_status().as_dict(),
+        'nccl': cuda.nccl_status().as_dict(),
+        'nvtx': nvtx.nvtx_status().as_dict(),
+    }
+    if mpi:
+        deps['mpi'] = mpi_backend.mpi_status().as_dict()
+    return {
+        'fastchain': __version__,
+        'python': sys.version.split()[0],
+        'executable': sys.executable,
+        'machine': machine(),
+        'packages': {name: _dist_version(name) for name in
+                     ('chainer', 'numpy', 'cupy-cuda12x', 'setuptools',
+                      'mpi4py', 'mpich', 'nvtx', 'pillow')},
+        'dependencies': deps,
+        'shims': _compat.applied(),
+        'compat_hook_installed': _compat.installed(),
+        'accelerators': {name: s.as_dict()
+                         for name, s in _enable.current_states().items()},
+        'enabled_handles': len(_enable.active_handles()),
+    }

@@ -1,0 +1,103 @@
+"""The CUDA probes: truthful on this machine, and on the CuPy set-ups we
+cannot install here (given as stand-in modules for CuPy's own API)."""
+
+import sys
+import types
+
+import pytest
+
+from fastchain.backends import cuda
+
+
+@pytest.fixture(autouse=True)
+def fresh_probes():
+    for f in (cuda.cupy_status, cuda.gpus, cuda.cudnn_status, cuda.nccl_status):
+        f.cache_clear()
+    yield
+    for f in (cuda.cupy_status, cuda.gpus, cuda.cudnn_status, cuda.nccl_status):
+        f.cache_clear()
+
+
+def fake_cupy(monkeypatch, version, is_available, devices=(), cudnn=None, nccl=None):
+    cupy = types.ModuleType('cupy')
+    cupy.__path__ = []
+    cupy.__version__ = version
+    cupy.is_available = is_available
+    runtime = types.SimpleNamespace(
+        runtimeGetVersion=lambda: 12040, driverGetVersion=lambda: 12060,
+        getDeviceCount=lambda: len(devices),
+        getDeviceProperties=lambda i: devices[i])
+    cupy.cuda = types.ModuleType('cupy.cuda')
+    cupy.cuda.__path__ = []
+    cupy.cuda.runtime = runtime
+    monkeypatch.setitem(sys.modules, 'cupy', cupy)
+    monkeypatch.setitem(sys.modules, 'cupy.cuda', cupy.cuda)
+    for name, mod in (('cudnn', cudnn), ('nccl', nccl)):
+        if mod is not None:
+            monkeypatch.setitem(sys.modules, 'cupy.cuda.' + name, mod)
+            setattr(cupy.cuda, name, mod)
+        else:
+            # CuPy 14 has no cupy.cuda.cudnn: importing it fails.
+            monkeypatch.setitem(sys.modules, 'cupy.cuda.' + name, None)
+    return cupy
+
+
+def test_this_machine_without_cupy_says_so():
+    try:
+        import cupy  # noqa: F401
+        pytest.skip('CuPy is installed here')
+    except ImportError:
+        pass
+    s = cuda.cupy_status()
+    assert not s.available and s.why == 'CuPy is not installed' and 'fastchain[gpu]' in s.fix
+    assert cuda.gpus() == []
+    assert not cuda.cudnn_status().available
+    assert not cuda.nccl_status().available
+
+
+def test_cupy13_without_a_driver_raises_in_is_available(monkeypatch):
+    def boom():
+        raise RuntimeError('CUDA driver version is insufficient')
+    fake_cupy(monkeypatch, '13.6.0', boom)
+    s = cuda.cupy_status()
+    assert not s.available
+    assert 'CUDA driver version is insufficient' in s.why
+    assert s.detail['cuda_runtime'] == '12.4'
+
+
+def test_cupy14_has_no_cudnn(monkeypatch):
+    fake_cupy(monkeypatch, '14.2.0', lambda: True,
+              devices=[{'name': b'Tesla V100', 'major': 7, 'minor': 0,
+                        'totalGlobalMem': 16 << 30}])
+    assert cuda.available()
+    s = cuda.cudnn_status()
+    assert not s.available and 'CuPy 14.2.0 has no cuDNN' in s.why
+    assert 'cupy-cuda12x<14' in s.fix
+    assert cuda.gpus() == [{'index': 0, 'name': 'Tesla V100', 'compute_capability': '7.0',
+                            'memory_bytes': 16 << 30, 'tensor_cores': True}]
+    assert cuda.tensor_cores_available()
+
+
+def test_cupy13_with_cudnn_but_no_gpu(monkeypatch):
+    cudnn = types.SimpleNamespace(getVersion=lambda: 8902)
+    nccl = types.SimpleNamespace(available=True, get_version=lambda: 21903)
+    fake_cupy(monkeypatch, '13.6.0', lambda: False, cudnn=cudnn, nccl=nccl)
+    s = cuda.cudnn_status()
+    assert not s.available and s.version == '8902'
+    assert s.why == 'no CUDA device found by CuPy'
+    n = cuda.nccl_status()
+    assert not n.available and n.version == '21903'
+
+
+def test_pre_volta_gpu_has_no_tensor_cores(monkeypatch):
+    fake_cupy(monkeypatch, '13.6.0', lambda: True,
+              devices=[{'name': 'Tesla P100', 'major': 6, 'minor': 0,
+                        'totalGlobalMem': 16 << 30}])
+    assert cuda.gpus()[0]['tensor_cores'] is False
+    assert not cuda.tensor_cores_available()
+
+
+@pytest.mark.gpu
+def test_real_gpu_is_listed():
+    found = cuda.gpus()
+    assert found and all(g['memory_bytes'] > 0 for g in found)

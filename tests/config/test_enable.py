@@ -1,0 +1,171 @@
+"""enable()/disable() restore exactly what they touched; bad options fail."""
+
+import warnings
+
+import chainer
+import chainer.backends.cuda as chainer_cuda
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import fastchain
+from fastchain.backends import Status, cuda
+from fastchain.config import FastchainWarning
+from fastchain.config import _options
+
+
+def snapshot():
+    """Every global a handle may touch."""
+    return (dict(chainer.global_config.__dict__),
+            chainer_cuda.get_max_workspace_size())
+
+
+@pytest.fixture(params=['no-gpu', 'fake-cudnn'])
+def device(request, monkeypatch):
+    """Run each test as on this machine, and as if cuDNN were available
+    (the probe is replaced; Chainer's config keys are the real ones)."""
+    if request.param == 'fake-cudnn':
+        monkeypatch.setattr(cuda, 'cudnn_status', lambda: Status(True, version='8902'))
+        monkeypatch.setattr(cuda, 'tensor_cores_available', lambda: True)
+    yield request.param
+    assert not fastchain.active_handles(), 'a test left a handle enabled'
+
+
+VALUES = {
+    'cudnn': st.sampled_from(['always', 'auto', 'never', True, False, None]),
+    'autotune': st.sampled_from([True, False, None]),
+    'tensor_cores': st.sampled_from(['always', 'auto', 'never', True, False, None]),
+    'workspace_size': st.one_of(st.none(), st.integers(0, 2**32)),
+}
+
+
+def option_sets():
+    return st.fixed_dictionaries({}, optional=VALUES)
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=option_sets(), second=option_sets(), lifo=st.booleans())
+def test_enable_twice_then_disable_restores_everything(first, second, lifo):
+    # Hypothesis and function-scoped fixtures do not mix; cover the fake
+    # cuDNN case in the test below.
+    before = snapshot()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FastchainWarning)
+        h1 = fastchain.enable(**first)
+        middle = snapshot()
+        h2 = fastchain.enable(**second)
+    if lifo:
+        h2.disable()
+        assert snapshot() == middle
+        h1.disable()
+    else:
+        h1.disable()            # disables h2 first: they nest like scopes
+        assert not h2.active
+    assert snapshot() == before
+    assert not fastchain.active_handles()
+
+
+def test_each_option_is_applied_to_chainer_and_restored(device):
+    before = snapshot()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FastchainWarning)
+        with fastchain.enable(cudnn='always', autotune=True, tensor_cores='never',
+                              workspace_size=1 << 20) as h:
+            assert chainer.config.use_cudnn == 'always'
+            assert chainer.config.autotune is True
+            assert chainer.config.use_cudnn_tensor_core == 'never'
+            if chainer_cuda.cudnn_enabled:    # a no-op in Chainer without cuDNN
+                assert chainer_cuda.get_max_workspace_size() == 1 << 20
+            labels = [label for label, _, _ in h.changes]
+            assert labels == ['chainer.config.use_cudnn', 'chainer.config.autotune',
+                              'chainer.config.use_cudnn_tensor_core',
+                              'chainer.backends.cuda.max_workspace_size']
+    assert snapshot() == before
+
+
+def test_defaults_turn_autotune_on_only_where_cudnn_works(device):
+    before = snapshot()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')      # defaults never warn
+        with fastchain.enable() as h:
+            if device == 'fake-cudnn':
+                assert chainer.config.autotune is True
+                assert h.states['autotune'].active
+            else:
+                assert snapshot() == before
+                assert not h.states['autotune'].active
+                assert h.states['autotune'].why
+    assert snapshot() == before
+
+
+def test_unavailable_option_warns_once_with_why_and_fix():
+    with pytest.warns(FastchainWarning) as record:
+        h = fastchain.enable(autotune=True)
+    try:
+        msgs = [str(w.message) for w in record if w.category is FastchainWarning]
+        assert len(msgs) == 1
+        assert 'autotune' in msgs[0] and 'To get it' in msgs[0]
+        assert cuda.cudnn_status().why in msgs[0]
+        state = h.report()['autotune']
+        assert state['requested'] and not state['active'] and state['fix']
+    finally:
+        h.disable()
+
+
+def test_asking_for_off_never_warns():
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        fastchain.enable(cudnn='never', autotune=False, tensor_cores=False).disable()
+
+
+def test_unknown_option_is_a_type_error_naming_the_valid_ones():
+    with pytest.raises(TypeError) as e:
+        fastchain.enable(autotun=True)
+    msg = str(e.value)
+    assert 'autotun' in msg
+    for name in _options.all_options():
+        assert name in msg
+    assert not fastchain.active_handles()
+
+
+@pytest.mark.parametrize('kwargs', [
+    {'cudnn': 'sometimes'}, {'cudnn': 1}, {'autotune': 'yes'}, {'autotune': 1},
+    {'tensor_cores': 'on'}, {'workspace_size': -1}, {'workspace_size': 1.5},
+    {'workspace_size': True},
+])
+def test_bad_value_is_a_value_error(kwargs):
+    before = snapshot()
+    with pytest.raises(ValueError) as e:
+        fastchain.enable(**kwargs)
+    assert next(iter(kwargs)) in str(e.value)
+    assert snapshot() == before
+    assert not fastchain.active_handles()
+
+
+def test_a_failing_group_undoes_what_was_already_applied(monkeypatch):
+    before = snapshot()
+
+    class Boom(_options.Group):
+        name = 'boom'
+        options = ()
+
+        def probe(self):
+            return []
+
+        def apply(self, values, explicit, recorder):
+            raise RuntimeError('boom')
+
+    real_groups = _options.groups
+    monkeypatch.setattr(_options, 'groups', lambda: real_groups() + [Boom()])
+    with pytest.raises(RuntimeError, match='boom'):
+        fastchain.enable(cudnn='never', workspace_size=123)
+    assert snapshot() == before
+    assert not fastchain.active_handles()
+
+
+def test_disable_is_idempotent_and_the_handle_reports():
+    h = fastchain.enable(cudnn='never')
+    assert 'active=[]' in repr(h) and 'enabled' in repr(h)
+    h.disable()
+    h.disable()
+    assert not h.active and h.changes == []
+    assert set(h.report()) >= {'cudnn', 'autotune', 'tensor_cores'}

@@ -1,0 +1,44 @@
+"""Shared fixtures: GPU/MPI markers skip cleanly with the reason."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_reason = mpi_reason = None
+    if any('gpu' in item.keywords for item in items):
+        from fastchain.backends import cuda
+        status = cuda.cupy_status()
+        if not status.available:
+            gpu_reason = 'needs a CUDA GPU: {}'.format(status.why)
+    if any('mpi' in item.keywords for item in items):
+        from fastchain.backends import mpi
+        path = mpi.mpiexec_path()
+        if path is None:
+            mpi_reason = 'needs mpiexec: ' + mpi.MPI_EXTRA
+    for item in items:
+        if gpu_reason and 'gpu' in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=gpu_reason))
+        if mpi_reason and 'mpi' in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=mpi_reason))
+
+
+def run_python(code, *args, env=None, timeout=120, check=True):
+    """Run ``code`` in a fresh interpreter of this venv; returns the result."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    result = subprocess.run([sys.executable, '-c', code, *args],
+                            capture_output=True, text=True, env=full_env,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError('subprocess failed ({}):\n{}\n{}'.format(
+            result.returncode, result.stdout, result.stderr))
+    return result
+
+
+@pytest.fixture
+def python():
+    return run_python
