@@ -22,6 +22,7 @@ _EXPORTS = {
     'Handle': 'fastchain.config._enable',
     'active_handles': 'fastchain.config._enable',
     'report': 'fastchain.doctor._report',
+    'DynamicLossScaler': 'fastchain.precision._scaler',
 }
 
 __all__ = sorted(_EXPORTS) + ['__version__']

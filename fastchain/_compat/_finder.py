@@ -37,7 +37,12 @@ def install():
     If Chainer was imported before the finder existed (e.g. under
     ``python -S``), the shims that can still be applied after the fact are
     applied at once.
+
+    ``FASTCHAIN_NO_COMPAT=1`` in the environment turns the hook off (to
+    compare with plain Chainer, or to rule fastchain out of a problem).
     """
+    if os.environ.get('FASTCHAIN_NO_COMPAT') == '1':
+        return
     with _lock:
         if installed():
             return

@@ -21,6 +21,24 @@ def _missing_module(name):
         return True
 
 
+def _numpy_distutils_unusable():
+    """True when ``import numpy.distutils.system_info`` would fail.
+
+    It is absent on Python 3.12+, and also fails on Python 3.11 with NumPy
+    1.26 when setuptools' own distutils (no ``msvccompiler``) stands in for
+    the standard library's (measured with setuptools 81).
+    """
+    if _missing_module('numpy.distutils'):
+        return True
+    try:
+        import numpy.distutils.system_info  # noqa: F401  (Chainer imports it next)
+    except Warning:
+        return False    # raised under -W error: Chainer would raise it too
+    except Exception:
+        return True
+    return False
+
+
 class Shim:
     """One fix for one Chainer module.
 
@@ -116,8 +134,8 @@ SHIMS = [
     # Chainer asks numpy.distutils for NumPy's BLAS only to warn about macOS's
     # Accelerate (on darwin); with no numpy.distutils there is nothing to ask.
     Shim('numpy.distutils', 'chainer._environment_check',
-         'numpy.distutils is absent (Python 3.12+, or NumPy 2 on 3.12+)',
-         lambda: _missing_module('numpy.distutils'),
+         'numpy.distutils is absent (Python 3.12+) or fails to import',
+         _numpy_distutils_unusable,
          rewrites=[('import numpy.distutils.system_info\n', 'import numpy\n', 1),
                    ("numpy.distutils.system_info.get_info('blas_opt')", '{}', 1)]),
 ] + [

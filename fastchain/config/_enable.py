@@ -111,6 +111,9 @@ def enable(**options):
                 'fastchain: {} cannot take effect here: {}. To get it: {}'
                 .format(state.name, state.why, state.fix),
                 FastchainWarning, stacklevel=2)
+        elif state.active and state.note:
+            warnings.warn('fastchain: {}: {}'.format(state.name, state.note),
+                          FastchainWarning, stacklevel=2)
     return handle
 
 

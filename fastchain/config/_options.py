@@ -8,6 +8,7 @@ import importlib
 # Imported on the first enable()/report(), never at ``import fastchain``.
 GROUP_MODULES = (
     'fastchain.cudnn._group',
+    'fastchain.precision._group',
 )
 
 
@@ -80,6 +81,7 @@ class State:
     why: str = None
     fix: str = None
     setting: object = None
+    note: str = None        # a caveat worth a warning even when active
 
     def as_dict(self):
         return dataclasses.asdict(self)

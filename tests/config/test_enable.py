@@ -15,8 +15,11 @@ from fastchain.config import _options
 
 def snapshot():
     """Every global a handle may touch."""
+    from chainer.dataset import convert
+    from chainer.optimizer import GradientMethod
     return (dict(chainer.global_config.__dict__),
-            chainer_cuda.get_max_workspace_size())
+            chainer_cuda.get_max_workspace_size(),
+            dict(GradientMethod.__dict__), dict(vars(convert)))
 
 
 @pytest.fixture(params=['no-gpu', 'fake-cudnn'])
@@ -35,6 +38,8 @@ VALUES = {
     'autotune': st.sampled_from([True, False, None]),
     'tensor_cores': st.sampled_from(['always', 'auto', 'never', True, False, None]),
     'workspace_size': st.one_of(st.none(), st.integers(0, 2**32)),
+    'fp16': st.sampled_from([True, False, None]),
+    'loss_scale': st.sampled_from(['dynamic', False, {'init_scale': 1024.0}, None]),
 }
 
 
@@ -130,7 +135,8 @@ def test_unknown_option_is_a_type_error_naming_the_valid_ones():
 @pytest.mark.parametrize('kwargs', [
     {'cudnn': 'sometimes'}, {'cudnn': 1}, {'autotune': 'yes'}, {'autotune': 1},
     {'tensor_cores': 'on'}, {'workspace_size': -1}, {'workspace_size': 1.5},
-    {'workspace_size': True},
+    {'workspace_size': True}, {'fp16': 'yes'}, {'loss_scale': 'static'},
+    {'loss_scale': {'init_scale': -1}}, {'loss_scale': {'growth_interval': 0}},
 ])
 def test_bad_value_is_a_value_error(kwargs):
     before = snapshot()

@@ -1,0 +1,173 @@
+"""Dynamic loss scaling that never lets inf/NaN reach the weights."""
+
+import math
+
+import numpy
+
+# Largest power of two an fp16 loss can carry: Chainer seeds backward with
+# `ones_like(loss) * loss_scale` in the loss's dtype, and fp16 tops out at 65504.
+FP16_SAFE_SCALE = 2.0 ** 15
+
+
+class DynamicLossScaler:
+    """Scales the loss up so fp16 gradients do not underflow, and backs off
+    when they overflow.
+
+    Each step: the gradients are checked once for inf/NaN (one device-to-host
+    synchronisation for all of them). On overflow the step is skipped and the
+    scale is multiplied by ``backoff_factor``; after ``growth_interval``
+    consecutive good steps it is multiplied by ``growth_factor``. The scale
+    stays within ``[min_scale, max_scale]``.
+
+    Unlike Chainer's own dynamic scaling (which starts at 1, doubles on every
+    step until the first overflow and is capped at 65504 so that a halved
+    scale keeps overflowing), it starts at ``init_scale`` and grows at most
+    once per ``growth_interval`` steps.
+
+    Usable on its own in a custom loop::
+
+        scaler = DynamicLossScaler()
+        loss = model(x, t)
+        model.cleargrads()
+        loss.backward(loss_scale=scaler.scale)
+        if scaler.step(grads):          # False: overflow, skip this update
+            for p in model.params():
+                p.grad /= scaler.scale  # (Chainer's update rules do this)
+            ...
+        scaler.update()
+
+    With ``fastchain.enable(fp16=True)`` it is attached to each optimizer set
+    up while enabled, and nothing above has to be written.
+
+    Args:
+        init_scale (float): the first scale. Default 2**15, the largest power
+            of two an fp16 loss can be multiplied by.
+        growth_factor (float): > 1.
+        backoff_factor (float): in (0, 1).
+        growth_interval (int): good steps between two growths.
+        min_scale (float): the scale never goes below it (> 0).
+        max_scale (float): nor above it.
+    """
+
+    def __init__(self, init_scale=FP16_SAFE_SCALE, growth_factor=2.0,
+                 backoff_factor=0.5, growth_interval=1000, min_scale=1.0,
+                 max_scale=2.0 ** 24):
+        _positive('init_scale', init_scale)
+        _positive('min_scale', min_scale)
+        _positive('max_scale', max_scale)
+        if not growth_factor > 1:
+            raise ValueError('growth_factor must be > 1, got {!r}'.format(growth_factor))
+        if not 0 < backoff_factor < 1:
+            raise ValueError('backoff_factor must be in (0, 1), got {!r}'.format(
+                backoff_factor))
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
+                or growth_interval < 1:
+            raise ValueError('growth_interval must be an int >= 1, got {!r}'.format(
+                growth_interval))
+        if not min_scale <= init_scale <= max_scale:
+            raise ValueError('need min_scale <= init_scale <= max_scale, got '
+                             '{} <= {} <= {}'.format(min_scale, init_scale, max_scale))
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.min_scale = float(min_scale)
+        self.max_scale = float(max_scale)
+        self.scale = float(init_scale)
+        self.good_steps = 0         # consecutive steps without overflow
+        self.steps = 0              # updates applied
+        self.skipped_steps = 0      # updates skipped on overflow
+        self.stepped = None         # last step: True applied, False skipped
+        self._found_inf = None
+        self._reduce = None
+
+    def set_found_inf_reducer(self, reduce):
+        """Make every process reach the same skip decision.
+
+        Args:
+            reduce (callable): ``(found_inf: bool) -> bool`` returning True if
+                any process found inf/NaN (an allreduce with MAX/LOR). The
+                data-parallel updater installs one; ``None`` removes it.
+        """
+        self._reduce = reduce
+
+    def step(self, grads):
+        """Check ``grads`` (an iterable of arrays, ``None`` skipped) once.
+
+        Returns True when the update may be applied. Costs one device-to-host
+        synchronisation for all gradients together.
+        """
+        found_inf = _any_nonfinite(grads)
+        if self._reduce is not None:
+            found_inf = bool(self._reduce(found_inf))
+        self._found_inf = found_inf
+        self.stepped = not found_inf
+        return self.stepped
+
+    def update(self):
+        """Adjust the scale after :meth:`step`; returns the new scale."""
+        if self._found_inf is None:
+            raise RuntimeError('DynamicLossScaler.update() called without a '
+                               'step() since the last update()')
+        if self._found_inf:
+            self.skipped_steps += 1
+            self.good_steps = 0
+            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+        else:
+            self.steps += 1
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.good_steps = 0
+                self.scale = min(self.max_scale, self.scale * self.growth_factor)
+        self._found_inf = None
+        return self.scale
+
+    def serialize(self, serializer):
+        """Save or load the state (Chainer's serializer protocol)."""
+        for name in ('scale', 'good_steps', 'steps', 'skipped_steps'):
+            value = serializer(name, getattr(self, name))
+            # Loading returns numpy scalars; keep plain Python numbers.
+            setattr(self, name, type(getattr(self, name))(value))
+
+    def state_dict(self):
+        return {'scale': self.scale, 'good_steps': self.good_steps,
+                'steps': self.steps, 'skipped_steps': self.skipped_steps}
+
+    def load_state_dict(self, state):
+        self.scale = float(state['scale'])
+        for name in ('good_steps', 'steps', 'skipped_steps'):
+            setattr(self, name, int(state[name]))
+
+    def __repr__(self):
+        return ('DynamicLossScaler(scale={:g}, steps={}, skipped_steps={}, '
+                'good_steps={}/{})'.format(self.scale, self.steps, self.skipped_steps,
+                                           self.good_steps, self.growth_interval))
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError('{} must be a positive finite number, got {!r}'.format(
+            name, value))
+
+
+def _any_nonfinite(grads):
+    """True if any gradient holds inf or NaN: one host sync for all of them.
+
+    Each gradient is summed in fp32 on its device (inf or NaN anywhere makes
+    the sum non-finite; fp16 values cannot overflow an fp32 sum at any real
+    model size) and only the total is brought to the host.
+    """
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return False
+    from chainer import backend
+    xp = backend.get_array_module(grads[0])
+    # fp16 is summed in fp32; fp32/fp64 in their own precision.
+    if xp is numpy:
+        return not all(numpy.isfinite(g.sum(dtype=_acc(g))) for g in grads)
+    total = xp.stack([g.sum(dtype=_acc(g)) for g in grads]).sum()
+    return not bool(xp.isfinite(total))     # the one synchronisation
+
+
+def _acc(array):
+    return numpy.promote_types(array.dtype, numpy.float32)

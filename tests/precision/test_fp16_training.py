@@ -1,0 +1,266 @@
+"""enable(fp16=True) on a plain Chainer Trainer script, on the CPU."""
+
+import copy
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import training
+from chainer.training import extensions
+
+import fastchain
+from fastchain.config import FastchainWarning
+
+
+@pytest.fixture(autouse=True)
+def no_handle_left():
+    yield
+    for h in fastchain.active_handles():
+        h.disable()
+    assert chainer.config.dtype == numpy.float32
+
+
+def fp16_enable(**kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FastchainWarning)   # "slower on CPU"
+        return fastchain.enable(fp16=True, **kwargs)
+
+
+class CNN(chainer.Chain):
+    def __init__(self, n_out=3):
+        super().__init__()
+        with self.init_scope():
+            self.conv = L.Convolution2D(1, 8, 3, pad=1)
+            self.bn = L.BatchNormalization(8)
+            self.fc = L.Linear(8 * 4 * 4, n_out)
+
+    def forward(self, x):
+        h = F.max_pooling_2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(h)
+
+
+def dataset(n, seed):
+    """Three learnable classes of 8x8 fp32 images: a bar in one of 3 places."""
+    rng = numpy.random.RandomState(seed)
+    t = rng.randint(0, 3, n).astype(numpy.int32)
+    x = rng.normal(0, 0.5, (n, 1, 8, 8)).astype(numpy.float32)
+    for i, c in enumerate(t):
+        x[i, 0, :, 2 * c + 1: 2 * c + 3] += 2.0
+    return chainer.datasets.TupleDataset(x, t)
+
+
+def train(out, epochs=4, seed=0, extra=()):
+    """The plain script: nothing fastchain-specific in it."""
+    numpy.random.seed(seed)
+    model = L.Classifier(CNN())
+    optimizer = chainer.optimizers.MomentumSGD(lr=0.05).setup(model)
+    train_it = chainer.iterators.SerialIterator(dataset(600, seed), 32, shuffle=False)
+    test_it = chainer.iterators.SerialIterator(dataset(300, seed + 1), 100,
+                                               repeat=False, shuffle=False)
+    updater = training.StandardUpdater(train_it, optimizer)
+    trainer = training.Trainer(updater, (epochs, 'epoch'), out=str(out))
+    trainer.extend(extensions.Evaluator(test_it, model))
+    log = extensions.LogReport()
+    trainer.extend(log)
+    for ext, trigger in extra:
+        trainer.extend(ext, trigger=trigger)
+    trainer.run()
+    return model, optimizer, log.log
+
+
+def test_fp16_accuracy_matches_fp32_within_tolerance(tmp_path):
+    _, _, log32 = train(tmp_path / 'fp32')
+    with fp16_enable():
+        model, optimizer, log16 = train(tmp_path / 'fp16')
+        acc32 = log32[-1]['validation/main/accuracy']
+        acc16 = log16[-1]['validation/main/accuracy']
+        # Stated tolerance: within 3 points of fp32, and both learned the task.
+        assert acc32 > 0.9 and acc16 > 0.9
+        assert abs(acc16 - acc32) <= 0.03
+
+        cnn = model.predictor
+        assert cnn.conv.W.dtype == numpy.float16 and cnn.fc.W.dtype == numpy.float16
+        assert cnn.conv.W.update_rule._fp32_param.dtype == numpy.float32
+        assert cnn.fc.b.update_rule._fp32_param.dtype == numpy.float32
+        assert cnn.bn.gamma.dtype == numpy.float32
+        assert cnn.bn.avg_mean.dtype == numpy.float32
+        assert cnn.bn.avg_var.dtype == numpy.float32
+        assert 'main/loss_scale' in log16[-1]
+        assert log16[-1]['main/skipped_steps'] == 0
+
+
+class PoisonGrad(chainer.FunctionNode):
+    """Identity whose backward yields inf or NaN when told to."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def forward(self, inputs):
+        return inputs[0].copy(),
+
+    def backward(self, indexes, grad_outputs):
+        gy, = grad_outputs
+        if self.value is None:
+            return gy,
+        return gy * gy.dtype.type(self.value),
+
+
+class Poisoned(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        self.poison = None
+        with self.init_scope():
+            self.cnn = CNN()
+
+    def forward(self, x):
+        h = self.cnn.conv(x)
+        h, = PoisonGrad(self.poison).apply((h,))     # reaches conv's W and b
+        h = F.max_pooling_2d(F.relu(self.cnn.bn(h)), 2)
+        return self.cnn.fc(h)
+
+
+def weights(model):
+    state = {}
+    for name, p in model.namedparams():
+        state[name] = p.array.copy()
+        master = getattr(p.update_rule, '_fp32_param', None)
+        if master is not None and master.array is not None:
+            state[name + '@fp32'] = master.array.copy()
+    return state
+
+
+def test_inf_and_nan_gradients_never_change_a_weight():
+    with fp16_enable(loss_scale={'init_scale': 1024.0, 'growth_interval': 2}):
+        net = Poisoned()
+        model = L.Classifier(net)
+        optimizer = chainer.optimizers.MomentumSGD(lr=0.05).setup(model)
+        scaler = optimizer._fastchain_scaler
+        data = dataset(64, 0)
+        x, t = chainer.dataset.concat_examples(data[:32])
+        x = x.astype(numpy.float16)
+        poison = {2: numpy.inf, 3: numpy.nan, 6: -numpy.inf}
+        scales = []
+        reporter = chainer.Reporter()
+        reporter.add_observer('main', model)
+        observations = []
+        for step in range(9):
+            net.poison = poison.get(step)
+            before = weights(model)
+            obs = {}
+            with reporter.scope(obs):
+                optimizer.update(model, x, t)
+            observations.append(obs)
+            scales.append(scaler.scale)
+            after = weights(model)
+            if step in poison:
+                assert scaler.stepped is False
+                for name in before:
+                    numpy.testing.assert_array_equal(after[name], before[name], name)
+                for p in model.params():
+                    assert numpy.isfinite(p.array).all()
+            else:
+                assert scaler.stepped is True
+                assert any((after[n] != before[n]).any() for n in before)
+        # growth every 2 good steps, halving on each poisoned one
+        assert scales == [1024, 2048, 1024, 512, 512, 1024, 512, 512, 1024]
+        assert scaler.skipped_steps == 3 and scaler.steps == 6
+        assert [float(o['main/skipped_steps']) for o in observations] == \
+            [0, 0, 1, 2, 2, 2, 3, 3, 3]
+        assert float(observations[-1]['main/loss_scale']) == 1024
+
+
+def test_snapshot_and_resume_continue_the_scaler(tmp_path):
+    with fp16_enable(loss_scale={'init_scale': 256.0, 'growth_interval': 7}):
+        model, optimizer, _ = train(tmp_path / 'a', epochs=1)
+        scaler = optimizer._fastchain_scaler
+        assert scaler.steps == 19       # 600 / 32 iterations, none skipped
+        chainer.serializers.save_npz(str(tmp_path / 'opt.npz'), optimizer)
+
+        model2 = L.Classifier(CNN())
+        optimizer2 = chainer.optimizers.MomentumSGD(lr=0.05).setup(model2)
+        assert optimizer2._fastchain_scaler.steps == 0
+        chainer.serializers.load_npz(str(tmp_path / 'opt.npz'), optimizer2)
+        s2 = optimizer2._fastchain_scaler
+        assert s2.state_dict() == scaler.state_dict()
+        assert s2.scale == 256.0 * 2 ** (19 // 7)
+        assert optimizer2._loss_scale == s2.scale     # seeds the next backward
+
+
+def test_trainer_snapshot_resume_mid_training(tmp_path):
+    with fp16_enable(loss_scale={'init_scale': 64.0, 'growth_interval': 5}):
+        snap = extensions.snapshot(filename='snap')
+        model, optimizer, _ = train(tmp_path / 'run', epochs=1,
+                                    extra=[(snap, (10, 'iteration'))])
+        # Resume from the iteration-10 snapshot into a fresh trainer.
+        numpy.random.seed(0)
+        model2 = L.Classifier(CNN())
+        optimizer2 = chainer.optimizers.MomentumSGD(lr=0.05).setup(model2)
+        it = chainer.iterators.SerialIterator(dataset(600, 0), 32, shuffle=False)
+        trainer = training.Trainer(training.StandardUpdater(it, optimizer2),
+                                   (1, 'epoch'), out=str(tmp_path / 'run2'))
+        chainer.serializers.load_npz(str(tmp_path / 'run' / 'snap'), trainer)
+        s = optimizer2._fastchain_scaler
+        assert (s.steps, s.scale) == (10, 64.0 * 2 ** 2)
+        trainer.run()
+        assert s.steps == optimizer._fastchain_scaler.steps == 19
+        assert s.scale == optimizer._fastchain_scaler.scale
+
+
+def test_disable_restores_the_plain_script():
+    h = fp16_enable()
+    h.disable()
+    model = L.Classifier(CNN())
+    optimizer = chainer.optimizers.MomentumSGD().setup(model)
+    assert model.predictor.conv.W.dtype == numpy.float32
+    assert not hasattr(optimizer, '_fastchain_scaler')
+    assert 'check_nan_in_grads' not in vars(optimizer)
+    x, t = chainer.dataset.concat_examples(dataset(4, 0)[:4])
+    from chainer.dataset import convert
+    out = convert._call_converter(convert.concat_examples, dataset(4, 0)[:4], None)
+    assert out[0].dtype == numpy.float32
+
+
+def test_disable_detaches_an_optimizer_set_up_while_enabled():
+    h = fp16_enable()
+    model = L.Classifier(CNN())
+    optimizer = chainer.optimizers.MomentumSGD().setup(model)
+    assert vars(optimizer)['_loss_scale'] == 2.0 ** 15
+    h.disable()
+    assert '_loss_scale' not in vars(optimizer) and optimizer._loss_scale is None
+    assert not any(p.update_rule._use_fp32_update for p in model.params())
+
+
+def test_fp32_masters_only_when_loss_scale_is_false():
+    with fp16_enable(loss_scale=False):
+        model = L.Classifier(CNN())
+        optimizer = chainer.optimizers.MomentumSGD().setup(model)
+        assert not hasattr(optimizer, '_fastchain_scaler')
+        assert all(p.update_rule._use_fp32_update for p in model.params())
+
+
+def test_model_built_before_enable_warns():
+    model = L.Classifier(CNN())
+    with fp16_enable():
+        with pytest.warns(UserWarning, match='Build the model after'):
+            chainer.optimizers.SGD().setup(model)
+
+
+def test_fp16_on_cpu_warns_once_that_it_is_slower():
+    with pytest.warns(FastchainWarning, match='slower') as record:
+        h = fastchain.enable(fp16=True)
+    h.disable()
+    assert len([w for w in record if w.category is FastchainWarning]) == 1
+
+
+@pytest.mark.gpu
+def test_fp16_on_gpu_turns_on_tensor_cores_and_workspace():
+    import chainer.backends.cuda as chainer_cuda
+    from fastchain.precision._group import FP16_WORKSPACE
+    with fastchain.enable(fp16=True) as h:
+        if h.states['cudnn'].available:
+            assert chainer.config.use_cudnn_tensor_core == 'auto'
+            assert chainer_cuda.get_max_workspace_size() >= FP16_WORKSPACE
