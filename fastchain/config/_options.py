@@ -9,6 +9,7 @@ import importlib
 GROUP_MODULES = (
     'fastchain.cudnn._group',
     'fastchain.precision._group',
+    'fastchain.data._group',
 )
 
 

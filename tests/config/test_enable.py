@@ -17,9 +17,11 @@ def snapshot():
     """Every global a handle may touch."""
     from chainer.dataset import convert
     from chainer.optimizer import GradientMethod
+    from chainer.training.updaters import StandardUpdater
     return (dict(chainer.global_config.__dict__),
             chainer_cuda.get_max_workspace_size(),
-            dict(GradientMethod.__dict__), dict(vars(convert)))
+            dict(GradientMethod.__dict__), dict(vars(convert)),
+            dict(StandardUpdater.__dict__))
 
 
 @pytest.fixture(params=['no-gpu', 'fake-cudnn'])
@@ -40,6 +42,8 @@ VALUES = {
     'workspace_size': st.one_of(st.none(), st.integers(0, 2**32)),
     'fp16': st.sampled_from([True, False, None]),
     'loss_scale': st.sampled_from(['dynamic', False, {'init_scale': 1024.0}, None]),
+    'loader_workers': st.sampled_from([None, 0, 1, 4]),
+    'prefetch_to_device': st.sampled_from([True, False, None]),
 }
 
 
@@ -74,7 +78,7 @@ def test_each_option_is_applied_to_chainer_and_restored(device):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', FastchainWarning)
         with fastchain.enable(cudnn='always', autotune=True, tensor_cores='never',
-                              workspace_size=1 << 20) as h:
+                              workspace_size=1 << 20, loader_workers=0) as h:
             assert chainer.config.use_cudnn == 'always'
             assert chainer.config.autotune is True
             assert chainer.config.use_cudnn_tensor_core == 'never'
@@ -91,7 +95,7 @@ def test_defaults_turn_autotune_on_only_where_cudnn_works(device):
     before = snapshot()
     with warnings.catch_warnings():
         warnings.simplefilter('error')      # defaults never warn
-        with fastchain.enable() as h:
+        with fastchain.enable(loader_workers=0) as h:   # the cuDNN defaults only
             if device == 'fake-cudnn':
                 assert chainer.config.autotune is True
                 assert h.states['autotune'].active
@@ -137,6 +141,7 @@ def test_unknown_option_is_a_type_error_naming_the_valid_ones():
     {'tensor_cores': 'on'}, {'workspace_size': -1}, {'workspace_size': 1.5},
     {'workspace_size': True}, {'fp16': 'yes'}, {'loss_scale': 'static'},
     {'loss_scale': {'init_scale': -1}}, {'loss_scale': {'growth_interval': 0}},
+    {'loader_workers': -1}, {'loader_workers': 2.0}, {'prefetch_to_device': 'on'},
 ])
 def test_bad_value_is_a_value_error(kwargs):
     before = snapshot()
@@ -169,9 +174,11 @@ def test_a_failing_group_undoes_what_was_already_applied(monkeypatch):
 
 
 def test_disable_is_idempotent_and_the_handle_reports():
-    h = fastchain.enable(cudnn='never')
-    assert 'active=[]' in repr(h) and 'enabled' in repr(h)
-    h.disable()
+    h = fastchain.enable(cudnn='never', loader_workers=0)
+    try:
+        assert 'active=[]' in repr(h) and 'enabled' in repr(h)
+    finally:
+        h.disable()
     h.disable()
     assert not h.active and h.changes == []
     assert set(h.report()) >= {'cudnn', 'autotune', 'tensor_cores'}

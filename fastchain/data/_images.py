@@ -1,0 +1,149 @@
+"""Image datasets on real files: the ImageNet list format and folder-per-class.
+
+Images are opened lazily with Pillow (libjpeg-turbo inside Pillow's wheels),
+so a transform can ask for reduced-size JPEG decoding (``Image.draft``) before
+any pixel is decoded, and come out as uint8 CHW arrays. Normalisation to
+float belongs on the device, after the copy (see ``fastchain.data.Normalize``).
+"""
+
+import io
+import os
+
+import numpy
+
+import chainer
+
+IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.ppm', '.bmp', '.webp')
+
+
+class ImageDecodeError(Exception):
+    """A file could not be read or decoded as an image.
+
+    Attributes:
+        path (str): the file.
+        index (int): the example's index in its dataset.
+    """
+
+    def __init__(self, path, index, reason):
+        self.path = path
+        self.index = index
+        self.reason = reason
+        super().__init__('example {} ({}): {}'.format(index, path, reason))
+
+    def __reduce__(self):       # crosses process boundaries intact
+        return (ImageDecodeError, (self.path, self.index, self.reason))
+
+
+def open_image(path, index=None):
+    """Open ``path`` as a not-yet-decoded Pillow image (the header is read).
+
+    Raises:
+        ImageDecodeError: missing, unreadable or not an image.
+    """
+    from PIL import Image
+    try:
+        with open(path, 'rb') as f:
+            data = f.read()
+    except OSError as e:
+        raise ImageDecodeError(path, index, '{}: {}'.format(
+            type(e).__name__, e.strerror or e)) from None
+    try:
+        return Image.open(io.BytesIO(data))
+    except Exception as e:
+        raise ImageDecodeError(path, index, 'not an image ({}: {})'.format(
+            type(e).__name__, e)) from None
+
+
+def to_chw(image, path=None, index=None):
+    """Decode a Pillow image to a contiguous uint8 CHW RGB array."""
+    try:
+        if image.mode != 'RGB':
+            image = image.convert('RGB')
+        array = numpy.asarray(image)
+    except Exception as e:      # truncated or corrupt data shows up here
+        raise ImageDecodeError(path, index, 'cannot decode ({}: {})'.format(
+            type(e).__name__, e)) from None
+    return numpy.ascontiguousarray(array.transpose(2, 0, 1))
+
+
+class _ImageDataset(chainer.dataset.DatasetMixin):
+    """(uint8 CHW image, int32 label) pairs from ``(path, label)`` entries."""
+
+    def __init__(self, entries, transform=None):
+        self._entries = entries
+        self.transform = transform
+
+    def __len__(self):
+        return len(self._entries)
+
+    def path(self, i):
+        return self._entries[i][0]
+
+    def label(self, i):
+        return self._entries[i][1]
+
+    def get_example(self, i):
+        path, label = self._entries[i]
+        image = open_image(path, i)
+        try:
+            if self.transform is None:
+                array = to_chw(image, path, i)
+            else:
+                array = self.transform(image)
+        except ImageDecodeError as e:
+            raise ImageDecodeError(path, i, e.reason) from None
+        except Exception as e:
+            raise ImageDecodeError(path, i, 'cannot decode ({}: {})'.format(
+                type(e).__name__, e)) from None
+        return array, numpy.int32(label)
+
+
+class ImageListDataset(_ImageDataset):
+    """The list format of Chainer's ImageNet example.
+
+    Args:
+        list_path (str): a text file of ``relative/path label`` lines.
+        root (str): the directory the paths are relative to (default: the
+            list file's directory).
+        transform (callable): ``PIL.Image (not yet decoded) -> uint8 CHW``;
+            default: decode the whole image.
+    """
+
+    def __init__(self, list_path, root=None, transform=None):
+        root = os.path.dirname(os.path.abspath(list_path)) if root is None else root
+        entries = []
+        with open(list_path) as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                parts = line.rsplit(None, 1)
+                if len(parts) != 2 or not parts[1].lstrip('-').isdigit():
+                    raise ValueError('{}:{}: expected "relative/path label", got {!r}'
+                                     .format(list_path, lineno, line))
+                entries.append((os.path.join(root, parts[0]), int(parts[1])))
+        super().__init__(entries, transform)
+
+
+class ImageFolderDataset(_ImageDataset):
+    """One sub-directory per class; labels follow the sorted directory names.
+
+    Attributes:
+        classes (list of str): the class names, index = label.
+    """
+
+    def __init__(self, root, transform=None, extensions=IMAGE_EXTENSIONS):
+        if not os.path.isdir(root):
+            raise FileNotFoundError('no such dataset directory: {}'.format(root))
+        self.classes = sorted(d for d in os.listdir(root)
+                              if os.path.isdir(os.path.join(root, d)))
+        if not self.classes:
+            raise ValueError('{} has no class sub-directories'.format(root))
+        entries = []
+        for label, name in enumerate(self.classes):
+            folder = os.path.join(root, name)
+            for dirpath, _, files in sorted(os.walk(folder)):
+                for f in sorted(files):
+                    if f.lower().endswith(extensions):
+                        entries.append((os.path.join(dirpath, f), label))
+        super().__init__(entries, transform)

@@ -1,0 +1,243 @@
+"""Device prefetch: batch k+1 is fetched, converted and copied while batch k
+computes.
+
+A background thread pulls from the iterator and runs the converter; the
+training loop gets batches whose arrays are already on the device. On a GPU
+the conversion runs on a side stream and the training stream waits on an
+event before using the arrays (the thin CUDA edge below); on the CPU the
+thread alone gives the overlap.
+"""
+
+import contextlib
+import queue
+import threading
+
+import numpy
+
+import chainer
+from chainer.dataset import convert
+from chainer.dataset import iterator as iterator_module
+
+from fastchain.data._transforms import Normalize
+
+_END = object()
+
+
+class PreparedBatch(list):
+    """A batch (list of examples) whose converted arrays come with it."""
+
+    arrays = None
+    event = None
+
+
+class _Passthrough(convert.Converter):
+    """The converter to give the updater: prepared batches pass through."""
+
+    def __init__(self, converter):
+        self.converter = converter
+
+    def __call__(self, batch, device=None):
+        if isinstance(batch, PreparedBatch):
+            if batch.event is not None:     # CUDA: the copy must be done
+                import cupy
+                cupy.cuda.get_current_stream().wait_event(batch.event)
+            return batch.arrays
+        return convert._call_converter(self.converter, batch, device)
+
+
+class DevicePrefetcher(iterator_module.Iterator):
+    """Wraps a fastchain iterator; each batch arrives already converted.
+
+    Use ``prefetcher.converter`` as the updater's converter::
+
+        it = DevicePrefetcher(MultiprocessIterator(train, 32), device=device)
+        updater = StandardUpdater(it, optimizer, converter=it.converter,
+                                  device=device)
+
+    Args:
+        iterator: a :class:`MultiprocessIterator` (its position is what gets
+            saved in snapshots: the prefetched batch is re-fetched on resume).
+        converter: the converter to run ahead (default ``concat_examples``).
+        device: where the arrays go (default: the current device).
+        depth (int): batches prepared ahead (default 1).
+    """
+
+    def __init__(self, iterator, converter=convert.concat_examples, device=None,
+                 depth=1):
+        if not hasattr(iterator, 'serialize') or not hasattr(iterator, 'reset'):
+            raise TypeError('DevicePrefetcher needs an iterator with serialize() '
+                            'and reset(), e.g. fastchain.data.MultiprocessIterator')
+        self.iterator = iterator
+        self.device = None if device is None else chainer.get_device(device)
+        self.converter = _Passthrough(converter)
+        self._convert = converter
+        self.depth = depth
+        self.batch_size = iterator.batch_size
+        self._finalized = False
+        self._copy_state()
+        self._start()
+
+    def _copy_state(self, state=None):
+        it = self.iterator
+        state = state or (it.epoch, it.current_position, it.is_new_epoch,
+                          it.epoch_detail, it.previous_epoch_detail)
+        (self.epoch, self.current_position, self.is_new_epoch,
+         self.epoch_detail, self.previous_epoch_detail) = state
+
+    def _start(self):
+        self._queue = queue.Queue(maxsize=self.depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name='fastchain-prefetch',
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        it = self.iterator
+        edge = _cuda_edge(self.device)
+        try:
+            while not self._stop.is_set():
+                try:
+                    batch = PreparedBatch(it.next())
+                except StopIteration:
+                    self._put(_END)
+                    return
+                with edge() as done:
+                    batch.arrays = convert._call_converter(self._convert, batch,
+                                                           self.device)
+                batch.event = done.event
+                state = (it.epoch, it.current_position, it.is_new_epoch,
+                         it.epoch_detail, it.previous_epoch_detail)
+                if not self._put((batch, state)):
+                    return
+        except BaseException as e:      # hand it to the training loop
+            self._put(e)
+
+    def _put(self, item):
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __next__(self):
+        if self._finalized:
+            raise RuntimeError('fastchain: this DevicePrefetcher was finalized; '
+                               'make a new one')
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError('fastchain: the prefetch thread ended '
+                                       'without a batch or an error') from None
+        if item is _END:
+            self._put(_END)         # keep answering StopIteration
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        batch, state = item
+        self._copy_state(state)
+        return batch
+
+    next = __next__
+
+    @property
+    def repeat(self):
+        return self.iterator.repeat
+
+    def _stop_thread(self):
+        self._stop.set()
+        self._thread.join()
+
+    def reset(self):
+        self._stop_thread()
+        self.iterator.reset()
+        self._copy_state()
+        self._start()
+
+    def serialize(self, serializer):
+        """The consumer's position is saved; prefetched batches are not."""
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        self._stop_thread()
+        if not loading:
+            # Save what the training loop has seen, not what was fetched.
+            self._rewind()
+            self.iterator.serialize(serializer)
+        else:
+            self.iterator.serialize(serializer)
+            self._copy_state()
+        # Prepared batches are dropped; the restarted thread re-fetches them.
+        self._restart_from_consumer()
+
+    def _rewind(self):
+        it = self.iterator
+        prev = -1.0 if self.previous_epoch_detail is None else self.previous_epoch_detail
+        it.epoch, it.current_position, it.is_new_epoch = (
+            self.epoch, self.current_position, self.is_new_epoch)
+        it._previous_epoch_detail = prev
+
+    def _restart_from_consumer(self):
+        # Position the inner iterator where the consumer is, and refill.
+        it = self.iterator
+        self._rewind()
+        pool = it._live_pool() if hasattr(it, '_live_pool') else None
+        if pool is not None:
+            pool.drain()
+            pool.fill()
+        if not self._finalized:
+            self._start()
+
+    def finalize(self):
+        self._finalized = True
+        if self._thread.is_alive():
+            self._stop_thread()
+        self.iterator.finalize()
+
+
+@contextlib.contextmanager
+def _no_edge():
+    yield _Done()
+
+
+class _Done:
+    event = None
+
+
+def _cuda_edge(device):
+    """The GPU edge: a side stream for the copy, an event for the consumer."""
+    if device is None or device.xp is numpy or device.xp is not _cupy():
+        return _no_edge
+    import cupy
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    @contextlib.contextmanager
+    def on_side_stream():
+        done = _Done()
+        with cupy.cuda.Device(device.device.id), stream:
+            yield done
+            done.event = stream.record()
+    return on_side_stream
+
+
+def _cupy():
+    from chainer.backends import cuda
+    return cuda.cupy if cuda.available else None
+
+
+class ImageConverter(convert.Converter):
+    """uint8 image batches to normalised arrays on the device.
+
+    Concatenates on the host (uint8), copies to the device, then applies
+    :class:`Normalize` there, producing Chainer's compute dtype (fp16 under
+    ``enable(fp16=True)``). Labels stay int32.
+    """
+
+    def __init__(self, normalize=None):
+        self.normalize = normalize or Normalize()
+
+    def __call__(self, batch, device=None):
+        x, t = convert.concat_examples(batch, device)
+        return self.normalize(x), t

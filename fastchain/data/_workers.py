@@ -1,0 +1,159 @@
+"""The worker side of the multiprocess iterator, and its shared memory.
+
+A worker receives ``(batch id, slot, indices, seeds)`` on its own pipe,
+loads each example with ``numpy.random`` seeded per example, writes the
+example's arrays into its slot of the shared memory, and sends back one small
+message: the non-array fields, any example that did not fit the slot layout,
+and the errors (index, type, message). It ignores SIGINT (the main process
+handles Ctrl-C and shuts it down) and exits on its own if the main process
+disappears.
+"""
+
+import errno
+import os
+import signal
+import traceback
+
+import numpy
+
+from fastchain.data._images import ImageDecodeError
+
+POLL_SECONDS = 1.0
+
+
+class SlotLayout:
+    """Where each array field of one example goes in a batch slot.
+
+    Built from one example: array fields (numpy arrays) get a fixed region of
+    ``batch_size`` rows; everything else (labels, scalars, objects) travels
+    in the result message.
+    """
+
+    def __init__(self, example, batch_size):
+        fields = example if isinstance(example, tuple) else (example,)
+        self.is_tuple = isinstance(example, tuple)
+        self.fields = []        # (offset, shape, dtype) or None
+        offset = 0
+        for value in fields:
+            if isinstance(value, numpy.ndarray) and value.dtype != object:
+                self.fields.append((offset, value.shape, value.dtype))
+                offset += _aligned(batch_size * value.nbytes)
+            else:
+                self.fields.append(None)
+        self.slot_bytes = max(offset, 1)
+        self.batch_size = batch_size
+
+    def fits(self, fields):
+        return len(fields) == len(self.fields) and all(
+            spec is None or (isinstance(v, numpy.ndarray) and v.shape == spec[1]
+                             and v.dtype == spec[2])
+            for v, spec in zip(fields, self.fields))
+
+    def views(self, buf, slot):
+        """The batch arrays of ``slot`` as numpy views of ``buf``."""
+        base = slot * self.slot_bytes
+        out = []
+        for spec in self.fields:
+            if spec is None:
+                out.append(None)
+                continue
+            offset, shape, dtype = spec
+            count = self.batch_size * int(numpy.prod(shape, dtype=numpy.int64))
+            out.append(numpy.frombuffer(buf, dtype, count, base + offset)
+                       .reshape((self.batch_size,) + shape))
+        return out
+
+
+def _aligned(n, to=64):
+    return (n + to - 1) // to * to
+
+
+def create_shared_memory(nbytes):
+    """A shared-memory block whose pages are reserved now.
+
+    /dev/shm is a tmpfs: without reserving, a full /dev/shm shows up later as
+    SIGBUS in a worker. ``posix_fallocate`` turns it into an error here.
+    """
+    from multiprocessing import shared_memory
+    shm = shared_memory.SharedMemory(create=True, size=nbytes)
+    try:
+        os.posix_fallocate(shm._fd, 0, nbytes)
+    except OSError as e:
+        shm.close()
+        shm.unlink()
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            free = _shm_free_bytes()
+            raise OSError(e.errno, (
+                'fastchain loader: /dev/shm is full: {:.1f} MiB needed for the '
+                'prefetched batches, {} free. Lower prefetch= or the batch size, '
+                'pass shared_memory=False (slower: batches are pickled), or give '
+                'the machine a larger /dev/shm (docker: --shm-size=2g).').format(
+                    nbytes / 2**20, 'unknown' if free is None else
+                    '{:.1f} MiB'.format(free / 2**20))) from None
+        raise
+    return shm
+
+
+def _shm_free_bytes():
+    try:
+        st = os.statvfs('/dev/shm')
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return None
+
+
+def describe_error(error):
+    """(type name, message, path or None) for an exception from a dataset."""
+    path = error.path if isinstance(error, ImageDecodeError) else None
+    message = error.reason if isinstance(error, ImageDecodeError) else str(error)
+    return type(error).__name__, message, path
+
+
+def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    shm = None
+    if shm_name is not None:
+        from multiprocessing import shared_memory
+        # Attaching registers the name with the resource tracker the main
+        # process shares with us (a set: no-op); the main process unlinks it.
+        shm = shared_memory.SharedMemory(name=shm_name)
+    try:
+        while True:
+            if not task_conn.poll(POLL_SECONDS):
+                if os.getppid() != parent_pid:
+                    return      # the main process is gone
+                continue
+            task = task_conn.recv()
+            if task is None:
+                return
+            result_conn.send(_load(dataset, task, shm, layout))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return
+    finally:
+        if shm is not None:
+            shm.close()
+
+
+def _load(dataset, task, shm, layout):
+    batch_id, slot, indices, seeds = task
+    views = layout.views(shm.buf, slot) if shm is not None else None
+    extras, errors = {}, []
+    for j, (index, seed) in enumerate(zip(indices, seeds)):
+        numpy.random.seed(seed)
+        try:
+            example = dataset[index]
+        except Exception as e:
+            kind, message, path = describe_error(e)
+            errors.append((j, int(index), kind, message, path,
+                           traceback.format_exc(limit=4)))
+            continue
+        fields = example if isinstance(example, tuple) else (example,)
+        if views is not None and layout.fits(fields):
+            for value, view in zip(fields, views):
+                if view is not None:
+                    view[j] = value
+            extras[j] = (False, tuple(None if view is not None else value
+                                      for value, view in zip(fields, views)))
+        else:
+            extras[j] = (True, example)     # pickled whole
+    return batch_id, extras, errors

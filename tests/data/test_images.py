@@ -1,0 +1,108 @@
+"""The two dataset formats, decoding, and the transforms, on real JPEGs."""
+
+import os
+
+import numpy
+import pytest
+
+from fastchain import data
+
+
+def test_list_and_folder_formats_agree(image_root):
+    by_list = data.ImageListDataset(os.path.join(image_root, 'train.txt'))
+    by_folder = data.ImageFolderDataset(image_root)
+    assert len(by_list) == len(by_folder) == 18
+    assert by_folder.classes == ['class0', 'class1', 'class2']
+    for i in range(len(by_list)):
+        (a, la), (b, lb) = by_list[i], by_folder[i]
+        assert a.dtype == numpy.uint8 and a.ndim == 3 and a.shape[0] == 3
+        assert la == lb and la.dtype == numpy.int32
+        numpy.testing.assert_array_equal(a, b)
+        assert by_list.path(i) == by_folder.path(i)
+
+
+def test_list_format_with_explicit_root_and_a_bad_line(image_root, tmp_path):
+    listing = tmp_path / 'list.txt'
+    listing.write_text('class1/img000.jpg 1\n\nclass2/img001.jpg 2\n')
+    d = data.ImageListDataset(str(listing), root=image_root)
+    assert [int(d[i][1]) for i in range(len(d))] == [1, 2]
+    listing.write_text('class1/img000.jpg one\n')
+    with pytest.raises(ValueError, match=r'list.txt:1: expected "relative/path label"'):
+        data.ImageListDataset(str(listing), root=image_root)
+
+
+def test_folder_dataset_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        data.ImageFolderDataset(str(tmp_path / 'nope'))
+    with pytest.raises(ValueError, match='no class sub-directories'):
+        data.ImageFolderDataset(str(tmp_path))
+
+
+@pytest.mark.parametrize('name,reason', [
+    ('corrupt.jpg', 'cannot decode|not an image'),
+    ('truncated.jpg', 'cannot decode'),
+    ('missing.jpg', 'FileNotFoundError'),
+    ('notes.jpg', 'not an image'),
+])
+def test_each_bad_file_names_itself(bad_root, name, reason):
+    d = data.ImageListDataset(os.path.join(bad_root, 'bad.txt'))
+    i = [os.path.basename(d.path(k)) for k in range(len(d))].index(name)
+    with pytest.raises(data.ImageDecodeError, match=reason) as e:
+        d[i]
+    assert e.value.index == i and e.value.path.endswith(name)
+    assert 'example {}'.format(i) in str(e.value) and name in str(e.value)
+
+
+def test_transforms_make_uint8_chw_of_the_requested_size(image_root):
+    import chainer
+    d = data.ImageListDataset(os.path.join(image_root, 'train.txt'))
+    for transform, shape in [(data.RandomCrop(32), (3, 32, 32)),
+                             (data.RandomCrop(120), (3, 120, 120)),   # upsized first
+                             (data.RandomResizedCrop(48), (3, 48, 48)),
+                             (data.CenterCrop(32), (3, 32, 32))]:
+        d.transform = transform
+        for i in range(0, len(d), 5):
+            x, _ = d[i]
+            assert x.shape == shape and x.dtype == numpy.uint8 and x.flags.c_contiguous
+
+
+def test_random_crop_is_a_crop_and_flip_is_a_flip(image_root):
+    d = data.ImageListDataset(os.path.join(image_root, 'train.txt'))
+    full, _ = d[0]
+    d.transform = data.RandomCrop(24, flip=False)
+    numpy.random.seed(3)
+    crop, _ = d[0]
+    found = [(t, l) for t in range(full.shape[1] - 23) for l in range(full.shape[2] - 23)
+             if (full[:, t:t + 24, l:l + 24] == crop).all()]
+    assert found
+    d.transform = data.RandomCrop(24, flip=True)
+    seen = set()
+    for seed in range(8):
+        numpy.random.seed(seed)
+        x, _ = d[0]
+        t, l = None, None
+        for (t, l) in [(a, b) for a in range(full.shape[1] - 23)
+                       for b in range(full.shape[2] - 23)]:
+            window = full[:, t:t + 24, l:l + 24]
+            if (window == x).all():
+                seen.add('plain')
+                break
+            if (window[:, :, ::-1] == x).all():
+                seen.add('flipped')
+                break
+    assert seen == {'plain', 'flipped'}
+
+
+def test_reduced_size_decoding_is_used_for_large_jpegs(tmp_path):
+    from PIL import Image
+    path = str(tmp_path / 'big.jpg')
+    Image.fromarray(numpy.full((800, 1000, 3), 128, numpy.uint8)).save(path)
+    image = Image.open(path)
+    data.CenterCrop(64, resize=73)(image)
+    assert image.size[0] < 1000      # decoded at a DCT scale, not full size
+
+
+def test_normalize_on_the_device_side():
+    x = numpy.full((2, 3, 4, 4), 255, numpy.uint8)
+    out = data.Normalize(mean=(0, 0, 0), std=(255, 255, 255))(x, numpy.float16)
+    assert out.dtype == numpy.float16 and numpy.allclose(out, 1.0)

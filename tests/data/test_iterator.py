@@ -1,0 +1,298 @@
+"""MultiprocessIterator: order, resume, bad input, and the fault paths."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy
+import pytest
+
+import chainer
+from chainer import serializers
+
+from fastchain import data
+
+
+@pytest.fixture
+def images(image_root):
+    return data.ImageListDataset(os.path.join(image_root, 'train.txt'),
+                                 transform=data.RandomResizedCrop(24))
+
+
+def batches(it, n):
+    out = []
+    for _ in range(n):
+        batch = it.next()
+        out.append(([x.copy() for x, _ in batch], [int(t) for _, t in batch]))
+    return out
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for (xa, ta), (xb, tb) in zip(a, b):
+        assert ta == tb
+        for x, y in zip(xa, xb):
+            numpy.testing.assert_array_equal(x, y)
+
+
+def children_alive(pids):
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            # a zombie still answers kill(0); it must have been reaped
+            with open('/proc/{}/stat'.format(pid)) as f:
+                if f.read().split(')')[-1].split()[0] != 'Z':
+                    alive.append(pid)
+                else:
+                    alive.append(pid)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    return alive
+
+
+@pytest.mark.parametrize('workers', [1, 2])
+def test_same_seed_same_batches_whatever_the_workers(images, workers):
+    ref = data.MultiprocessIterator(images, 5, seed=7, n_workers=0)
+    it = data.MultiprocessIterator(images, 5, seed=7, n_workers=workers, prefetch=3)
+    try:
+        assert_same(batches(ref, 9), batches(it, 9))   # crosses two epochs
+    finally:
+        it.finalize()
+
+
+def test_each_epoch_visits_every_example_once(image_root):
+    d = data.ImageListDataset(os.path.join(image_root, 'train.txt'))
+    it = data.MultiprocessIterator(d, 4, seed=1, n_workers=2)
+    try:
+        seen, epochs = [], []
+        while it.epoch < 2:
+            seen.extend(int(t) for _, t in it.next())
+            epochs.append(it.epoch_detail)
+        assert len(seen) == 36          # 2 epochs x 18 examples
+        assert sorted(seen[:18]) == sorted([0] * 6 + [1] * 6 + [2] * 6)
+        assert epochs[-1] == 2.0 and it.is_new_epoch
+    finally:
+        it.finalize()
+
+
+def test_no_repeat_gives_a_partial_last_batch_then_stops_and_resets(images):
+    it = data.MultiprocessIterator(images, 5, repeat=False, shuffle=False, n_workers=2)
+    try:
+        sizes = [len(b) for b in it]
+        assert sizes == [5, 5, 5, 3]
+        with pytest.raises(StopIteration):
+            it.next()
+        it.reset()
+        assert [len(b) for b in it] == [5, 5, 5, 3]
+    finally:
+        it.finalize()
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_resume_mid_epoch_from_a_snapshot(images, tmp_path, workers):
+    it = data.MultiprocessIterator(images, 4, seed=3, n_workers=workers)
+    batches(it, 6)                      # into the second epoch
+    path = str(tmp_path / 'it.npz')
+    serializers.save_npz(path, it)
+    expected = batches(it, 5)
+    it.finalize()
+
+    fresh = data.MultiprocessIterator(images, 4, seed=99, n_workers=workers)
+    batches(fresh, 2)                   # already somewhere else
+    serializers.load_npz(path, fresh)
+    assert fresh.epoch == 1 and fresh.current_position == 6
+    assert_same(batches(fresh, 5), expected)
+    fresh.finalize()
+
+
+def test_snapshots_move_between_serial_and_fastchain_iterators(tmp_path, image_root):
+    d = data.ImageListDataset(os.path.join(image_root, 'train.txt'))
+    serial = chainer.iterators.SerialIterator(d, 4)
+    labels = lambda b: [int(t) for _, t in b]   # noqa: E731
+    serial.next()
+    path = str(tmp_path / 's.npz')
+    serializers.save_npz(path, serial)
+    expected = [labels(serial.next()) for _ in range(2)]
+    ours = data.MultiprocessIterator(d, 4, n_workers=1)
+    serializers.load_npz(path, ours)
+    assert [labels(ours.next()) for _ in range(2)] == expected
+    serializers.save_npz(path, ours)
+    # (within the epoch: the next epoch's order comes from each one's own RNG)
+    expected = labels(ours.next())
+    ours.finalize()
+    serial2 = chainer.iterators.SerialIterator(d, 4)
+    serializers.load_npz(path, serial2)
+    assert labels(serial2.next()) == expected
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+@pytest.mark.parametrize('name', ['corrupt.jpg', 'truncated.jpg', 'missing.jpg',
+                                  'notes.jpg'])
+def test_bad_file_raises_in_the_main_process_naming_it(bad_root, workers, name):
+    d = data.ImageListDataset(os.path.join(bad_root, 'bad.txt'))
+    index = [os.path.basename(d.path(k)) for k in range(len(d))].index(name)
+    # Only the bad file and good ones around it, so the error is this one.
+    picked = [0, index, 1]
+
+    class Three(chainer.dataset.DatasetMixin):
+        def __len__(self):
+            return 3
+
+        def get_example(self, i):
+            return d[picked[i]]
+
+    it = data.MultiprocessIterator(Three(), 3, shuffle=False, n_workers=workers)
+    with pytest.raises(data.DataLoadError) as e:
+        it.next()
+    assert e.value.index == 1 and e.value.path.endswith(name)
+    assert 'example 1 (' in str(e.value)
+    assert name in str(e.value)
+    it.finalize()
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_skip_option_leaves_bad_files_out_and_counts_them(bad_root, workers):
+    d = data.ImageListDataset(os.path.join(bad_root, 'bad.txt'))
+    it = data.MultiprocessIterator(d, 4, repeat=False, shuffle=False,
+                                   n_workers=workers, on_error='skip')
+    reporter = chainer.Reporter()
+    observation = {}
+    with reporter.scope(observation):
+        sizes = [len(b) for b in it]
+    assert sum(sizes) == len(d) - 4
+    assert sorted(os.path.basename(s['path']) for s in it.skipped) == \
+        ['corrupt.jpg', 'missing.jpg', 'notes.jpg', 'truncated.jpg']
+    assert observation['skipped_examples'] == 4
+    it.finalize()
+
+
+def test_a_killed_worker_raises_promptly_and_leaves_no_process(images):
+    it = data.MultiprocessIterator(images, 3, n_workers=2, prefetch=2)
+    it.next()
+    pids = [p.pid for p in it._pool.workers]
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(data.WorkerDiedError, match='SIGKILL'):
+        for _ in range(10):
+            it.next()
+    assert time.monotonic() - start < 10
+    assert children_alive(pids) == []
+    assert not os.path.exists('/dev/shm/' + it._pool.shm.name.lstrip('/'))
+
+
+def test_finalize_stops_workers_and_frees_shared_memory(images):
+    it = data.MultiprocessIterator(images, 3, n_workers=2)
+    it.next()
+    pids = [p.pid for p in it._pool.workers]
+    shm = '/dev/shm/' + it._pool.shm.name.lstrip('/')
+    assert os.path.exists(shm)
+    it.finalize()
+    it.finalize()
+    assert children_alive(pids) == []
+    assert not os.path.exists(shm)
+
+
+def test_a_hanging_dataset_times_out_with_the_worker_named():
+    class Slow(chainer.dataset.DatasetMixin):
+        def __len__(self):
+            return 10
+
+        def get_example(self, i):
+            if i > 0:
+                time.sleep(60)
+            return numpy.zeros(3, numpy.float32), numpy.int32(0)
+
+    it = data.MultiprocessIterator(Slow(), 2, shuffle=False, n_workers=1, timeout=1.0)
+    with pytest.raises(TimeoutError, match=r'worker 0 \(pid \d+\)'):
+        it.next()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match='batch_size'):
+        data.MultiprocessIterator([1], 0)
+    with pytest.raises(ValueError, match='on_error'):
+        data.MultiprocessIterator([1], 1, on_error='ignore')
+    with pytest.raises(ValueError, match='n_workers'):
+        data.MultiprocessIterator([1], 1, n_workers=-1)
+    with pytest.raises(ValueError, match='empty'):
+        data.MultiprocessIterator([], 1)
+
+
+SCRIPT = textwrap.dedent('''
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    from fastchain import data
+    from data.conftest import make_images
+    root = {root!r}
+    make_images(root, n_per_class=4, classes=2)
+    d = data.ImageListDataset(os.path.join(root, 'train.txt'),
+                              transform=data.RandomCrop(24))
+    it = data.MultiprocessIterator(d, 2, n_workers=2)
+    print(' '.join(str(p.pid) for p in it._pool.workers), flush=True)
+    {body}
+''')
+
+
+def run_script(tmp_path, body, **kwargs):
+    code = SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__)),
+                         root=str(tmp_path), body=body)
+    return subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_ctrl_c_ends_the_process_and_its_workers(tmp_path):
+    proc = run_script(tmp_path, 'while True:\n        it.next()')
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert 'KeyboardInterrupt' in err
+    deadline = time.monotonic() + 5
+    while children_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert children_alive(pids) == []
+
+
+def test_end_of_script_without_finalize_leaves_no_process(tmp_path):
+    proc = run_script(tmp_path, 'it.next(); it.next()')
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    deadline = time.monotonic() + 5
+    while children_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert children_alive(pids) == []
+
+
+def test_full_dev_shm_is_a_clear_error(tmp_path):
+    if os.geteuid() != 0 or not _has('unshare'):
+        pytest.skip('needs root and unshare to mount a tiny /dev/shm')
+    code = textwrap.dedent('''
+        import os, sys
+        sys.path.insert(0, {tests!r})
+        from fastchain import data
+        from data.conftest import make_images
+        make_images({root!r}, n_per_class=4, classes=2, min_side=200, max_side=201)
+        d = data.ImageListDataset(os.path.join({root!r}, 'train.txt'))
+        try:
+            data.MultiprocessIterator(d, 8, n_workers=2, prefetch=8)
+        except OSError as e:
+            print('ERROR', e)
+    ''').format(tests=os.path.dirname(os.path.dirname(__file__)), root=str(tmp_path))
+    out = subprocess.run(
+        ['unshare', '--mount', 'sh', '-c',
+         'mount -t tmpfs -o size=256k tmpfs /dev/shm && exec "$0" -c "$1"',
+         sys.executable, code], capture_output=True, text=True, timeout=60)
+    if 'mount' in out.stderr and 'ERROR' not in out.stdout:
+        pytest.skip('cannot mount tmpfs here: ' + out.stderr.strip())
+    assert 'ERROR' in out.stdout, out.stderr
+    assert '/dev/shm is full' in out.stdout and '--shm-size' in out.stdout
+
+
+def _has(cmd):
+    import shutil
+    return shutil.which(cmd) is not None

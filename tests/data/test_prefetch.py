@@ -1,0 +1,143 @@
+"""DevicePrefetcher and the loader options of enable() on a Trainer."""
+
+import os
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import serializers, training
+from chainer.dataset import convert
+
+import fastchain
+from fastchain import data
+
+
+@pytest.fixture
+def images(image_root):
+    return data.ImageListDataset(os.path.join(image_root, 'train.txt'),
+                                 transform=data.RandomCrop(24))
+
+
+def test_prepared_batches_equal_converting_by_hand(images):
+    ref = data.MultiprocessIterator(images, 4, seed=5, n_workers=0)
+    it = data.DevicePrefetcher(data.MultiprocessIterator(images, 4, seed=5, n_workers=2),
+                               data.ImageConverter())
+    try:
+        for _ in range(7):
+            expected = data.ImageConverter()(ref.next())
+            batch = it.next()
+            assert isinstance(batch, data.PreparedBatch)
+            x, t = convert._call_converter(it.converter, batch, None)
+            numpy.testing.assert_array_equal(x, expected[0])
+            numpy.testing.assert_array_equal(t, expected[1])
+            assert x.dtype == numpy.float32
+            assert (it.epoch, it.current_position) == (ref.epoch, ref.current_position)
+            assert it.epoch_detail == ref.epoch_detail
+    finally:
+        it.finalize()
+
+
+def test_loader_errors_reach_the_training_loop(bad_root):
+    d = data.ImageListDataset(os.path.join(bad_root, 'bad.txt'))
+    it = data.DevicePrefetcher(data.MultiprocessIterator(d, 3, shuffle=False, n_workers=1))
+    with pytest.raises(data.DataLoadError, match='corrupt.jpg'):
+        for _ in range(5):
+            it.next()
+    it.finalize()
+
+
+def test_no_repeat_stops_and_resets(images):
+    it = data.DevicePrefetcher(data.MultiprocessIterator(
+        images, 5, repeat=False, shuffle=False, n_workers=1))
+    try:
+        assert [len(b) for b in it] == [5, 5, 5, 3]
+        with pytest.raises(StopIteration):
+            it.next()
+        it.reset()
+        assert [len(b) for b in it] == [5, 5, 5, 3]
+    finally:
+        it.finalize()
+
+
+def test_needs_a_resumable_iterator():
+    with pytest.raises(TypeError, match='serialize'):
+        data.DevicePrefetcher(iter([]))
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.conv = L.Convolution2D(3, 4, 3, stride=2)
+            self.fc = L.Linear(None, 3)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.conv(x)))
+
+
+def make_trainer(out, it, converter, iterations):
+    numpy.random.seed(0)
+    model = L.Classifier(Net())
+    optimizer = chainer.optimizers.SGD(0.01).setup(model)
+    updater = training.StandardUpdater(it, optimizer, converter=converter)
+    return training.Trainer(updater, (iterations, 'iteration'), out=str(out)), model
+
+
+def test_resume_through_the_prefetcher_matches_an_uninterrupted_run(images, tmp_path):
+    conv = data.ImageConverter()
+
+    def prefetcher():
+        return data.DevicePrefetcher(
+            data.MultiprocessIterator(images, 4, seed=11, n_workers=2), conv)
+
+    it = prefetcher()
+    trainer, model = make_trainer(tmp_path / 'a', it, it.converter, 12)
+    trainer.run()
+    straight = {n: p.array.copy() for n, p in model.namedparams()}
+
+    it = prefetcher()
+    trainer, _ = make_trainer(tmp_path / 'b', it, it.converter, 5)
+    trainer.run()
+    serializers.save_npz(str(tmp_path / 'snap.npz'), trainer)
+
+    it = prefetcher()
+    trainer, model = make_trainer(tmp_path / 'c', it, it.converter, 12)
+    serializers.load_npz(str(tmp_path / 'snap.npz'), trainer)
+    assert trainer.updater.iteration == 5
+    trainer.run()
+    for n, p in model.namedparams():
+        numpy.testing.assert_allclose(p.array, straight[n], rtol=1e-6, err_msg=n)
+
+
+def test_enable_upgrades_a_plain_scripts_serial_iterator(images, tmp_path):
+    def script(out):
+        # A plain Chainer script: SerialIterator and the default converter.
+        model = L.Classifier(Net())
+        optimizer = chainer.optimizers.SGD(0.01).setup(model)
+        train = chainer.datasets.TransformDataset(
+            images, lambda ex: (ex[0].astype(numpy.float32) / 255, ex[1]))
+        it = chainer.iterators.SerialIterator(train, 4)
+        updater = training.StandardUpdater(it, optimizer)
+        trainer = training.Trainer(updater, (6, 'iteration'), out=str(out))
+        log = training.extensions.LogReport(trigger=(2, 'iteration'))
+        trainer.extend(log)
+        trainer.run()
+        return updater, log.log
+
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        with fastchain.enable(loader_workers=2) as h:
+            updater, log = script(tmp_path / 'on')
+    assert h.states['loader'].active and h.states['prefetch_to_device'].active
+    main = updater.get_iterator('main')
+    assert isinstance(main, data.DevicePrefetcher)
+    assert main.iterator.n_workers == 2
+    assert len(log) == 3 and numpy.isfinite(log[-1]['main/loss'])
+    assert not main.iterator._pool.workers[0].is_alive()     # finalized by the trainer
+
+    updater, _ = script(tmp_path / 'off')
+    assert type(updater.get_iterator('main')) is chainer.iterators.SerialIterator
