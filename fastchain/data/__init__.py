@@ -13,6 +13,7 @@ A typical training input::
 StandardUpdater gets a SerialIterator (option ``loader_workers``).
 """
 
+from fastchain.data._demo import CLASSES as DEMO_CLASSES, make_demo_dataset
 from fastchain.data._images import (ImageDecodeError, ImageFolderDataset,
                                     ImageListDataset)
 from fastchain.data._iterator import (DataLoadError, MultiprocessIterator,
@@ -28,8 +29,8 @@ def create_iterator(dataset, batch_size, n_workers=None, **kwargs):
     return MultiprocessIterator(dataset, batch_size, n_workers=n_workers, **kwargs)
 
 
-__all__ = ['CenterCrop', 'DataLoadError', 'DevicePrefetcher', 'ImageConverter',
+__all__ = ['CenterCrop', 'DEMO_CLASSES', 'DataLoadError', 'DevicePrefetcher', 'ImageConverter',
            'ImageDecodeError', 'ImageFolderDataset', 'ImageListDataset',
            'MultiprocessIterator', 'Normalize', 'PreparedBatch', 'RandomCrop',
-           'RandomResizedCrop', 'WorkerDiedError', 'available_cores',
+           'RandomResizedCrop', 'WorkerDiedError', 'available_cores', 'make_demo_dataset',
            'create_iterator']

@@ -54,16 +54,20 @@ def open_image(path, index=None):
             type(e).__name__, e)) from None
 
 
-def to_chw(image, path=None, index=None):
-    """Decode a Pillow image to a contiguous uint8 CHW RGB array."""
+def to_hwc(image, path=None, index=None):
+    """Decode a Pillow image to a uint8 HWC RGB array."""
     try:
         if image.mode != 'RGB':
             image = image.convert('RGB')
-        array = numpy.asarray(image)
+        return numpy.asarray(image)
     except Exception as e:      # truncated or corrupt data shows up here
         raise ImageDecodeError(path, index, 'cannot decode ({}: {})'.format(
             type(e).__name__, e)) from None
-    return numpy.ascontiguousarray(array.transpose(2, 0, 1))
+
+
+def to_chw(image, path=None, index=None):
+    """Decode a Pillow image to a contiguous uint8 CHW RGB array."""
+    return numpy.ascontiguousarray(to_hwc(image, path, index).transpose(2, 0, 1))
 
 
 class _ImageDataset(chainer.dataset.DatasetMixin):

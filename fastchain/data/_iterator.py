@@ -32,6 +32,17 @@ class DataLoadError(Exception):
             ('\nIn the worker:\n' + detail) if detail else ''))
 
 
+class LoadedBatch(list):
+    """A batch (list of examples) from the workers.
+
+    ``stacked`` is, when every example came through shared memory, a tuple
+    with one ``(batch, ...)`` array per array field (``None`` for the other
+    fields): the examples are rows of these arrays.
+    """
+
+    stacked = None
+
+
 class WorkerDiedError(RuntimeError):
     """A worker process ended without being asked to."""
 
@@ -339,7 +350,7 @@ class _Pool:
             # One copy out of the slot, so the slot can be reused at once.
             views = [None if v is None else v[:len(indices)].copy()
                      for v in self.layout.views(self.shm.buf, slot)]
-        batch = []
+        batch = LoadedBatch()
         for j in range(len(indices)):
             if j not in extras:
                 continue        # skipped bad example
@@ -349,6 +360,11 @@ class _Pool:
                 continue
             fields = tuple(v[j] if v is not None else x for v, x in zip(views, value))
             batch.append(fields if self.layout.is_tuple else fields[0])
+        if views is not None and len(batch) == len(indices) and \
+                all(not extras[j][0] for j in extras):
+            # Every example is a row of the copied-out arrays: hand those
+            # over too, so a converter need not stack them again.
+            batch.stacked = tuple(views)
         it._report_skipped()
         return batch
 

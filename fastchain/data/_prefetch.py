@@ -239,5 +239,12 @@ class ImageConverter(convert.Converter):
         self.normalize = normalize or Normalize()
 
     def __call__(self, batch, device=None):
-        x, t = convert.concat_examples(batch, device)
+        stacked = getattr(batch, 'stacked', None)
+        if stacked is not None and stacked[0] is not None:
+            # The iterator already has the images as one array (no stacking).
+            x = convert.to_device(device, stacked[0])
+            t = convert.to_device(device, numpy.asarray([ex[1] for ex in batch],
+                                                        numpy.int32))
+        else:
+            x, t = convert.concat_examples(batch, device)
         return self.normalize(x), t

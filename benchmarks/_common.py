@@ -1,0 +1,126 @@
+"""What every fastchain benchmark shares: arguments, windows, the JSON.
+
+Conventions (../shared/BENCHMARKS.md): warm up first; alternate the variants
+window by window so drift hits all of them; report the median of the windows
+with (min, max); record the machine; every ratio A/B is speed of A over speed
+of B.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, 'results')
+
+
+def parser(name, doc):
+    p = argparse.ArgumentParser(prog='benchmarks/{}.py'.format(name), description=doc)
+    p.add_argument('--json', metavar='PATH', help='write the results as JSON here')
+    p.add_argument('--quick', action='store_true',
+                   help='the CI-sized run (minutes on 2 cores)')
+    p.add_argument('--windows', type=int, default=None,
+                   help='measurement windows per variant (median reported)')
+    return p
+
+
+def machine():
+    from fastchain.doctor._report import machine as describe
+    m = describe()
+    m['argv'] = sys.argv[1:]
+    return m
+
+
+class Rows:
+    """Collects windows per variant and turns them into BENCHMARKS.md rows."""
+
+    def __init__(self, unit):
+        self.unit = unit
+        self.windows = {}       # name -> [value, ...] (speeds: higher is better)
+        self.extra = {}
+        self.unavailable = []
+
+    def add(self, name, value, **extra):
+        self.windows.setdefault(name, []).append(value)
+        if extra:
+            self.extra.setdefault(name, {}).update(extra)
+
+    def skip(self, name, why):
+        self.unavailable.append({'name': name, 'why': why})
+
+    def median(self, name):
+        return statistics.median(self.windows[name])
+
+    def rows(self):
+        out = []
+        for name, values in self.windows.items():
+            row = {'name': name, 'value': round(statistics.median(values), 3),
+                   'unit': self.unit,
+                   'spread': [round(min(values), 3), round(max(values), 3)],
+                   'windows': len(values)}
+            row.update(self.extra.get(name, {}))
+            out.append(row)
+        return out
+
+    def ratio(self, a, b):
+        if a in self.windows and b in self.windows:
+            return round(self.median(a) / self.median(b), 3)
+        return None
+
+
+def write(name, args, config, rows, ratios, notes=None):
+    """Print a Markdown table and write the JSON (to --json, and to results/)."""
+    result = {
+        'benchmark': name,
+        'machine': machine(),
+        'config': config,
+        'rows': rows.rows(),
+        'unavailable': rows.unavailable,
+        'ratios': {k: v for k, v in ratios.items() if v is not None},
+    }
+    if notes:
+        result['notes'] = notes
+    text = markdown(result)
+    print(text)
+    paths = [args.json] if args.json else []
+    paths.append(os.path.join(RESULTS, name + ('-quick' if args.quick else '') + '.json'))
+    for path in paths:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, 'w') as f:
+            json.dump(result, f, indent=2, default=str)
+            f.write('\n')
+    with open(os.path.join(RESULTS, name + ('-quick' if args.quick else '') + '.md'), 'w') as f:
+        f.write(text)
+    return result
+
+
+def markdown(result):
+    m = result['machine']
+    lines = ['## {}'.format(result['benchmark']), '',
+             'Machine: {} ({} cores), {} GPU; Python {}, NumPy {}, Chainer {}.'.format(
+                 m.get('cpu'), m.get('cores'),
+                 ', '.join(g['name'] for g in m.get('gpus') or []) or 'no',
+                 m.get('python'), m.get('numpy'), m.get('chainer')),
+             '', '| variant | median | unit | spread (min, max) | windows |',
+             '| --- | --- | --- | --- | --- |']
+    for r in result['rows']:
+        lines.append('| {} | {} | {} | {} - {} | {} |'.format(
+            r['name'], r['value'], r['unit'], r['spread'][0], r['spread'][1],
+            r['windows']))
+    for u in result['unavailable']:
+        lines.append('| {} | not run | | {} | |'.format(u['name'], u['why']))
+    if result['ratios']:
+        lines += ['', '| ratio | value |', '| --- | --- |']
+        lines += ['| {} | {} |'.format(k, v) for k, v in result['ratios'].items()]
+    for note in result.get('notes', []):
+        lines += ['', note]
+    return '\n'.join(lines) + '\n'
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out

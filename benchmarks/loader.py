@@ -1,0 +1,262 @@
+"""How fast each input pipeline feeds training, against the decode limit.
+
+One generated set of real JPEG files at ImageNet-like sizes; every variant
+produces the same thing, a training batch of 224x224 random crops with random
+flips, normalised, as float32 arrays ready for the model:
+
+  chainer_serial        LabeledImageDataset + PIL + SerialIterator, fp32
+                        preprocessing (the GTC talk's starting point)
+  chainer_multiprocess  the same dataset through Chainer's MultiprocessIterator
+                        with one process per core (the talk's rung 5)
+  fastchain             ImageListDataset + uint8 RandomCrop + fastchain's
+                        MultiprocessIterator + normalisation after the copy
+                        (here the "device" is this CPU, so it costs host time)
+  fastchain_uint8       the same, stopping at the uint8 batch that crosses to
+                        the device (what the host pays when a GPU normalises)
+  torch                 PyTorch DataLoader with PIL, one worker per core (when
+                        torch is installed)
+  limit                 decode only (Pillow, full size) of the same files by
+                        one process per core: what the cores can do at best
+
+Each variant is built, warmed up (workers started, first batches), then
+timed for one window; variants take turns window by window.
+"""
+
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+MEAN = numpy.array([123.675, 116.28, 103.53], numpy.float32)[:, None, None]
+STD = numpy.array([58.395, 57.12, 57.375], numpy.float32)[:, None, None]
+CROP = 224
+
+
+def dataset_dir(n_images):
+    from fastchain.data import make_demo_dataset
+    root = os.path.join(_common.HERE, '.cache', 'loader-jpegs-{}'.format(n_images))
+    # ImageNet-like sizes: sides from 300 to 640 pixels (ImageNet's median
+    # image is about 500x375).
+    classes = 10
+    return make_demo_dataset(root, n_train=n_images // classes, n_val=0,
+                             size=(300, 640), seed=2018, classes=classes)
+
+
+# --- (a)/(b): Chainer's ImageNet example style ------------------------------
+
+class _ChainerPreprocessed:
+    """The talk's preprocessing on Chainer's LabeledImageDataset, in fp32."""
+
+    def __init__(self, pairs, root):
+        import chainer
+        self.base = chainer.datasets.LabeledImageDataset(pairs, root)
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        image, label = self.base[i]       # float32 CHW, via PIL
+        _, h, w = image.shape
+        top = numpy.random.randint(0, h - CROP + 1)
+        left = numpy.random.randint(0, w - CROP + 1)
+        image = image[:, top:top + CROP, left:left + CROP]
+        if numpy.random.randint(2):
+            image = image[:, :, ::-1]
+        return (image - MEAN) / STD, label
+
+
+def chainer_variant(kind, paths, batch, workers):
+    import chainer
+    from chainer.dataset import concat_examples
+    pairs = [(line.split()[0], int(line.split()[1]))
+             for line in open(paths['train']).read().split('\n') if line]
+    ds = _ChainerPreprocessed(pairs, paths['root'])
+    if kind == 'serial':
+        it = chainer.iterators.SerialIterator(ds, batch)
+    else:
+        it = chainer.iterators.MultiprocessIterator(ds, batch, n_processes=workers)
+    return (lambda: concat_examples(it.next())), it.finalize
+
+
+# --- (c): fastchain ------------------------------------------------------------
+
+def fastchain_variant(paths, batch, workers, normalize=True):
+    """normalize=False: stop at the uint8 batch handed to the device (on a
+    GPU the normalisation then runs there, costing the host nothing)."""
+    from fastchain import data
+    ds = data.ImageListDataset(paths['train'], paths['root'],
+                               transform=data.RandomCrop(CROP))
+    it = data.MultiprocessIterator(ds, batch, n_workers=workers)
+    norm = data.Normalize(MEAN.ravel(), STD.ravel()) if normalize else (lambda x: x)
+    convert = data.ImageConverter(norm)
+    return (lambda: convert(it.next())), it.finalize
+
+
+# --- (d): PyTorch ---------------------------------------------------------------
+
+def torch_variant(paths, batch, workers):
+    import torch
+    from PIL import Image
+
+    class TorchImages(torch.utils.data.Dataset):
+        def __init__(self):
+            self.pairs = [(os.path.join(paths['root'], l.split()[0]), int(l.split()[1]))
+                          for l in open(paths['train']).read().split('\n') if l]
+
+        def __len__(self):
+            return len(self.pairs)
+
+        def __getitem__(self, i):
+            path, label = self.pairs[i]
+            image = numpy.asarray(Image.open(path).convert('RGB'), numpy.float32)
+            image = image.transpose(2, 0, 1)
+            _, h, w = image.shape
+            top = numpy.random.randint(0, h - CROP + 1)
+            left = numpy.random.randint(0, w - CROP + 1)
+            image = image[:, top:top + CROP, left:left + CROP]
+            if numpy.random.randint(2):
+                image = image[:, :, ::-1]
+            return torch.from_numpy(numpy.ascontiguousarray((image - MEAN) / STD)), label
+
+    loader = torch.utils.data.DataLoader(TorchImages(), batch_size=batch, shuffle=True,
+                                         num_workers=workers, persistent_workers=True,
+                                         drop_last=True)
+    state = {'it': iter(loader)}
+
+    def step():
+        try:
+            return next(state['it'])
+        except StopIteration:
+            state['it'] = iter(loader)
+            return next(state['it'])
+    return step, lambda: None
+
+
+# --- (e): the decode limit ----------------------------------------------------
+
+def _decode(path):
+    from PIL import Image
+    return numpy.asarray(Image.open(path).convert('RGB')).shape
+
+
+def limit_rate(files, workers, seconds):
+    """Images/s of full Pillow decodes, one process per core, for ~seconds."""
+    ctx = multiprocessing.get_context('fork')
+    with ctx.Pool(workers) as pool:
+        pool.map(_decode, files[:workers * 4])      # warm up
+        done, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            pool.map(_decode, files, chunksize=8)
+            done += len(files)
+        return done / (time.perf_counter() - start)
+
+
+def decoder_rates(files, n=60):
+    """Single-process decoders on the same files (why Pillow is the default)."""
+    from PIL import Image
+    rates = {}
+
+    def pil_full(p):
+        return numpy.asarray(Image.open(p).convert('RGB'))
+
+    def pil_draft_half(p):
+        im = Image.open(p)
+        im.draft('RGB', (im.size[0] // 2, im.size[1] // 2))
+        return numpy.asarray(im.convert('RGB'))
+    decoders = {'pillow': pil_full, 'pillow_draft_1/2': pil_draft_half}
+    try:
+        import simplejpeg
+
+        def sj(p):
+            with open(p, 'rb') as f:
+                return simplejpeg.decode_jpeg(f.read(), colorspace='RGB')
+        decoders['simplejpeg'] = sj
+    except ImportError:
+        pass
+    sample = files[:n]
+    for _ in range(2):      # alternate, keep the second pass
+        for name, fn in decoders.items():
+            start = time.perf_counter()
+            for p in sample:
+                fn(p)
+            rates[name] = round(len(sample) / (time.perf_counter() - start), 1)
+    return rates
+
+
+def main(argv=None):
+    p = _common.parser('loader', __doc__)
+    p.add_argument('--images', type=int, default=None, help='JPEG files in the set')
+    p.add_argument('--batch', type=int, default=32)
+    p.add_argument('--workers', type=int, default=None,
+                   help='processes for every parallel variant (default: the cores)')
+    args = p.parse_args(argv)
+    from fastchain.data import available_cores
+    workers = args.workers or available_cores()
+    n_images = args.images or (250 if args.quick else 1000)
+    windows = args.windows or (4 if args.quick else 7)
+    window_batches = 8 if args.quick else 16
+    warmup_batches = 3 if args.quick else 6
+    paths = dataset_dir(n_images)
+    files = [os.path.join(paths['root'], l.split()[0])
+             for l in open(paths['train']).read().split('\n') if l]
+
+    builders = {
+        'chainer_serial': lambda: chainer_variant('serial', paths, args.batch, workers),
+        'chainer_multiprocess': lambda: chainer_variant('multiprocess', paths,
+                                                        args.batch, workers),
+        'fastchain': lambda: fastchain_variant(paths, args.batch, workers),
+        'fastchain_uint8': lambda: fastchain_variant(paths, args.batch, workers,
+                                                     normalize=False),
+    }
+    rows = _common.Rows('images/s')
+    try:
+        import torch    # noqa: F401
+        builders['torch'] = lambda: torch_variant(paths, args.batch, workers)
+        torch.set_num_threads(1)
+    except ImportError:
+        rows.skip('torch', 'PyTorch is not installed (pip install torch)')
+
+    startup = {}
+    for w in range(windows):
+        for name, build in builders.items():
+            t0 = time.perf_counter()
+            step, close = build()
+            try:
+                for _ in range(warmup_batches):
+                    step()
+                startup.setdefault(name, round(time.perf_counter() - t0, 3))
+                seconds, _ = _common.timed(lambda: [step() for _ in range(window_batches)])
+            finally:
+                close()
+            rows.add(name, window_batches * args.batch / seconds)
+        seconds = window_batches * args.batch / rows.median('fastchain')
+        rows.add('limit', limit_rate(files, workers, max(1.0, seconds)))
+        print('window {}/{}: '.format(w + 1, windows) + ', '.join(
+            '{} {:.0f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
+
+    ratios = {'fastchain/limit': rows.ratio('fastchain', 'limit')}
+    for other in ('chainer_serial', 'chainer_multiprocess', 'torch'):
+        ratios['fastchain/' + other] = rows.ratio('fastchain', other)
+    for name in builders:
+        ratios[name + '/limit'] = rows.ratio(name, 'limit')
+    config = {'images': n_images, 'image_sides_px': [300, 640], 'batch': args.batch,
+              'crop': CROP, 'workers': workers, 'windows': windows,
+              'window_batches': window_batches, 'warmup_batches': warmup_batches,
+              'startup_seconds_first_window': startup,
+              'decoders_single_process_images_per_s': decoder_rates(files)}
+    notes = ['Every variant but fastchain_uint8 outputs normalised float32 224x224 '
+             'crops with flips; fastchain_uint8 stops at the uint8 batch a GPU would '
+             'normalise. The limit decodes each file at full size with Pillow and '
+             'nothing else, in one process per core.']
+    _common.write('loader', args, config, rows, ratios, notes)
+
+
+if __name__ == '__main__':
+    main()
