@@ -3,7 +3,7 @@
 import numpy
 
 from fastchain.backends import cuda
-from fastchain.config._options import Group, Option, State, boolean
+from fastchain.config._options import Group, Option, State
 from fastchain.precision import _attach
 from fastchain.precision._scaler import DynamicLossScaler
 
@@ -24,8 +24,9 @@ def _loss_scale(value):
 class Fp16Group(Group):
     name = 'fp16'
     options = (
-        boolean('fp16', 'fp16 compute with fp32 master weights and dynamic loss '
-                'scaling (default: off)', default=False),
+        Option('fp16', 'fp16 compute with fp32 master weights and dynamic loss '
+               "scaling: True, False (default), or 'auto' (on where a GPU with "
+               'TensorCores is present)', default=False, choices=(True, False, 'auto')),
         Option('loss_scale', "with fp16: 'dynamic' (default), a dict of "
                'DynamicLossScaler arguments, or False for none',
                default='dynamic', check=_loss_scale),
@@ -35,9 +36,15 @@ class Fp16Group(Group):
         return [State('fp16', True, False)]
 
     def apply(self, values, explicit, recorder):
-        state = State('fp16', True, False, requested='fp16' in explicit,
-                      setting=values['fp16'])
-        if not values['fp16']:
+        fp16 = values['fp16']
+        state = State('fp16', True, False, requested='fp16' in explicit and fp16 is True,
+                      setting=fp16)
+        if fp16 == 'auto':
+            fp16 = cuda.tensor_cores_available()
+            if not fp16:
+                state.why = ('auto: no GPU with TensorCores here, and fp16 is '
+                             'slower than fp32 on a CPU')
+        if not fp16:
             return [state]
         import chainer
         recorder.set_config('dtype', chainer.mixed16)

@@ -40,7 +40,7 @@ VALUES = {
     'autotune': st.sampled_from([True, False, None]),
     'tensor_cores': st.sampled_from(['always', 'auto', 'never', True, False, None]),
     'workspace_size': st.one_of(st.none(), st.integers(0, 2**32)),
-    'fp16': st.sampled_from([True, False, None]),
+    'fp16': st.sampled_from([True, False, 'auto', None]),
     'loss_scale': st.sampled_from(['dynamic', False, {'init_scale': 1024.0}, None]),
     'loader_workers': st.sampled_from([None, 0, 1, 4]),
     'prefetch_to_device': st.sampled_from([True, False, None]),

@@ -1,0 +1,340 @@
+#!/usr/bin/env python
+"""Train ResNet-50 v1.5 with fastchain.
+
+    python recipes/resnet50/train.py --data demo --all          # what `make demo` runs
+    python recipes/resnet50/train.py --data /path/to/imagenet --all --epochs 90
+    python recipes/resnet50/train.py --data synthetic --all     # speed only
+
+``--data PATH`` takes Chainer's ImageNet list format (``PATH/train.txt`` and
+``PATH/val.txt`` of ``relative/path label`` lines) or one folder per class
+(``PATH/train/<class>/...`` and ``PATH/val/<class>/...``). ``--data demo``
+makes a small learnable set of real JPEG files (shapes and colours) on first
+use; ``--data synthetic`` feeds random images of the right shape.
+
+Each accelerator has a flag (``--fp16``, ``--autotune``, ``--loaderjobs N``,
+``--static-graph``, ``--nvtx``); ``--all`` turns on everything that helps on
+the device present, through one ``fastchain.enable()`` call. Options can also
+come from ``--config file.yaml`` (keys are the option names with underscores);
+the resolved configuration is saved as ``config.json`` in ``--out``.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import numpy
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import training
+from chainer.training import extensions
+
+import fastchain
+from fastchain import data
+from fastchain.models import ResNet
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# --- options -------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument('--config', help='YAML file of option values (command line wins)')
+
+    g = p.add_argument_group('data')
+    g.add_argument('--data', default='demo', help="a dataset directory, 'demo' or 'synthetic'")
+    g.add_argument('--image-size', type=int, default=224, help='training crop size')
+    g.add_argument('--demo-per-class', type=int, default=300,
+                   help='--data demo: training images per class (validation: a fifth)')
+    g.add_argument('--demo-root', default=os.path.join(HERE, '.data', 'demo'),
+                   help='--data demo: where the generated files go')
+    g.add_argument('--batch-size', type=int, default=32, help='per process')
+    g.add_argument('--val-batch-size', type=int, default=64)
+
+    g = p.add_argument_group('model')
+    g.add_argument('--depth', type=int, default=50, choices=(18, 34, 50, 101, 152))
+    g.add_argument('--width', type=int, default=64, help='channels of the first stage')
+
+    g = p.add_argument_group('optimisation')
+    g.add_argument('--epochs', type=float, default=90)
+    g.add_argument('--iterations', type=int, default=None,
+                   help='stop after this many iterations instead')
+    g.add_argument('--lr', type=float, default=0.1, help='for a global batch of 256; '
+                   'scaled linearly with the global batch')
+    g.add_argument('--momentum', type=float, default=0.9)
+    g.add_argument('--weight-decay', type=float, default=5e-5)
+    g.add_argument('--warmup-epochs', type=float, default=1.0)
+    g.add_argument('--schedule', choices=('cosine', 'step'), default='cosine')
+    g.add_argument('--label-smoothing', type=float, default=0.0)
+
+    g = p.add_argument_group('accelerators')
+    g.add_argument('--all', action='store_true',
+                   help='every accelerator that helps on this device (one enable() call)')
+    g.add_argument('--fp16', action='store_true', help='fp16 compute, fp32 masters, loss scaling')
+    g.add_argument('--autotune', action='store_true', help='cuDNN autotuning')
+    g.add_argument('--loaderjobs', type=int, default=0,
+                   help='loader worker processes (0: load in the main process)')
+    g.add_argument('--static-graph', action='store_true', help='cache static subgraphs')
+    g.add_argument('--nvtx', action='store_true', help='NVTX ranges for nsys')
+
+    g = p.add_argument_group('run')
+    g.add_argument('--out', default='result/resnet50')
+    g.add_argument('--device', default=None,
+                   help="Chainer device ('@numpy', '@cupy:0'); default: GPU 0 if present")
+    g.add_argument('--seed', type=int, default=0)
+    g.add_argument('--resume', help='a snapshot to continue from')
+    g.add_argument('--snapshot-every', type=float, default=1.0, help='epochs')
+    g.add_argument('--log-every', type=int, default=10, help='iterations')
+    g.add_argument('--no-progress', action='store_true')
+
+    args, _ = p.parse_known_args(argv)
+    if args.config:
+        import yaml
+        with open(args.config) as f:
+            values = yaml.safe_load(f) or {}
+        known = {a.dest for a in p._actions}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            p.error('{}: unknown option(s) {}'.format(args.config, ', '.join(unknown)))
+        p.set_defaults(**values)
+    return p.parse_args(argv)
+
+
+# --- accelerators --------------------------------------------------------------
+
+def enable_accelerators(args):
+    """One fastchain.enable() call from the flags; the handle is returned."""
+    from fastchain.config import _options
+    known = _options.all_options()
+    options = {}
+    if args.all:
+        options.update(autotune=None, fp16='auto', loader_workers=None,
+                       static_graph=True, nvtx=None)
+    if args.fp16:
+        options['fp16'] = True
+    if args.autotune:
+        options['autotune'] = True
+    if args.static_graph:
+        options['static_graph'] = True
+    if args.nvtx:
+        options['nvtx'] = True
+    # The recipe builds its own iterators; only the updater-level loader
+    # switch would apply to a plain script.
+    options['loader_workers'] = 0
+    args.not_available = sorted(set(options) - set(known))
+    for name in args.not_available:
+        if options.pop(name) is not None and not args.all:
+            warnings.warn('--{}: not available in this version of fastchain yet; '
+                          'running without it'.format(name.replace('_', '-')))
+    return fastchain.enable(**options)
+
+
+# --- data ----------------------------------------------------------------------
+
+def make_datasets(args):
+    size = args.image_size
+    train_tf = data.RandomResizedCrop(size, scale=(0.25, 1.0))
+    val_tf = data.CenterCrop(size)
+    if args.data == 'synthetic':
+        rng = numpy.random.RandomState(args.seed)
+        n = args.batch_size * 8
+        x = rng.randint(0, 256, (n, 3, size, size)).astype(numpy.uint8)
+        t = rng.randint(0, 1000, n).astype(numpy.int32)
+        ds = chainer.datasets.TupleDataset(x, t)
+        return ds, ds, 1000
+    if args.data == 'demo':
+        root = args.demo_root
+        per_class = args.demo_per_class
+        side = (max(size, int(size * 1.5)), max(size, int(size * 2.5)))
+        paths = data.make_demo_dataset(root, n_train=per_class,
+                                       n_val=max(1, per_class // 5), size=side)
+        return (data.ImageListDataset(paths['train'], root, train_tf),
+                data.ImageListDataset(paths['val'], root, val_tf), len(paths['classes']))
+    if os.path.exists(os.path.join(args.data, 'train.txt')):
+        train = data.ImageListDataset(os.path.join(args.data, 'train.txt'), args.data, train_tf)
+        val = data.ImageListDataset(os.path.join(args.data, 'val.txt'), args.data, val_tf)
+        n_classes = 1 + max(max(train.label(i) for i in range(len(train))),
+                            max(val.label(i) for i in range(len(val))))
+        return train, val, n_classes
+    if os.path.isdir(os.path.join(args.data, 'train')):
+        train = data.ImageFolderDataset(os.path.join(args.data, 'train'), train_tf)
+        val = data.ImageFolderDataset(os.path.join(args.data, 'val'), val_tf)
+        return train, val, len(train.classes)
+    sys.exit("--data {}: expected 'demo', 'synthetic', a directory with train.txt and "
+             "val.txt, or one with train/ and val/ class folders".format(args.data))
+
+
+# --- training pieces -------------------------------------------------------------
+
+def smoothed_cross_entropy(epsilon):
+    def loss(y, t):
+        ce = F.softmax_cross_entropy(y, t)
+        if epsilon == 0:
+            return ce
+        uniform = -F.mean(F.log_softmax(y))
+        return (1 - epsilon) * ce + epsilon * uniform
+    return loss
+
+
+def lr_at(args, base_lr, iters_per_epoch, total_iters):
+    warmup = args.warmup_epochs * iters_per_epoch
+
+    def schedule(iteration):
+        if iteration < warmup:
+            return base_lr * (iteration + 1) / warmup
+        if args.schedule == 'cosine':
+            progress = (iteration - warmup) / max(1, total_iters - warmup)
+            return 0.5 * base_lr * (1 + math.cos(math.pi * min(1.0, progress)))
+        epoch = iteration / iters_per_epoch      # step: /10 at 30, 60, 80 of 90
+        return base_lr * 0.1 ** sum(epoch >= f * args.epochs for f in (1 / 3, 2 / 3, 8 / 9))
+    return schedule
+
+
+class SpeedMeter(training.Extension):
+    """Median time per iteration (evaluation gaps do not move a median)."""
+
+    trigger = 1, 'iteration'
+    priority = training.PRIORITY_READER
+
+    def __init__(self, batch_size, skip=3):
+        self.batch_size = batch_size
+        self.skip = skip
+        self.times = []
+
+    def __call__(self, trainer):
+        self.times.append(time.perf_counter())
+
+    def images_per_second(self):
+        gaps = numpy.diff(self.times[self.skip:])
+        return self.batch_size / statistics.median(gaps) if len(gaps) else None
+
+
+def speed_report(args, handle, meter, log, device, n_classes):
+    lines = ['', '== speed report ==']
+    ips = meter.images_per_second()
+    lines.append('training: {} images/s (median over {} iterations, batch {}, device {})'
+                 .format('n/a' if ips is None else '{:.1f}'.format(ips),
+                         max(0, len(meter.times) - meter.skip - 1), args.batch_size, device))
+    accuracy = [e['validation/main/accuracy'] for e in log.log
+                if 'validation/main/accuracy' in e]
+    if accuracy:
+        lines.append('validation accuracy: {:.3f} (chance {:.3f})'.format(
+            accuracy[-1], 1.0 / n_classes))
+    lines.append('accelerators:')
+    for name, s in handle.report().items():
+        if name in ('loader', 'prefetch_to_device'):
+            continue        # the recipe builds its own pipeline (below)
+        if s['active']:
+            status = 'active'
+        elif not s['available']:
+            status = 'unavailable: {} (fix: {})'.format(s['why'], s['fix'])
+        else:
+            status = 'off' + (' ({})'.format(s['why']) if s['why'] else '')
+        lines.append('  {:18s} {}'.format(name, status))
+    lines.append('  {:18s} {}'.format('loader', 'active: {} worker processes + device '
+                                      'prefetch'.format(args.loaderjobs) if args.loaderjobs
+                                      else 'off: loading in the main process'))
+    for name in getattr(args, 'not_available', []):
+        lines.append('  {:18s} not in this version of fastchain yet'.format(name))
+    text = '\n'.join(lines)
+    print(text)
+    with open(os.path.join(args.out, 'speed.txt'), 'w') as f:
+        f.write(text.lstrip() + '\n')
+
+
+# --- main ----------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    if int(os.environ.get('OMPI_COMM_WORLD_SIZE', os.environ.get('PMI_SIZE', '1'))) > 1:
+        sys.exit('data-parallel training is not in this version of fastchain yet: '
+                 'run one process')
+    if args.all and args.loaderjobs == 0:
+        args.loaderjobs = data.available_cores()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, 'config.json'), 'w') as f:
+        json.dump(vars(args), f, indent=2, sort_keys=True)
+
+    numpy.random.seed(args.seed)
+    from fastchain.backends import cuda
+    device = chainer.get_device(args.device or ('@cupy:0' if cuda.available() else '@numpy'))
+    device.use()
+    handle = enable_accelerators(args)      # before the model: fp16 sets its dtype
+
+    train, val, n_classes = make_datasets(args)
+    model = L.Classifier(ResNet(args.depth, n_classes, width=args.width),
+                         lossfun=smoothed_cross_entropy(args.label_smoothing))
+    model.to_device(device)
+
+    global_batch = args.batch_size
+    base_lr = args.lr * global_batch / 256
+    optimizer = chainer.optimizers.MomentumSGD(lr=base_lr, momentum=args.momentum)
+    optimizer.setup(model)
+    if args.weight_decay:
+        optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(args.weight_decay))
+
+    converter = data.ImageConverter()
+    train_it = data.MultiprocessIterator(train, args.batch_size, seed=args.seed,
+                                         n_workers=args.loaderjobs)
+    val_it = data.MultiprocessIterator(val, args.val_batch_size, repeat=False,
+                                       shuffle=False, n_workers=args.loaderjobs)
+    train_it = data.DevicePrefetcher(train_it, converter, device)
+    updater = training.StandardUpdater(train_it, optimizer, converter=train_it.converter,
+                                       device=device)
+
+    iters_per_epoch = math.ceil(len(train) / global_batch)
+    total = args.iterations or int(args.epochs * iters_per_epoch)
+    trainer = training.Trainer(updater, (total, 'iteration'), out=args.out)
+    schedule = lr_at(args, base_lr, iters_per_epoch, total)
+
+    @training.make_extension(trigger=(1, 'iteration'), priority=training.PRIORITY_WRITER)
+    def set_lr(trainer):
+        optimizer.lr = schedule(trainer.updater.iteration)
+
+    trainer.extend(set_lr)
+    eval_every = (1, 'epoch') if not args.iterations else (total, 'iteration')
+    trainer.extend(extensions.Evaluator(val_it, model, converter=converter, device=device),
+                   trigger=eval_every)
+    log = extensions.LogReport(trigger=(args.log_every, 'iteration'))
+    trainer.extend(log)
+    trainer.extend(extensions.observe_lr(), trigger=(args.log_every, 'iteration'))
+    meter = SpeedMeter(args.batch_size)
+    trainer.extend(meter)
+    snap_every = max(1, int(args.snapshot_every * iters_per_epoch))
+    trainer.extend(extensions.snapshot(filename='snapshot_iter_{.updater.iteration}'),
+                   trigger=(min(snap_every, total), 'iteration'))
+    if extensions.PlotReport.available():
+        trainer.extend(extensions.PlotReport(
+            ['main/loss', 'validation/main/loss'], 'iteration',
+            trigger=(args.log_every, 'iteration'), file_name='loss.png'))
+        trainer.extend(extensions.PlotReport(
+            ['main/accuracy', 'validation/main/accuracy'], 'iteration',
+            trigger=(args.log_every, 'iteration'), file_name='accuracy.png'))
+    trainer.extend(extensions.PrintReport(
+        ['epoch', 'iteration', 'main/loss', 'main/accuracy', 'validation/main/loss',
+         'validation/main/accuracy', 'lr', 'elapsed_time']),
+        trigger=(args.log_every, 'iteration'))
+    if not args.no_progress:
+        trainer.extend(extensions.ProgressBar(update_interval=max(1, args.log_every // 2)))
+    if args.resume:
+        chainer.serializers.load_npz(args.resume, trainer)
+
+    try:
+        trainer.run()
+    finally:
+        val_it.finalize()
+    speed_report(args, handle, meter, log, device, n_classes)
+    handle.disable()
+    return log.log
+
+
+if __name__ == '__main__':
+    main()

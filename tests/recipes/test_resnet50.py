@@ -1,0 +1,79 @@
+"""The ResNet-50 recipe runs for a few iterations on tiny data and resumes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+RECIPE = os.path.join(os.path.dirname(__file__), '..', '..', 'recipes', 'resnet50',
+                      'train.py')
+TINY = ['--image-size', '32', '--width', '8', '--batch-size', '8',
+        '--val-batch-size', '8', '--demo-per-class', '4', '--log-every', '2',
+        '--no-progress']
+
+
+def run(tmp_path, *args, out='out'):
+    cmd = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'),
+           '--out', str(tmp_path / out)] + TINY + list(args)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def log_of(tmp_path, out='out'):
+    with open(tmp_path / out / 'log') as f:
+        return json.load(f)
+
+
+def test_demo_run_writes_log_plots_snapshot_and_speed_report(tmp_path):
+    result = run(tmp_path, '--data', 'demo', '--iterations', '4', '--all')
+    out = tmp_path / 'out'
+    for name in ('log', 'config.json', 'loss.png', 'accuracy.png', 'snapshot_iter_4',
+                 'speed.txt'):
+        assert (out / name).exists(), name
+    assert '== speed report ==' in result.stdout and 'images/s' in result.stdout
+    assert 'validation accuracy' in result.stdout
+    config = json.loads((out / 'config.json').read_text())
+    assert config['iterations'] == 4 and config['all'] is True
+    assert config['loaderjobs'] >= 1       # --all turns the loader on
+    log = log_of(tmp_path)
+    assert [e['iteration'] for e in log] == [2, 4]
+    assert 'validation/main/accuracy' in log[-1]
+
+
+def test_resume_continues_from_the_snapshot(tmp_path):
+    run(tmp_path, '--data', 'demo', '--iterations', '4', '--snapshot-every', '0.1')
+    snapshot = tmp_path / 'out' / 'snapshot_iter_4'
+    assert snapshot.exists()
+    run(tmp_path, '--data', 'demo', '--iterations', '8', '--resume', str(snapshot),
+        out='resumed')
+    log = log_of(tmp_path, 'resumed')
+    assert [e['iteration'] for e in log] == [2, 4, 6, 8]    # the log resumes too
+    assert log[-1]['epoch'] >= 1
+
+
+def test_list_format_directory_and_yaml_config(tmp_path):
+    run(tmp_path, '--data', 'demo', '--iterations', '2')     # makes the files
+    (tmp_path / 'cfg.yaml').write_text('iterations: 2\nlabel_smoothing: 0.1\n')
+    run(tmp_path, '--data', str(tmp_path / 'demo'), '--config', str(tmp_path / 'cfg.yaml'),
+        out='listed')
+    config = json.loads((tmp_path / 'listed' / 'config.json').read_text())
+    assert config['label_smoothing'] == 0.1 and config['data'] == str(tmp_path / 'demo')
+
+
+def test_synthetic_data(tmp_path):
+    result = run(tmp_path, '--data', 'synthetic', '--iterations', '2', '--fp16')
+    assert 'fp16               active' in result.stdout
+
+
+def test_bad_data_path_and_bad_config(tmp_path):
+    cmd = [sys.executable, RECIPE, '--data', str(tmp_path / 'nothing'), '--out',
+           str(tmp_path / 'o')] + TINY
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "expected 'demo', 'synthetic'" in r.stderr
+    (tmp_path / 'bad.yaml').write_text('itrations: 2\n')
+    r = subprocess.run(cmd[:2] + ['--config', str(tmp_path / 'bad.yaml')],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and 'unknown option(s) itrations' in r.stderr
