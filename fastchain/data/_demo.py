@@ -1,8 +1,8 @@
 """A learnable image dataset made on the spot: real JPEG files, nothing to
 download.
 
-Each image shows one coloured shape on a varied background (gradients,
-stripes, noise). The class is the shape and its colour family, so a model has
+Each image shows one coloured shape on a varied, muted background
+(gradients, stripes, smooth noise). The class is the shape and its colour family, so a model has
 to look at form and colour; position, size, rotation, background and JPEG
 quality vary. Files go in Chainer's ImageNet layout: ``train/`` and ``val/``
 with one folder per class, plus ``train.txt`` and ``val.txt`` lists. The same
@@ -19,7 +19,7 @@ SHAPES = ('circle', 'square', 'triangle', 'cross', 'ring')
 COLOURS = {'warm': [(230, 60, 40), (240, 160, 30), (220, 40, 140)],
            'cool': [(40, 90, 230), (30, 180, 120), (120, 60, 220)]}
 CLASSES = tuple('{}_{}'.format(s, c) for s in SHAPES for c in COLOURS)
-_VERSION = 1    # bump when the pictures change, so old caches are remade
+_VERSION = 2    # bump when the pictures change, so old caches are remade
 
 
 def _background(rng, w, h):
@@ -42,7 +42,10 @@ def _background(rng, w, h):
         from PIL import Image
         img = numpy.asarray(Image.fromarray(small).resize((w, h), Image.BILINEAR),
                             numpy.float32)
-    noise = rng.normal(0, rng.uniform(2, 18), (h, w, 3))
+    # Muted: mostly grey, so the shape's colour family stands out.
+    grey = img.mean(axis=-1, keepdims=True)
+    img = 0.3 * img + 0.7 * grey
+    noise = rng.normal(0, rng.uniform(2, 12), (h, w, 3))
     return numpy.clip(img + noise, 0, 255).astype(numpy.uint8)
 
 

@@ -198,6 +198,21 @@ def lr_at(args, base_lr, iters_per_epoch, total_iters):
     return schedule
 
 
+class LogTrigger:
+    """Every ``n`` iterations and at the last one (so the final evaluation
+    reaches the log even when ``n`` does not divide the run)."""
+
+    def __init__(self, n, last):
+        self.n, self.last = n, last
+
+    def __call__(self, trainer):
+        i = trainer.updater.iteration
+        return i % self.n == 0 or i == self.last
+
+    def serialize(self, serializer):
+        pass
+
+
 class SpeedMeter(training.Extension):
     """Median time per iteration (evaluation gaps do not move a median)."""
 
@@ -303,9 +318,10 @@ def main(argv=None):
     eval_every = (1, 'epoch') if not args.iterations else (total, 'iteration')
     trainer.extend(extensions.Evaluator(val_it, model, converter=converter, device=device),
                    trigger=eval_every)
-    log = extensions.LogReport(trigger=(args.log_every, 'iteration'))
+    every = LogTrigger(args.log_every, total)
+    log = extensions.LogReport(trigger=every)
     trainer.extend(log)
-    trainer.extend(extensions.observe_lr(), trigger=(args.log_every, 'iteration'))
+    trainer.extend(extensions.observe_lr(), trigger=every)
     meter = SpeedMeter(args.batch_size)
     trainer.extend(meter)
     snap_every = max(1, int(args.snapshot_every * iters_per_epoch))
@@ -314,14 +330,14 @@ def main(argv=None):
     if extensions.PlotReport.available():
         trainer.extend(extensions.PlotReport(
             ['main/loss', 'validation/main/loss'], 'iteration',
-            trigger=(args.log_every, 'iteration'), file_name='loss.png'))
+            trigger=every, file_name='loss.png'))
         trainer.extend(extensions.PlotReport(
             ['main/accuracy', 'validation/main/accuracy'], 'iteration',
-            trigger=(args.log_every, 'iteration'), file_name='accuracy.png'))
+            trigger=every, file_name='accuracy.png'))
     trainer.extend(extensions.PrintReport(
         ['epoch', 'iteration', 'main/loss', 'main/accuracy', 'validation/main/loss',
          'validation/main/accuracy', 'lr', 'elapsed_time']),
-        trigger=(args.log_every, 'iteration'))
+        trigger=every)
     if not args.no_progress:
         trainer.extend(extensions.ProgressBar(update_interval=max(1, args.log_every // 2)))
     if args.resume:

@@ -1,0 +1,126 @@
+"""The ranges of a real training loop, as an NVTX tool receives them.
+
+A tool library built from nvtx_recorder.c is injected through
+NVTX_INJECTION64_PATH (what Nsight Systems does) and records every call; the
+tests assert the exact ranges, their nesting and their order per step.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .conftest import nest, read_log
+
+TRAIN = textwrap.dedent('''
+    import warnings
+    import numpy as np, chainer, chainer.links as L, chainer.functions as F
+    from chainer import training
+    from chainer.training import extensions
+    import fastchain
+    warnings.simplefilter('ignore')
+    handle = fastchain.enable(fp16=True, loader_workers=0, nvtx={mode!r},
+                              loss_scale={{'growth_interval': 1000}})
+
+    class Poison(chainer.FunctionNode):
+        """Identity; its backward returns NaN on the steps listed."""
+        steps = {poison}
+        count = [0]
+        def forward(self, inputs):
+            return inputs[0].copy(),
+        def backward(self, indexes, grads):
+            self.count[0] += 1
+            bad = self.count[0] in self.steps
+            return grads[0] * (np.float16('nan') if bad else 1),
+
+    class Net(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.conv1 = L.Convolution2D(3, 4, 3)
+                self.fc = L.Linear(None, 2)
+        def forward(self, x):
+            h, = Poison().apply((self.conv1(x),))
+            return self.fc(F.relu(h))
+
+    x = np.random.RandomState(0).randn(16, 3, 6, 6).astype('f')
+    t = np.arange(16, dtype='i') % 2
+    model = L.Classifier(Net())
+    opt = chainer.optimizers.SGD(0.01).setup(model)
+    it = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(x, t), 8)
+    trainer = training.Trainer(training.StandardUpdater(it, opt), (4, 'iteration'),
+                               out={out!r})
+    trainer.extend(extensions.LogReport(trigger=(2, 'iteration')))
+    trainer.run()
+    handle.disable()
+''')
+
+
+def run(tool, tmp_path, mode=True, poison=(3,)):
+    log = str(tmp_path / 'nvtx.log')
+    env = dict(os.environ, NVTX_INJECTION64_PATH=tool, FASTCHAIN_NVTX_LOG=log)
+    code = TRAIN.format(mode=mode, poison=set(poison), out=str(tmp_path / 'out'))
+    r = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return read_log(log) if os.path.exists(log) else []
+
+
+def names(node):
+    return [c['name'] for c in node['children']]
+
+
+STEP = ['data', 'convert', 'forward', 'backward', 'loss_scale check', 'update',
+        'loss_scale update']
+
+
+def test_every_phase_of_every_step_in_order(nvtx_tool, tmp_path):
+    events = run(nvtx_tool, tmp_path)
+    roots, marks = nest(events)
+    top = [r['name'] for r in roots]
+    # 4 steps; LogReport after steps 2 and 4; an epoch mark after step 2 (16
+    # examples, batch 8) and 4; a skipped-step mark on the poisoned step 3.
+    steps = [r for r in roots if r['name'] == 'step']
+    assert len(steps) == 4
+    for i, step in enumerate(steps, 1):
+        expected = list(STEP)
+        if i == 3:
+            expected.insert(5, '!skipped step (loss scale 32768)')
+        assert names(step) == expected, (i, names(step))
+        for child in step['children']:
+            if not child['name'].startswith('!'):
+                assert step['start'] <= child['start'] <= child['end'] <= step['end']
+    # LogReport is called after every step (it collects each observation).
+    assert top == ['step', 'extension LogReport', 'step', '!epoch 1',
+                   'extension LogReport', 'step', 'extension LogReport', 'step',
+                   '!epoch 2', 'extension LogReport']
+    assert marks == ['epoch 1', 'skipped step (loss scale 32768)', 'epoch 2']
+    # The categories nsys shows come with their names.
+    categories = {e[6] for e in events if e[0] == 'category'}
+    assert {'step', 'data', 'convert', 'forward', 'backward', 'loss_scale', 'update',
+            'extension', 'mark'} <= categories
+
+
+def test_per_link_mode_names_ranges_by_path(nvtx_tool, tmp_path):
+    roots, _ = nest(run(nvtx_tool, tmp_path, mode='links', poison=()))
+    step = next(r for r in roots if r['name'] == 'step')
+    forward = next(c for c in step['children'] if c['name'] == 'forward')
+    backward = next(c for c in step['children'] if c['name'] == 'backward')
+    assert names(forward) == ['conv1', 'fc']
+    assert 'conv1 backward' in names(backward) and 'fc backward' in names(backward)
+    # Backward runs the layers in reverse.
+    order = names(backward)
+    assert order.index('fc backward') < order.index('conv1 backward')
+
+
+def test_default_is_on_when_a_tool_is_attached(nvtx_tool, tmp_path):
+    roots, _ = nest(run(nvtx_tool, tmp_path, mode=None, poison=()))
+    assert sum(r['name'] == 'step' for r in roots) == 4
+
+
+def test_nvtx_false_emits_nothing(nvtx_tool, tmp_path):
+    events = run(nvtx_tool, tmp_path, mode=False, poison=())
+    # Not one NVTX call: the tool was never even initialised.
+    assert events == []
