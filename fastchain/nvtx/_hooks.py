@@ -8,6 +8,7 @@ the optimizer instance) and ``Trainer.run`` (each extension), plus, in
 per-link mode, a LinkHook and a FunctionHook.
 """
 
+import os
 import weakref
 
 import chainer
@@ -38,9 +39,27 @@ class _AnnotatedIterator:
         return getattr(self._iterator, name)
 
 
+def capture_window():
+    """``FASTCHAIN_CAPTURE=first:last`` -> (first, last) iterations, 1-based,
+    inclusive: a 'capture' range spans them, for ``nsys profile
+    --capture-range=nvtx --nvtx-capture=capture@fastchain``."""
+    text = os.environ.get('FASTCHAIN_CAPTURE')
+    if not text:
+        return None
+    try:
+        first, last = (int(v) for v in text.split(':'))
+        if not 1 <= first <= last:
+            raise ValueError
+    except ValueError:
+        raise ValueError('FASTCHAIN_CAPTURE={!r}: expected FIRST:LAST iterations, '
+                         'e.g. 100:120'.format(text)) from None
+    return first, last
+
+
 def wrap_updater_init(recorder):
     from chainer.training.updaters import StandardUpdater
     init = StandardUpdater.__init__
+    window = capture_window()
 
     def init_with_ranges(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -49,11 +68,16 @@ def wrap_updater_init(recorder):
 
         def annotated_update():
             ann = annotator()
+            iteration = self.iteration + 1
+            if window is not None and iteration == window[0]:
+                ann.push('capture', 'step')
             ann.push('step', 'step')
             try:
                 update()
             finally:
                 ann.pop()
+                if window is not None and iteration == window[1]:
+                    ann.pop()
             if self.is_new_epoch:
                 ann.mark('epoch {}'.format(self.epoch))
         self.update = annotated_update

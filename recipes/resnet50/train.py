@@ -84,6 +84,8 @@ def parse_args(argv=None):
                    help='loader worker processes (0: load in the main process)')
     g.add_argument('--static-graph', action='store_true', help='cache static subgraphs')
     g.add_argument('--nvtx', action='store_true', help='NVTX ranges for nsys')
+    g.add_argument('--timeline', metavar='PATH',
+                   help="record fastchain's ranges; write a Chrome trace, PNG and summary")
 
     g = p.add_argument_group('run')
     g.add_argument('--out', default='result/resnet50')
@@ -126,6 +128,8 @@ def enable_accelerators(args):
         options['static_graph'] = True
     if args.nvtx:
         options['nvtx'] = True
+    if args.timeline:
+        options['timeline'] = args.timeline
     # The recipe builds its own iterators; only the updater-level loader
     # switch would apply to a plain script.
     options['loader_workers'] = 0

@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Run a fastchain training under Nsight Systems for a window of iterations,
+export the report to SQLite and print the per-phase breakdown.
+
+    python profiling/nsys_profile.py --iterations 100:120 -o prof/resnet50 -- \\
+        recipes/resnet50/train.py --data synthetic --all --iterations 130
+
+Only iterations FIRST..LAST are captured: fastchain opens an NVTX range
+'capture' around them (``FASTCHAIN_CAPTURE``), and nsys starts and stops on
+it (``--capture-range=nvtx --nvtx-capture=capture@fastchain``). Traced: CUDA,
+cuDNN, cuBLAS, NVTX and OS runtime calls. ``--dry-run`` prints the commands.
+"""
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def commands(args, script):
+    report = args.output
+    profile = [args.nsys, 'profile', '--trace=cuda,cudnn,cublas,nvtx,osrt',
+               '--sample=none', '--force-overwrite=true', '-o', report]
+    if args.iterations:
+        profile += ['--capture-range=nvtx', '--nvtx-capture=capture@fastchain',
+                    '--capture-range-end=stop']
+    profile += [sys.executable] + script
+    export = [args.nsys, 'export', '--type', 'sqlite', '--force-overwrite=true',
+              '-o', report + '.sqlite', report + '.nsys-rep']
+    summarize = [sys.executable, os.path.join(HERE, 'summarize.py'), report + '.sqlite',
+                 '--png', report + '.png']
+    return profile, export, summarize
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if '--' not in argv:
+        raise SystemExit('usage: nsys_profile.py [options] -- script.py [script args]')
+    split = argv.index('--')
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--iterations', metavar='FIRST:LAST',
+                   help='capture only these iterations (1-based, inclusive)')
+    p.add_argument('-o', '--output', default='fastchain_profile',
+                   help='report path without extension')
+    p.add_argument('--nsys', default=shutil.which('nsys') or 'nsys')
+    p.add_argument('--dry-run', action='store_true')
+    args = p.parse_args(argv[:split])
+    script = argv[split + 1:]
+    env = dict(os.environ)
+    # nsys matches --nvtx-capture against registered strings only when this
+    # is 0; fastchain registers its range names, so either way works.
+    env.setdefault('NSYS_NVTX_PROFILER_REGISTER_ONLY', '0')
+    if args.iterations:
+        env['FASTCHAIN_CAPTURE'] = args.iterations
+    steps = commands(args, script)
+    if args.dry_run:
+        prefix = 'FASTCHAIN_CAPTURE={} '.format(args.iterations) if args.iterations else ''
+        for i, cmd in enumerate(steps):
+            print((prefix if i == 0 else '') + ' '.join(shlex.quote(c) for c in cmd))
+        return 0
+    if shutil.which(args.nsys) is None:
+        raise SystemExit('nsys not found: install Nsight Systems (it comes with the CUDA '
+                         'toolkit, or from developer.nvidia.com/nsight-systems), or use '
+                         'the built-in timeline: profiling/timeline.py')
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    for cmd in steps:
+        print('+ ' + ' '.join(shlex.quote(c) for c in cmd), flush=True)
+        subprocess.run(cmd, env=env, check=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
