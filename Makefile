@@ -4,6 +4,7 @@
 #   make test       the test suite (what CI runs)
 #   make test-np1   the same suite in .venv-np1: NumPy 1.26, Python 3.12, old setuptools
 #   make doctor     describe this machine
+#   make demo       train ResNet-50 on generated JPEGs with fastchain (the README's main job)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.fastchain-setup
 
-.PHONY: setup test test-np1 doctor clean
+.PHONY: setup test test-np1 doctor demo clean
 
 setup: $(STAMP)
 
@@ -52,5 +53,8 @@ test-np1:
 doctor: setup
 	$(VENV)/bin/fastchain doctor
 
+demo: setup
+	$(PY) recipes/resnet50/train.py --config recipes/resnet50/demo.yaml --all
+
 clean:
-	rm -rf .venv .venv-np1 .pytest_cache benchmarks/results/*.tmp
+	rm -rf .venv .venv-np1 .pytest_cache result recipes/*/.data benchmarks/.cache

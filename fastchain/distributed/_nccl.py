@@ -1,0 +1,88 @@
+"""The GPU edge: NCCL through CuPy, with the unique id broadcast over MPI.
+
+NCCL is set up lazily, on the first collective, because a NCCL communicator
+belongs to the device that is current when it is made: the script must first
+pick its GPU (``comm.device().use()``, by local rank). Collectives run on a
+side stream that first waits for the compute stream, so the allreduce of a
+bucket overlaps the rest of backward; waiting polls an event against the
+timeout instead of blocking in the driver.
+
+Not run here: these machines have no GPU. The logic above it (buckets,
+ordering, averaging, loss-scale agreement) is the same code the MPI
+communicator's tests run.
+"""
+
+import time
+
+from fastchain.distributed._communicator import CommunicatorBase
+
+
+class NcclCommunicator(CommunicatorBase):
+
+    name = 'nccl'
+
+    def __init__(self, mpi_comm, timeout):
+        super().__init__(mpi_comm, timeout)
+        from fastchain.backends import cuda
+        status = cuda.nccl_status()
+        if not status.available:
+            raise RuntimeError('the nccl communicator needs NCCL: {}. Fix: {} (or use '
+                               "create_communicator('mpi') on CPU)".format(status.why,
+                                                                          status.fix))
+        import cupy
+        n_gpus = cupy.cuda.runtime.getDeviceCount()
+        if self.intra_size > n_gpus:
+            raise RuntimeError(
+                '{} processes on this node but only {} GPU(s): start at most one '
+                'process per GPU (mpiexec -n {} ...)'.format(self.intra_size, n_gpus, n_gpus))
+        self._nccl = None
+        self._stream = None
+
+    def device(self):
+        import chainer
+        return chainer.get_device('@cupy:{}'.format(self.intra_rank))
+
+    def _setup(self):
+        if self._nccl is None:
+            import cupy
+            from cupy.cuda import nccl
+            uid = nccl.get_unique_id() if self.rank == 0 else None
+            uid = self.bcast_obj(uid, what='NCCL unique id')
+            self._nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        return self._nccl
+
+    def _dtype(self, array):
+        from cupy.cuda import nccl
+        return {'float16': nccl.NCCL_FLOAT16, 'float32': nccl.NCCL_FLOAT32,
+                'float64': nccl.NCCL_FLOAT64}[array.dtype.name]
+
+    def bcast(self, array, root=0, what='bcast'):
+        comm = self._setup()
+        import cupy
+        self._stream.wait_event(cupy.cuda.get_current_stream().record())
+        comm.bcast(array.data.ptr, array.size, self._dtype(array), root, self._stream.ptr)
+        self._poll(self._stream.record(), what)
+        return array
+
+    def allreduce_start(self, array, what):
+        from cupy.cuda import nccl
+        import cupy
+        comm = self._setup()
+        self._stream.wait_event(cupy.cuda.get_current_stream().record())
+        comm.allReduce(array.data.ptr, array.data.ptr, array.size, self._dtype(array),
+                       nccl.NCCL_SUM, self._stream.ptr)
+        return self._stream.record(), what
+
+    def allreduce_wait(self, handle):
+        import cupy
+        event, what = handle
+        self._poll(event, what)
+        cupy.cuda.get_current_stream().wait_event(event)
+
+    def _poll(self, event, what):
+        deadline = time.monotonic() + self.timeout
+        while not event.done:
+            if time.monotonic() > deadline:
+                self.abort_timeout(what)
+            time.sleep(1e-4)

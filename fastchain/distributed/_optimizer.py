@@ -1,0 +1,153 @@
+"""Makes a Chainer optimizer data-parallel (ChainerMN's multi-node optimizer).
+
+The optimizer keeps its class (``isinstance(opt, MomentumSGD)`` still holds)
+and its serialisation; what changes is set on the instance:
+
+- at ``setup`` (or at once, if already set up): the ranks check they built
+  the same model (names, shapes, dtypes) and rank 0's parameters are
+  broadcast to every rank;
+- ``update(lossfun)`` runs the forward/backward with the gradient capture
+  hook on, so buckets are averaged while backward goes on;
+- after backward (``reallocate_cleared_grads``, which also zero-fills the
+  parameters that got no gradient) the averaged gradients are in place
+  before the loss-scale check and the update;
+- with fastchain's loss scaler, every rank reaches the same skip decision.
+"""
+
+import time
+
+import numpy
+
+from fastchain.distributed._sync import GradientCapture, GradientSync
+
+
+def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduce=False):
+    """Make ``optimizer`` average gradients over ``comm``; returns it.
+
+    Args:
+        optimizer: a Chainer GradientMethod, set up or not yet.
+        comm: a communicator from :func:`create_communicator`.
+        bucket_cap_mb (float): largest gradient bucket, in MiB.
+        fp16_allreduce (bool): send gradients as fp16 (half the bytes).
+    """
+    if getattr(optimizer, '_fastchain_comm', None) is not None:
+        raise ValueError('this optimizer is already data-parallel')
+    if bucket_cap_mb <= 0:
+        raise ValueError('bucket_cap_mb must be > 0, got {!r}'.format(bucket_cap_mb))
+    optimizer._fastchain_comm = comm
+    optimizer._fastchain_dp = dict(cap=int(bucket_cap_mb * 2 ** 20),
+                                   dtype=numpy.float16 if fp16_allreduce else None)
+    if getattr(optimizer, 'target', None) is not None:
+        _attach(optimizer)
+    else:
+        setup = optimizer.setup
+
+        def setup_data_parallel(link):
+            result = setup(link)
+            del optimizer.setup
+            _attach(optimizer)
+            return result
+        optimizer.setup = setup_data_parallel
+    return optimizer
+
+
+def _attach(optimizer):
+    comm = optimizer._fastchain_comm
+    target = optimizer.target
+    check_same_model(comm, target)
+    broadcast_parameters(comm, target)
+    options = optimizer._fastchain_dp
+    sync = GradientSync(comm, list(target.params()), options['cap'], options['dtype'])
+    capture = GradientCapture(sync)
+    optimizer._fastchain_sync = sync
+    state = {'pending': False}
+    update = optimizer.update
+    reallocate = optimizer.reallocate_cleared_grads
+
+    def update_data_parallel(lossfun=None, *args, **kwds):
+        if lossfun is None:
+            # Gradients were computed by the caller: average them all now.
+            state['pending'] = True
+            sync.begin_step()
+            return update(None, *args, **kwds)
+        inner = lossfun
+
+        def lossfun_then_capture(*a, **k):
+            loss = inner(*a, **k)
+            optimizer.target.cleargrads()   # what update() does next anyway
+            sync.begin_step()
+            capture.refresh()
+            capture.__enter__()             # on for the backward only
+            state['pending'] = True
+            return loss
+        try:
+            return update(lossfun_then_capture, *args, **kwds)
+        finally:
+            if capture in _hooks():
+                capture.__exit__(None, None, None)
+
+    def reallocate_then_average():
+        if state['pending'] and capture in _hooks():
+            capture.__exit__(None, None, None)
+        reallocate()
+        if state['pending']:
+            state['pending'] = False
+            sync.finish()
+
+    optimizer.update = update_data_parallel
+    optimizer.reallocate_cleared_grads = reallocate_then_average
+    scaler = getattr(optimizer, '_fastchain_scaler', None)
+    if scaler is not None:
+        scaler.set_found_inf_reducer(lambda found: comm.any(found, 'loss-scale agreement'))
+
+
+def _hooks():
+    import chainer
+    return list(chainer.get_function_hooks().values())
+
+
+def check_same_model(comm, link):
+    """Every rank must have built the same parameters; name the first
+    difference and the rank that has it."""
+    mine = [(name, tuple(p.shape) if p.array is not None else None, str(p.dtype))
+            for name, p in sorted(link.namedparams())]
+    everyone = comm.allgather_obj(mine, what='model check (allgather of parameter shapes)')
+    for rank, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        a = {n: (shape, dtype) for n, shape, dtype in everyone[0]}
+        b = {n: (shape, dtype) for n, shape, dtype in theirs}
+        names = sorted(set(a) | set(b))
+        first = next(n for n in names if a.get(n) != b.get(n))
+        if comm.rank != 0:
+            # Every rank sees the difference; let rank 0 report it (its abort
+            # ends this process), so the error is shown once.
+            time.sleep(min(10.0, comm.timeout))
+        raise ValueError(
+            'rank {} built a different model than rank 0: parameter {!r} is {} on rank 0 '
+            'and {} on rank {}. Every rank must construct the same model (check '
+            'arguments that depend on the rank or on local data).'.format(
+                rank, first, a.get(first, 'absent'), b.get(first, 'absent'), rank))
+    uninitialized = [n for n, shape, _ in mine if shape is None]
+    if uninitialized:
+        raise ValueError('parameters {} are not initialised yet (lazy shapes): run one '
+                         'forward pass, or give the input sizes, before making the '
+                         'optimizer data-parallel'.format(uninitialized[:3]))
+
+
+def broadcast_parameters(comm, link):
+    """Rank 0's parameter values, on every rank (one broadcast per array)."""
+    for name, p in sorted(link.namedparams()):
+        comm.bcast(p.array, root=0, what='broadcast of parameter {}'.format(name))
+    for name, value in sorted(_persistents(link)):
+        comm.bcast(value, root=0, what='broadcast of {}'.format(name))
+
+
+def _persistents(link):
+    # BatchNormalization's running statistics, and any other persistent array.
+    for path, sub in link.namedlinks():
+        for name in sorted(sub._persistent):
+            value = getattr(sub, name)
+            if isinstance(value, numpy.ndarray) or type(value).__module__.startswith('cupy'):
+                if value.ndim > 0:
+                    yield path + '/' + name, value

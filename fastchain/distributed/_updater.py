@@ -1,0 +1,24 @@
+"""StandardUpdater for data-parallel training."""
+
+from chainer.training import updaters
+
+from fastchain.distributed._optimizer import create_multi_node_optimizer
+
+
+class DataParallelUpdater(updaters.StandardUpdater):
+    """A StandardUpdater whose optimizer averages gradients over ``comm``.
+
+    Each rank feeds its own shard (:func:`scatter_dataset`) at the same
+    batch size; the update is the same on every rank, so the models stay
+    identical. Keyword arguments are StandardUpdater's, plus
+    ``bucket_cap_mb`` and ``fp16_allreduce`` for the gradient averaging.
+    """
+
+    def __init__(self, iterator, optimizer, comm, bucket_cap_mb=25,
+                 fp16_allreduce=False, **kwargs):
+        if getattr(optimizer, '_fastchain_comm', None) is None:
+            create_multi_node_optimizer(optimizer, comm, bucket_cap_mb, fp16_allreduce)
+        elif optimizer._fastchain_comm is not comm:
+            raise ValueError('the optimizer is data-parallel over another communicator')
+        self.comm = comm
+        super().__init__(iterator, optimizer, **kwargs)

@@ -1,0 +1,264 @@
+"""Run under `mpiexec -n 2`: one scenario of data-parallel training per call.
+
+    mpiexec -n 2 python dp_script.py SCENARIO OUTDIR
+
+Each scenario checks its own assertions on every rank and writes
+`OUTDIR/ok.<rank>` when they hold; the tests read those files and the exit
+codes.
+"""
+
+import os
+import signal
+import sys
+import time
+import warnings
+
+import numpy
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import training
+from chainer.training import extensions
+
+import fastchain
+from fastchain import distributed
+
+SCENARIO, OUT = sys.argv[1], sys.argv[2]
+comm = distributed.create_communicator('mpi')
+rank = comm.rank
+
+
+class MLP(chainer.Chain):
+    def __init__(self, unused=False, hidden=16):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(6, hidden)
+            self.l2 = L.Linear(hidden, hidden)
+            self.l3 = L.Linear(hidden, 3)
+            if unused:
+                self.spare = L.Linear(4, 4)     # never called: no gradient
+
+    def forward(self, x):
+        return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
+
+
+def data(n=64, seed=0):
+    rng = numpy.random.RandomState(seed)
+    x = rng.randn(n, 6).astype(numpy.float32)
+    t = (x[:, 0] + x[:, 1] > 0).astype(numpy.int32) + (x[:, 2] > 1).astype(numpy.int32)
+    return chainer.datasets.TupleDataset(x, t)
+
+
+def params(model):
+    return {n: p.array.copy() for n, p in model.namedparams()}
+
+
+def done():
+    with open(os.path.join(OUT, 'ok.{}'.format(rank)), 'w') as f:
+        f.write('ok')
+
+
+def same_everywhere(model):
+    for name, value in params(model).items():
+        others = comm.allgather_obj(value, what='test gather')
+        for other in others:
+            numpy.testing.assert_array_equal(other, value, err_msg=name)
+
+
+def equivalence():
+    """N ranks x batch b == one process x batch N*b, step by step."""
+    numpy.random.seed(1 + rank)         # different init per rank: bcast must fix it
+    model = L.Classifier(MLP())
+    opt = distributed.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(0.1), comm, bucket_cap_mb=0.001)
+    opt.setup(model)
+    reference = model.copy(mode='copy')
+    ref_opt = chainer.optimizers.MomentumSGD(0.1).setup(reference)
+    full = data()
+    shard = distributed.scatter_dataset(full, comm)
+    b = 4
+    for k in range(6):
+        x, t = chainer.dataset.concat_examples(shard[k * b:(k + 1) * b])
+        opt.update(model, x, t)
+        # what one process would see: every rank's batch k, together
+        xs = [chainer.dataset.concat_examples(full[r * 32 + k * b:r * 32 + (k + 1) * b])
+              for r in range(comm.size)]
+        ref_opt.update(reference, numpy.concatenate([a for a, _ in xs]),
+                       numpy.concatenate([c for _, c in xs]))
+    for (name, p), (_, q) in zip(sorted(model.namedparams()), sorted(reference.namedparams())):
+        numpy.testing.assert_allclose(p.array, q.array, rtol=1e-5, atol=1e-6, err_msg=name)
+    same_everywhere(model)
+    sync = opt._fastchain_sync
+    assert len(sync.buckets) > 2, len(sync.buckets)
+    assert sync.overlapped_steps == 5 and sync.redone_steps == 0, (
+        sync.overlapped_steps, sync.redone_steps)
+    done()
+
+
+def sharding():
+    full = data(67)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        shard = distributed.scatter_dataset(full, comm, shuffle=True, seed=3)
+    assert len(shard) == 33
+    if rank == 0:
+        assert any('1 of 67 examples are left out' in str(x.message) for x in w)
+    mine = sorted(int(numpy.where((full._datasets[0] == shard[i][0]).all(1))[0][0])
+                  for i in range(len(shard)))
+    everyone = comm.allgather_obj(mine, what='test gather')
+    assert not set(everyone[0]) & set(everyone[1])
+    assert len(set(everyone[0]) | set(everyone[1])) == 66
+    done()
+
+
+def evaluator():
+    model = L.Classifier(MLP())
+    distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), comm).setup(model)
+    full = data(40, seed=5)
+    shard = distributed.scatter_dataset(full, comm)
+    it = chainer.iterators.SerialIterator(shard, 5, repeat=False, shuffle=False)
+    ev = distributed.create_multi_node_evaluator(extensions.Evaluator(it, model), comm)
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+    with reporter.scope({}):
+        result = ev.evaluate()
+        whole = extensions.Evaluator(chainer.iterators.SerialIterator(
+            full, 5, repeat=False, shuffle=False), model).evaluate()
+    for key in ('main/loss', 'main/accuracy'):
+        assert abs(result[key] - float(whole[key])) < 1e-5, (key, result[key], whole[key])
+    done()
+
+
+def make_trainer(out, stop, seed=0):
+    numpy.random.seed(seed)
+    model = L.Classifier(MLP())
+    opt = chainer.optimizers.MomentumSGD(0.05)
+    opt.setup(model)
+    shard = distributed.scatter_dataset(data(), comm)
+    it = chainer.iterators.SerialIterator(shard, 4, shuffle=False)
+    updater = distributed.DataParallelUpdater(it, opt, comm)
+    trainer = training.Trainer(updater, (stop, 'iteration'), out=out)
+    if rank == 0:                       # reporting and snapshots on rank 0 only
+        trainer.extend(extensions.LogReport(trigger=(2, 'iteration')))
+        trainer.extend(extensions.snapshot(filename='snap_{.updater.iteration}'),
+                       trigger=(4, 'iteration'))
+    return trainer, model
+
+
+def snapshot_resume():
+    out = os.path.join(OUT, 'train')
+    trainer, model = make_trainer(out, 8)
+    trainer.run()
+    straight = params(model)
+    comm.barrier()
+    assert os.path.exists(os.path.join(out, 'snap_4'))
+    resumed, model2 = make_trainer(os.path.join(OUT, 'resumed'), 8, seed=99)
+    chainer.serializers.load_npz(os.path.join(out, 'snap_4'), resumed)   # every rank
+    assert resumed.updater.iteration == 4
+    resumed.run()
+    for name, value in params(model2).items():
+        numpy.testing.assert_allclose(value, straight[name], rtol=1e-6, err_msg=name)
+    same_everywhere(model2)
+    done()
+
+
+def rank0_extensions():
+    trainer, _ = make_trainer(os.path.join(OUT, 'r{}'.format(rank)), 4)
+    trainer.run()
+    has_log = os.path.exists(os.path.join(OUT, 'r{}'.format(rank), 'log'))
+    assert has_log == (rank == 0)
+    done()
+
+
+def no_gradient():
+    model = L.Classifier(MLP(unused=True))
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.MomentumSGD(0.1), comm)
+    opt.setup(model)
+    spare = model.predictor.spare.W.array.copy()
+    shard = distributed.scatter_dataset(data(), comm)
+    for k in range(3):
+        x, t = chainer.dataset.concat_examples(shard[k * 4:(k + 1) * 4])
+        opt.update(model, x, t)
+    grad = model.predictor.spare.W.grad
+    assert grad is not None and not grad.any()          # zero-filled, averaged
+    numpy.testing.assert_array_equal(model.predictor.spare.W.array, spare)
+    same_everywhere(model)
+    done()
+
+
+class Poison(chainer.FunctionNode):
+    def __init__(self, bad):
+        self.bad = bad
+
+    def forward(self, inputs):
+        return inputs[0].copy(),
+
+    def backward(self, indexes, grads):
+        return grads[0] * (grads[0].dtype.type('nan') if self.bad else 1),
+
+
+def loss_scale_agreement():
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        handle = fastchain.enable(fp16=True, loader_workers=0)
+    net = MLP()
+    step = {'k': 0}
+
+    def forward(x):
+        h, = Poison(rank == 1 and step['k'] == 2).apply((net.l1(x),))
+        return net.l3(F.relu(net.l2(F.relu(h))))
+    net.forward = forward
+    model = L.Classifier(net)
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm)
+    opt.setup(model)
+    scaler = opt._fastchain_scaler
+    shard = distributed.scatter_dataset(data(), comm)
+    decisions = []
+    for k in range(4):
+        step['k'] = k
+        x, t = chainer.dataset.concat_examples(shard[k * 4:(k + 1) * 4])
+        before = params(model)
+        opt.update(model, x.astype(numpy.float16), t)
+        decisions.append(scaler.stepped)
+        if k == 2:
+            for name, value in params(model).items():
+                numpy.testing.assert_array_equal(value, before[name], err_msg=name)
+    assert decisions == [True, True, False, True], decisions
+    everyone = comm.allgather_obj((decisions, scaler.scale), what='test gather')
+    assert everyone[0] == everyone[1], everyone
+    same_everywhere(model)
+    handle.disable()
+    done()
+
+
+def failing(how):
+    model = L.Classifier(MLP())
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm)
+    opt.setup(model)
+    shard = distributed.scatter_dataset(data(), comm)
+    for k in range(5):
+        if k == 2 and rank == 1:
+            if how == 'raise':
+                raise ValueError('boom on purpose')
+            if how == 'kill':
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == 'hang':
+                time.sleep(120)
+        x, t = chainer.dataset.concat_examples(shard[k * 4:(k + 1) * 4])
+        opt.update(model, x, t)
+    done()
+
+
+def mismatch():
+    model = L.Classifier(MLP(hidden=16 if rank == 0 else 17))
+    distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), comm).setup(model)
+    done()
+
+
+SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': evaluator,
+             'snapshot_resume': snapshot_resume, 'rank0_extensions': rank0_extensions,
+             'no_gradient': no_gradient, 'loss_scale_agreement': loss_scale_agreement,
+             'raise': lambda: failing('raise'), 'kill': lambda: failing('kill'),
+             'hang': lambda: failing('hang'), 'mismatch': mismatch}
+SCENARIOS[SCENARIO]()

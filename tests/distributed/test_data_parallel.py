@@ -1,0 +1,97 @@
+"""Data-parallel training with real MPI processes (2 ranks on the CPU)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastchain.backends import mpi
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dp_script.py')
+pytestmark = pytest.mark.mpi
+
+
+def mpirun(scenario, tmp_path, n=2, timeout=120, env=None):
+    out = tmp_path / scenario
+    out.mkdir()
+    full_env = dict(os.environ, **(env or {}))
+    start = time.monotonic()
+    r = subprocess.run([mpi.mpiexec_path(), '-n', str(n), sys.executable, SCRIPT, scenario,
+                        str(out)], capture_output=True, text=True, timeout=timeout,
+                       env=full_env)
+    r.seconds = time.monotonic() - start
+    r.ok = sorted(p.name for p in out.iterdir() if p.name.startswith('ok.'))
+    return r
+
+
+@pytest.mark.parametrize('scenario', [
+    'equivalence',          # N ranks x batch b == 1 process x batch N*b, overlapped
+    'sharding',             # disjoint, equal-size shards
+    'evaluator',            # metrics are the mean over ranks
+    'rank0_extensions',     # reporting on rank 0 only
+    'snapshot_resume',      # a snapshot from rank 0 restores every rank exactly
+    'no_gradient',          # a parameter with no gradient: zero-filled, no hang
+    'loss_scale_agreement',  # NaN on one rank: every rank skips the same step
+])
+def test_scenario(scenario, tmp_path):
+    r = mpirun(scenario, tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.ok == ['ok.0', 'ok.1'], r.stderr[-4000:]
+
+
+def test_a_rank_that_raises_ends_every_rank_with_the_error_shown_once(tmp_path):
+    r = mpirun('raise', tmp_path)
+    assert r.returncode != 0 and r.ok == []
+    assert r.stderr.count('ValueError: boom on purpose') == 1
+    assert '[rank 1] fastchain: aborting all 2 ranks' in r.stderr
+    assert r.seconds < 30
+
+
+def test_a_killed_rank_ends_the_job(tmp_path):
+    r = mpirun('kill', tmp_path)
+    assert r.returncode != 0 and r.ok == []
+    assert r.seconds < 30
+
+
+def test_a_hung_rank_times_out_naming_rank_and_operation(tmp_path):
+    r = mpirun('hang', tmp_path, env={'FASTCHAIN_COLLECTIVE_TIMEOUT': '4'})
+    assert r.returncode != 0 and r.ok == []
+    assert 'rank 0 of 2: allreduce of gradient bucket' in r.stderr
+    assert 'did not complete within 4 s' in r.stderr
+    assert r.seconds < 30         # not the 120 s the hung rank sleeps
+
+
+def test_different_models_are_refused_at_start(tmp_path):
+    r = mpirun('mismatch', tmp_path)
+    assert r.returncode != 0
+    assert r.stderr.count('rank 1 built a different model than rank 0') == 1
+    assert "'/predictor/l1/W' is ((16, 6), 'float32') on rank 0" in r.stderr
+    assert r.seconds < 30
+
+
+def test_single_process_runs_the_same_script():
+    # Without mpiexec: a world of one; the optimizer works and averages nothing.
+    code = '''
+import numpy, chainer, chainer.links as L
+from fastchain import distributed
+comm = distributed.create_communicator()
+assert (comm.rank, comm.size) == (0, 1)
+m = L.Classifier(L.Linear(3, 2))
+opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm).setup(m)
+opt.update(m, numpy.ones((4, 3), 'f'), numpy.zeros(4, 'i'))
+print('ok')
+'''
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == 'ok', r.stderr
+
+
+def test_fastchain_run_is_mpiexec():
+    r = subprocess.run([os.path.join(os.path.dirname(sys.executable), 'fastchain-run'),
+                        '-n', '3', '--dry-run', 'train.py', '--epochs', '2'],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [mpi.mpiexec_path(), '-n', '3', sys.executable, 'train.py',
+                                '--epochs', '2']
