@@ -67,6 +67,20 @@ class CommunicatorBase(abc.ABC):
         self._wait(self.mpi_comm.Ibcast(data, root=root), what)
         return pickle.loads(data.tobytes())
 
+    def send_obj(self, obj, dest, what='send_obj'):
+        data = numpy.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),
+                                numpy.uint8)
+        self._wait(self.mpi_comm.Isend(numpy.array([data.size], numpy.int64), dest,
+                                       tag=71), what)
+        self._wait(self.mpi_comm.Isend(data, dest, tag=72), what)
+
+    def recv_obj(self, source, what='recv_obj'):
+        size = numpy.zeros(1, numpy.int64)
+        self._wait(self.mpi_comm.Irecv(size, source, tag=71), what)
+        data = numpy.empty(int(size[0]), numpy.uint8)
+        self._wait(self.mpi_comm.Irecv(data, source, tag=72), what)
+        return pickle.loads(data.tobytes())
+
     def allgather_obj(self, obj, what='allgather_obj'):
         from mpi4py import MPI
         data = numpy.frombuffer(pickle.dumps(obj), numpy.uint8)

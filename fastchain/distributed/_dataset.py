@@ -7,32 +7,56 @@ import numpy
 import chainer
 
 
-def scatter_dataset(dataset, comm, shuffle=False, seed=None):
+def scatter_dataset(dataset, comm, shuffle=False, seed=None, root=0):
     """This rank's shard of ``dataset``.
 
-    Every rank builds the same dataset (as every rank runs the same script);
-    only indices are exchanged: rank 0 draws the order (``shuffle``) and
-    broadcasts its seed. Shards are disjoint and of equal size, so every rank
-    runs the same number of iterations per epoch; the ``len % size`` examples
-    left over are dropped (with a warning).
+    Two ways to call it:
+
+    - every rank built the same dataset: only indices are decided (by
+      ``root``, which draws the order when ``shuffle``); nothing is sent;
+    - only ``root`` has it (ChainerMN's way: load on rank 0, pass ``None``
+      elsewhere): ``root`` sends each rank its examples.
+
+    Shards are disjoint and of equal size, so every rank runs the same number
+    of iterations per epoch; the ``len % size`` examples left over are
+    dropped (with a warning).
     """
-    n = len(dataset)
-    if comm.bcast_obj(n, what='scatter_dataset (dataset length)') != n:
-        raise ValueError('rank {} has a dataset of {} examples but rank 0 has another '
-                         'length: every rank must build the same dataset'.format(comm.rank, n))
+    have = comm.allgather_obj(dataset is not None, what='scatter_dataset (who has data)')
+    if not have[root]:
+        raise ValueError('scatter_dataset: rank {} (the root) has no dataset'.format(root))
+    everywhere = all(have)
+    if not everywhere and any(h for r, h in enumerate(have) if r != root):
+        raise ValueError('scatter_dataset: give the dataset on every rank, or on the '
+                         'root only (None elsewhere); ranks {} have one'.format(
+                             [r for r, h in enumerate(have) if h]))
+    n = comm.bcast_obj(len(dataset) if comm.rank == root else None, root=root,
+                       what='scatter_dataset (dataset length)')
+    if everywhere and len(dataset) != n:
+        raise ValueError('rank {} has a dataset of {} examples but rank {} has {}: every '
+                         'rank must build the same dataset'.format(comm.rank, len(dataset),
+                                                                  root, n))
     per_rank = n // comm.size
     if per_rank == 0:
         raise ValueError('a dataset of {} examples cannot give each of {} ranks one'
                          .format(n, comm.size))
     dropped = n - per_rank * comm.size
-    if dropped and comm.rank == 0:
+    if dropped and comm.rank == root:
         warnings.warn('scatter_dataset: {} of {} examples are left out so that the {} '
                       'shards have equal size'.format(dropped, n, comm.size))
     if shuffle:
         seed = numpy.random.randint(2 ** 31) if seed is None else seed
-        seed = comm.bcast_obj(seed, what='scatter_dataset (seed)')
+        seed = comm.bcast_obj(seed, root=root, what='scatter_dataset (seed)')
         order = numpy.random.RandomState(seed).permutation(n)
     else:
         order = numpy.arange(n)
-    start = comm.rank * per_rank
-    return chainer.datasets.SubDataset(dataset, start, start + per_rank, order=order)
+    if everywhere:
+        start = comm.rank * per_rank
+        return chainer.datasets.SubDataset(dataset, start, start + per_rank, order=order)
+    if comm.rank == root:
+        for r in range(comm.size):
+            if r != root:
+                shard = [dataset[int(i)] for i in order[r * per_rank:(r + 1) * per_rank]]
+                comm.send_obj(shard, r, what='scatter_dataset (shard to rank {})'.format(r))
+        start = root * per_rank
+        return chainer.datasets.SubDataset(dataset, start, start + per_rank, order=order)
+    return comm.recv_obj(root, what='scatter_dataset (shard from rank {})'.format(root))

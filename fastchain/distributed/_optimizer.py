@@ -38,17 +38,43 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
     optimizer._fastchain_dp = dict(cap=int(bucket_cap_mb * 2 ** 20),
                                    dtype=numpy.float16 if fp16_allreduce else None)
     if getattr(optimizer, 'target', None) is not None:
-        _attach(optimizer)
+        _attach_when_initialized(optimizer)
     else:
         setup = optimizer.setup
 
         def setup_data_parallel(link):
             result = setup(link)
             del optimizer.setup
-            _attach(optimizer)
+            _attach_when_initialized(optimizer)
             return result
         optimizer.setup = setup_data_parallel
     return optimizer
+
+
+def _attach_when_initialized(optimizer):
+    """Attach now, or, for a model with lazily shaped parameters
+    (``L.Linear(None, n)``), at the first update: one forward pass without
+    backprop (in test mode) gives them their shapes, then the ranks check and
+    broadcast, then the real step runs on the broadcast weights."""
+    if all(p.array is not None for p in optimizer.target.params()):
+        _attach(optimizer)
+        return
+
+    def first_update(lossfun=None, *args, **kwds):
+        import chainer
+        if lossfun is None:
+            raise RuntimeError(
+                'the model has parameters without a shape yet (lazy initialisation), '
+                'and the first data-parallel update came without a loss function, so '
+                'the ranks could not agree on the weights before the gradients were '
+                'computed: call optimizer.update(lossfun, *inputs) for the first step, '
+                'or give the links their input sizes')
+        with chainer.no_backprop_mode(), chainer.using_config('train', False):
+            lossfun(*args, **kwds)
+        del optimizer.update
+        _attach(optimizer)
+        return optimizer.update(lossfun, *args, **kwds)
+    optimizer.update = first_update
 
 
 def _attach(optimizer):
@@ -128,11 +154,6 @@ def check_same_model(comm, link):
             'and {} on rank {}. Every rank must construct the same model (check '
             'arguments that depend on the rank or on local data).'.format(
                 rank, first, a.get(first, 'absent'), b.get(first, 'absent'), rank))
-    uninitialized = [n for n, shape, _ in mine if shape is None]
-    if uninitialized:
-        raise ValueError('parameters {} are not initialised yet (lazy shapes): run one '
-                         'forward pass, or give the input sizes, before making the '
-                         'optimizer data-parallel'.format(uninitialized[:3]))
 
 
 def broadcast_parameters(comm, link):

@@ -13,7 +13,10 @@ use; ``--data synthetic`` feeds random images of the right shape.
 
 Each accelerator has a flag (``--fp16``, ``--autotune``, ``--loaderjobs N``,
 ``--static-graph``, ``--nvtx``); ``--all`` turns on everything that helps on
-the device present, through one ``fastchain.enable()`` call. Options can also
+the device present, through one ``fastchain.enable()`` call. The same script
+trains data-parallel under ``mpiexec -n N`` or ``fastchain-run -n N``: each
+process takes one GPU (or the CPU), its own shard of the data, and the
+learning rate follows the global batch. Options can also
 come from ``--config file.yaml`` (keys are the option names with underscores);
 the resolved configuration is saved as ``config.json`` in ``--out``.
 """
@@ -36,7 +39,7 @@ from chainer import training
 from chainer.training import extensions
 
 import fastchain
-from fastchain import data
+from fastchain import data, distributed
 from fastchain.models import ResNet
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -236,12 +239,21 @@ class SpeedMeter(training.Extension):
         return self.batch_size / statistics.median(gaps) if len(gaps) else None
 
 
-def speed_report(args, handle, meter, log, device, n_classes):
+def launched_by_mpi():
+    """True under mpiexec (MPICH, Open MPI or MVAPICH set one of these)."""
+    return any(int(os.environ.get(v, '1')) > 1 for v in
+               ('PMI_SIZE', 'OMPI_COMM_WORLD_SIZE', 'MV2_COMM_WORLD_SIZE'))
+
+
+def speed_report(args, handle, meter, log, device, n_classes, world=1):
     lines = ['', '== speed report ==']
     ips = meter.images_per_second()
-    lines.append('training: {} images/s (median over {} iterations, batch {}, device {})'
-                 .format('n/a' if ips is None else '{:.1f}'.format(ips),
-                         max(0, len(meter.times) - meter.skip - 1), args.batch_size, device))
+    ips = None if ips is None else ips * world
+    lines.append('training: {} images/s (median over {} iterations, global batch {} = {} '
+                 'process(es) x {}, device {})'.format(
+                     'n/a' if ips is None else '{:.1f}'.format(ips),
+                     max(0, len(meter.times) - meter.skip - 1), args.batch_size * world,
+                     world, args.batch_size, device))
     accuracy = [e['validation/main/accuracy'] for e in log.log
                 if 'validation/main/accuracy' in e]
     if accuracy:
@@ -273,29 +285,43 @@ def speed_report(args, handle, meter, log, device, n_classes):
 
 def main(argv=None):
     args = parse_args(argv)
-    if int(os.environ.get('OMPI_COMM_WORLD_SIZE', os.environ.get('PMI_SIZE', '1'))) > 1:
-        sys.exit('data-parallel training is not in this version of fastchain yet: '
-                 'run one process')
+    comm = distributed.create_communicator() if launched_by_mpi() else None
+    world, rank = (comm.size, comm.rank) if comm else (1, 0)
     if args.all and args.loaderjobs == 0:
-        args.loaderjobs = data.available_cores()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, 'config.json'), 'w') as f:
-        json.dump(vars(args), f, indent=2, sort_keys=True)
+        # the cores of this node, shared by its processes
+        args.loaderjobs = max(1, data.available_cores() // (comm.intra_size if comm else 1))
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, 'config.json'), 'w') as f:
+            json.dump(dict(vars(args), processes=world), f, indent=2, sort_keys=True)
 
     numpy.random.seed(args.seed)
     from fastchain.backends import cuda
-    device = chainer.get_device(args.device or ('@cupy:0' if cuda.available() else '@numpy'))
+    if comm is not None:
+        device = comm.device()              # one GPU per process, by local rank
+    else:
+        device = chainer.get_device(args.device or ('@cupy:0' if cuda.available()
+                                                    else '@numpy'))
     device.use()
     handle = enable_accelerators(args)      # before the model: fp16 sets its dtype
 
+    if comm is not None and rank != 0 and args.data == 'demo':
+        comm.barrier(what='waiting for rank 0 to make the demo data')
     train, val, n_classes = make_datasets(args)
+    if comm is not None:
+        if rank == 0 and args.data == 'demo':
+            comm.barrier(what='waiting for rank 0 to make the demo data')
+        train = distributed.scatter_dataset(train, comm, shuffle=True, seed=args.seed)
+        val = distributed.scatter_dataset(val, comm)
     model = L.Classifier(ResNet(args.depth, n_classes, width=args.width),
                          lossfun=smoothed_cross_entropy(args.label_smoothing))
     model.to_device(device)
 
-    global_batch = args.batch_size
+    global_batch = args.batch_size * world
     base_lr = args.lr * global_batch / 256
     optimizer = chainer.optimizers.MomentumSGD(lr=base_lr, momentum=args.momentum)
+    if comm is not None:
+        optimizer = distributed.create_multi_node_optimizer(optimizer, comm)
     optimizer.setup(model)
     if args.weight_decay:
         optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(args.weight_decay))
@@ -309,7 +335,7 @@ def main(argv=None):
     updater = training.StandardUpdater(train_it, optimizer, converter=train_it.converter,
                                        device=device)
 
-    iters_per_epoch = math.ceil(len(train) / global_batch)
+    iters_per_epoch = math.ceil(len(train) / args.batch_size)     # train: this shard
     total = args.iterations or int(args.epochs * iters_per_epoch)
     trainer = training.Trainer(updater, (total, 'iteration'), out=args.out)
     schedule = lr_at(args, base_lr, iters_per_epoch, total)
@@ -320,14 +346,34 @@ def main(argv=None):
 
     trainer.extend(set_lr)
     eval_every = (1, 'epoch') if not args.iterations else (total, 'iteration')
-    trainer.extend(extensions.Evaluator(val_it, model, converter=converter, device=device),
-                   trigger=eval_every)
+    evaluator = extensions.Evaluator(val_it, model, converter=converter, device=device)
+    if comm is not None:
+        evaluator = distributed.create_multi_node_evaluator(evaluator, comm)
+    trainer.extend(evaluator, trigger=eval_every)
+    meter = SpeedMeter(args.batch_size)
+    trainer.extend(meter)
+    if rank == 0:
+        add_reporting(trainer, args, total, iters_per_epoch)
+    if args.resume:
+        chainer.serializers.load_npz(args.resume, trainer)     # every rank: same state
+
+    try:
+        trainer.run()
+    finally:
+        val_it.finalize()
+    log = trainer.get_extension('LogReport') if rank == 0 else None
+    if rank == 0:
+        speed_report(args, handle, meter, log, device, n_classes, world)
+    handle.disable()
+    return log.log if log is not None else None
+
+
+def add_reporting(trainer, args, total, iters_per_epoch):
+    """Logs, plots, progress and snapshots: rank 0's job."""
     every = LogTrigger(args.log_every, total)
     log = extensions.LogReport(trigger=every)
     trainer.extend(log)
     trainer.extend(extensions.observe_lr(), trigger=every)
-    meter = SpeedMeter(args.batch_size)
-    trainer.extend(meter)
     snap_every = max(1, int(args.snapshot_every * iters_per_epoch))
     trainer.extend(extensions.snapshot(filename='snapshot_iter_{.updater.iteration}'),
                    trigger=(min(snap_every, total), 'iteration'))
@@ -344,16 +390,6 @@ def main(argv=None):
         trigger=every)
     if not args.no_progress:
         trainer.extend(extensions.ProgressBar(update_interval=max(1, args.log_every // 2)))
-    if args.resume:
-        chainer.serializers.load_npz(args.resume, trainer)
-
-    try:
-        trainer.run()
-    finally:
-        val_it.finalize()
-    speed_report(args, handle, meter, log, device, n_classes)
-    handle.disable()
-    return log.log
 
 
 if __name__ == '__main__':

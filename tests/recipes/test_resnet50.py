@@ -77,3 +77,25 @@ def test_bad_data_path_and_bad_config(tmp_path):
     r = subprocess.run(cmd[:2] + ['--config', str(tmp_path / 'bad.yaml')],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and 'unknown option(s) itrations' in r.stderr
+
+
+@pytest.mark.mpi
+def test_data_parallel_under_mpiexec_with_resume(tmp_path):
+    from fastchain.backends import mpi
+    common = [mpi.mpiexec_path(), '-n', '2', sys.executable, RECIPE, '--data', 'demo',
+              '--demo-root', str(tmp_path / 'demo')] + TINY + ['--batch-size', '4']
+    r = subprocess.run(common + ['--iterations', '4', '--snapshot-every', '0.1',
+                                 '--out', str(tmp_path / 'dp')],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count('== speed report ==') == 1          # rank 0 only
+    assert 'global batch 8 = 2 process(es) x 4' in r.stdout
+    config = json.loads((tmp_path / 'dp' / 'config.json').read_text())
+    assert config['processes'] == 2
+    r = subprocess.run(common + ['--iterations', '6', '--resume',
+                                 str(tmp_path / 'dp' / 'snapshot_iter_4'),
+                                 '--out', str(tmp_path / 'dp2')],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    log = log_of(tmp_path, 'dp2')
+    assert [e['iteration'] for e in log] == [2, 4, 6]

@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""MNIST with fastchain, on one process or N: `mpiexec -n N python train_mnist.py`
+(or `fastchain-run -n N train_mnist.py`). Compare with train_mnist_plain.py."""
+
+import argparse
+
+import numpy
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import training
+from chainer.training import extensions
+
+from fastchain import distributed
+
+
+class MLP(chainer.Chain):
+    def __init__(self, n_units, n_out):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(None, n_units)
+            self.l2 = L.Linear(None, n_units)
+            self.l3 = L.Linear(None, n_out)
+
+    def forward(self, x):
+        h1 = F.relu(self.l1(x))
+        h2 = F.relu(self.l2(h1))
+        return self.l3(h2)
+
+
+def load(path):
+    """MNIST from an .npz (x_train, t_train, x_test, t_test), or downloaded."""
+    if path is None:
+        return chainer.datasets.get_mnist()
+    d = numpy.load(path)
+    return (chainer.datasets.TupleDataset(d['x_train'], d['t_train']),
+            chainer.datasets.TupleDataset(d['x_test'], d['t_test']))
+
+
+def main():
+    parser = argparse.ArgumentParser(description='Chainer example: MNIST')
+    parser.add_argument('--batchsize', '-b', type=int, default=100)
+    parser.add_argument('--epoch', '-e', type=int, default=20)
+    parser.add_argument('--device', '-d', default='@numpy')
+    parser.add_argument('--out', '-o', default='result')
+    parser.add_argument('--unit', '-u', type=int, default=1000)
+    parser.add_argument('--data', default=None, help='an .npz instead of downloading')
+    parser.add_argument('--resume', '-r', default=None, help='a snapshot to resume from')
+    args = parser.parse_args()
+
+    comm = distributed.create_communicator()                        # 1
+    device = comm.device()                                          # 2
+    device.use()
+
+    model = L.Classifier(MLP(args.unit, 10))
+    model.to_device(device)
+    optimizer = distributed.create_multi_node_optimizer(            # 3
+        chainer.optimizers.Adam(), comm)
+    optimizer.setup(model)
+
+    train, test = load(args.data) if comm.rank == 0 else (None, None)
+    train = distributed.scatter_dataset(train, comm, shuffle=True)  # 4
+    test = distributed.scatter_dataset(test, comm)
+    train_iter = chainer.iterators.SerialIterator(train, args.batchsize)
+    test_iter = chainer.iterators.SerialIterator(test, args.batchsize,
+                                                 repeat=False, shuffle=False)
+    updater = training.StandardUpdater(train_iter, optimizer, device=device)
+    trainer = training.Trainer(updater, (args.epoch, 'epoch'), out=args.out)
+    evaluator = extensions.Evaluator(test_iter, model, device=device)
+    evaluator = distributed.create_multi_node_evaluator(evaluator, comm)  # 5
+    trainer.extend(evaluator)
+
+    if comm.rank == 0:                                              # 6
+        trainer.extend(extensions.snapshot(), trigger=(args.epoch, 'epoch'))
+        trainer.extend(extensions.LogReport())
+        trainer.extend(extensions.PrintReport(
+            ['epoch', 'main/loss', 'validation/main/loss',
+             'main/accuracy', 'validation/main/accuracy', 'elapsed_time']))
+        trainer.extend(extensions.ProgressBar())
+    if args.resume:
+        chainer.serializers.load_npz(args.resume, trainer)
+
+    trainer.run()                                                   # 7: mpiexec -n N
+
+
+if __name__ == '__main__':
+    main()
