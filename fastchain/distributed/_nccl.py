@@ -20,6 +20,8 @@ from fastchain.distributed._communicator import CommunicatorBase
 class NcclCommunicator(CommunicatorBase):
 
     name = 'nccl'
+    progresses_in_background = True
+    prefers_buckets = True
 
     def __init__(self, mpi_comm, timeout):
         super().__init__(mpi_comm, timeout)

@@ -21,7 +21,8 @@ import numpy
 from fastchain.distributed._sync import GradientCapture, GradientSync
 
 
-def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduce=False):
+def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduce=False,
+                                overlap=None):
     """Make ``optimizer`` average gradients over ``comm``; returns it.
 
     Args:
@@ -29,6 +30,8 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
         comm: a communicator from :func:`create_communicator`.
         bucket_cap_mb (float): largest gradient bucket, in MiB.
         fp16_allreduce (bool): send gradients as fp16 (half the bytes).
+        overlap (bool): start each bucket's allreduce during backward
+            (default: where the communicator progresses on its own: NCCL).
     """
     if getattr(optimizer, '_fastchain_comm', None) is not None:
         raise ValueError('this optimizer is already data-parallel')
@@ -36,7 +39,8 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
         raise ValueError('bucket_cap_mb must be > 0, got {!r}'.format(bucket_cap_mb))
     optimizer._fastchain_comm = comm
     optimizer._fastchain_dp = dict(cap=int(bucket_cap_mb * 2 ** 20),
-                                   dtype=numpy.float16 if fp16_allreduce else None)
+                                   dtype=numpy.float16 if fp16_allreduce else None,
+                                   overlap=overlap)
     if getattr(optimizer, 'target', None) is not None:
         _attach_when_initialized(optimizer)
     else:
@@ -83,7 +87,8 @@ def _attach(optimizer):
     check_same_model(comm, target)
     broadcast_parameters(comm, target)
     options = optimizer._fastchain_dp
-    sync = GradientSync(comm, list(target.params()), options['cap'], options['dtype'])
+    sync = GradientSync(comm, list(target.params()), options['cap'], options['dtype'],
+                        options['overlap'])
     capture = GradientCapture(sync)
     optimizer._fastchain_sync = sync
     state = {'pending': False}

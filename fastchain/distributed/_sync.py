@@ -7,6 +7,10 @@ parameter's gradient when the function that consumed it returns from its
 bucket has its gradient, the bucket is packed and its allreduce starts,
 while backward goes on with the earlier layers.
 
+On a communicator that does not progress in the background (MPI on the
+CPU moves data only inside MPI calls) there is nothing to overlap: the
+gradients are averaged after backward, each array in place.
+
 Rules that keep it exact and deadlock-free:
 
 - Buckets are fixed (reverse registration order, split at ``cap`` bytes and
@@ -26,6 +30,9 @@ import numpy
 
 import chainer
 
+# Gradients with fewer values than this travel together, in place mode.
+SMALL = 16384
+
 
 class _Bucket:
     def __init__(self, index, params, dtype):
@@ -38,7 +45,9 @@ class _Bucket:
             total += p.size
         self.size = total
         self.buffer = None
-        self.handle = None
+        self.handles = []
+        self.arrays = None      # reduced in place (no buffer), when not packed
+        self.small = None       # small gradients sent together (last of arrays)
 
     def nbytes(self):
         return self.size * self.dtype.itemsize
@@ -50,8 +59,21 @@ class _Bucket:
             self.buffer = xp.empty(self.size, self.dtype)
         for g, offset in zip(grads, self.offsets):
             self.buffer[offset:offset + g.size] = g.ravel()
+        self.arrays = None
+
+    def scatter_small(self):
+        """Copy the packed small gradients back where they came from."""
+        if self.small:
+            packed, offset = self.arrays[-1], 0
+            for a in self.small:
+                a[...] = packed[offset:offset + a.size].reshape(a.shape)
+                offset += a.size
+            self.small = None
 
     def unpack(self, scale):
+        """Average, and leave the result in every param.grad."""
+        if self.arrays is not None:
+            return          # reduced in place, averaged as each one arrived
         self.buffer *= self.dtype.type(scale)
         for p, offset in zip(self.params, self.offsets):
             p.grad[...] = self.buffer[offset:offset + p.size].reshape(p.shape)
@@ -66,13 +88,18 @@ class GradientSync:
         cap_bytes (int): the largest bucket.
         allreduce_dtype: dtype on the wire (default: each gradient's own);
             ``numpy.float16`` halves the bytes.
+        overlap (bool): start buckets during backward (default: when the
+            communicator progresses in the background, i.e. NCCL).
     """
 
-    def __init__(self, comm, params, cap_bytes=25 * 2 ** 20, allreduce_dtype=None):
+    def __init__(self, comm, params, cap_bytes=25 * 2 ** 20, allreduce_dtype=None,
+                 overlap=None):
         self.comm = comm
         self.params = [p for p in params if p.array is not None]
         self.cap_bytes = cap_bytes
         self.allreduce_dtype = allreduce_dtype
+        self.overlap_enabled = comm.progresses_in_background if overlap is None else overlap
+        self.in_place = not comm.prefers_buckets and allreduce_dtype is None
         self.buckets = self._make_buckets()
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.uses = None                    # id(param) -> consumers, learnt
@@ -107,8 +134,8 @@ class GradientSync:
     def begin_step(self):
         """Before backward: may this step overlap?"""
         self._reset()
-        self.overlap = self.uses is not None and self.comm.size > 1 and \
-            all(p.grad is None for p in self.params)
+        self.overlap = self.overlap_enabled and self.uses is not None and \
+            self.comm.size > 1 and all(p.grad is None for p in self.params)
 
     def contribution(self, param, gx):
         """A function's backward produced ``gx`` for ``param``."""
@@ -133,16 +160,58 @@ class GradientSync:
         while self.next_start < len(self.buckets) and \
                 self._ready(self.buckets[self.next_start]):
             bucket = self.buckets[self.next_start]
+            # Captured gradients may be shared with the rest of backward
+            # (an Add passes one array to both inputs): always copy them.
             bucket.pack([self.captured[id(p)] for p in bucket.params])
             self._start(bucket)
             self.next_start += 1
 
-    def _start(self, bucket):
+    def _start(self, bucket, in_place=False):
         from fastchain.nvtx._annotator import annotator
+        what = 'allreduce of gradient bucket {} ({:.1f} MB)'.format(
+            bucket.index, bucket.nbytes() / 2 ** 20)
         with annotator().range('allreduce bucket {}'.format(bucket.index), 'allreduce'):
-            bucket.handle = self.comm.allreduce_start(
-                bucket.buffer, 'allreduce of gradient bucket {} ({:.1f} MB)'.format(
-                    bucket.index, bucket.nbytes() / 2 ** 20))
+            if in_place:
+                # The final gradients, reduced where they lie; the small ones
+                # (biases, BN parameters: most of the arrays, little of the
+                # bytes) together in one buffer, to pay the latency once. One
+                # array may serve two parameters (p1 + p2 gives both the same
+                # gradient): reduce it once.
+                unique = {}
+                for p in bucket.params:
+                    unique.setdefault(id(p.grad), p.grad)
+                arrays = list(unique.values())
+                small = [a for a in arrays if a.size < SMALL]
+                bucket.arrays = [a for a in arrays if a.size >= SMALL]
+                if small:
+                    bucket.small = small
+                    packed = numpy.concatenate([a.ravel() for a in small]) \
+                        if len({a.dtype for a in small}) == 1 else None
+                    if packed is None:      # mixed dtypes: one by one
+                        bucket.arrays += small
+                        bucket.small = None
+                    else:
+                        bucket.arrays.append(packed)
+                bucket.handles = [(self.comm.allreduce_start(a, what), a)
+                                  for a in bucket.arrays]
+                if all(h is None for h, _ in bucket.handles):
+                    # Done already (MPI): average while the array is in cache.
+                    for _, a in bucket.handles:
+                        a *= a.dtype.type(1.0 / self.comm.size)
+                    bucket.handles = []
+                    bucket.scatter_small()
+            else:
+                bucket.handles = [(self.comm.allreduce_start(bucket.buffer, what), None)]
+
+    def _wait(self, bucket):
+        if not bucket.handles:
+            return
+        for handle, array in bucket.handles:
+            self.comm.allreduce_wait(handle)
+            if array is not None:
+                array *= array.dtype.type(1.0 / self.comm.size)
+        bucket.handles = []
+        bucket.scatter_small()
 
     def finish(self):
         """After backward (grads set, missing ones zero-filled): start what
@@ -151,13 +220,15 @@ class GradientSync:
             self.uses = dict(self.seen)
             return
         early = self.next_start
+        in_place = self.in_place and all(
+            p.grad is not None and p.grad.flags.c_contiguous for p in self.params)
         for bucket in self.buckets[self.next_start:]:
-            bucket.pack([p.grad for p in bucket.params])
-            self._start(bucket)
+            if not in_place:
+                bucket.pack([p.grad for p in bucket.params])
+            self._start(bucket, in_place)
         self.next_start = len(self.buckets)
         for bucket in self.buckets:
-            self.comm.allreduce_wait(bucket.handle)
-            bucket.handle = None
+            self._wait(bucket)
         if self.overlap:
             # Every rank must make the same choice, or their collectives would
             # no longer pair up.
@@ -170,7 +241,7 @@ class GradientSync:
                 bucket.pack([p.grad for p in bucket.params])
                 self._start(bucket)
             for bucket in self.buckets:
-                self.comm.allreduce_wait(bucket.handle)
+                self._wait(bucket)
         elif early:
             self.overlapped_steps += 1
         scale = 1.0 / self.comm.size

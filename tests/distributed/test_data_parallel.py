@@ -13,21 +13,28 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dp_script.py'
 pytestmark = pytest.mark.mpi
 
 
-def mpirun(scenario, tmp_path, n=2, timeout=120, env=None):
-    out = tmp_path / scenario
+def mpirun(scenario, tmp_path, n=2, timeout=120, env=None, extra=()):
+    out = tmp_path / (scenario + ''.join(extra))
     out.mkdir()
     full_env = dict(os.environ, **(env or {}))
     start = time.monotonic()
     r = subprocess.run([mpi.mpiexec_path(), '-n', str(n), sys.executable, SCRIPT, scenario,
-                        str(out)], capture_output=True, text=True, timeout=timeout,
-                       env=full_env)
+                        str(out)] + list(extra), capture_output=True, text=True,
+                       timeout=timeout, env=full_env)
     r.seconds = time.monotonic() - start
     r.ok = sorted(p.name for p in out.iterdir() if p.name.startswith('ok.'))
     return r
 
 
+@pytest.mark.parametrize('how', ['in_place', 'overlap'])
+def test_n_ranks_equal_one_process_with_n_times_the_batch(how, tmp_path):
+    # 'overlap' runs the capture-during-backward path (NCCL's) over MPI.
+    r = mpirun('equivalence', tmp_path, extra=[how])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.ok == ['ok.0', 'ok.1'], r.stderr[-4000:]
+
+
 @pytest.mark.parametrize('scenario', [
-    'equivalence',          # N ranks x batch b == 1 process x batch N*b, overlapped
     'sharding',             # disjoint, equal-size shards
     'evaluator',            # metrics are the mean over ranks
     'rank0_extensions',     # reporting on rank 0 only

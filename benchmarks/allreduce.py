@@ -1,0 +1,139 @@
+"""Time to average ResNet-50's gradients over N processes.
+
+The gradient set has ResNet-50's real parameter shapes (161 arrays, 25.6 M
+values, 102 MB in fp32). Side by side, window by window:
+
+  limit       one MPI Allreduce of a single buffer of the same bytes (mpi4py):
+              what the transport can do at best
+  fastchain   fastchain's GradientSync: pack into 25 MB buckets, allreduce
+              each (non-blocking), average, unpack into every param.grad
+  chainermn   ChainerMN's communicator shipped with Chainer 7.8.1
+              (``multi_node_mean_grad``; 'naive' is the one that runs on
+              CPU arrays: one allreduce per parameter)
+
+Started with ``mpiexec -n N`` (or it starts itself with ``--processes N``,
+default 2). Rows are synchronisations per second; ``fastchain/limit`` is the
+limit's time over fastchain's. The averaged gradients of fastchain and
+ChainerMN are compared for equality.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+
+def in_mpi():
+    return any(int(os.environ.get(v, '1')) > 1 for v in
+               ('PMI_SIZE', 'OMPI_COMM_WORLD_SIZE', 'MV2_COMM_WORLD_SIZE'))
+
+
+def model_with_grads(rank, fill=None):
+    import chainer.links as L
+    from fastchain.models import resnet50
+    model = L.Classifier(resnet50(1000))
+    rng = numpy.random.RandomState(rank)
+    for p in model.params():
+        p.grad = rng.standard_normal(p.shape).astype(numpy.float32) if fill is None \
+            else numpy.full(p.shape, fill, numpy.float32)
+    return model
+
+
+def main(argv=None):
+    p = _common.parser('allreduce', __doc__)
+    p.add_argument('--processes', type=int, default=2)
+    p.add_argument('--bucket-mb', type=float, default=25)
+    args = p.parse_args(argv)
+    if not in_mpi():
+        from fastchain.backends import mpi
+        cmd = [mpi.mpiexec_path(), '-n', str(args.processes), sys.executable,
+               os.path.abspath(__file__)] + sys.argv[1:]
+        sys.exit(subprocess.call(cmd))
+
+    import chainermn
+    from mpi4py import MPI
+    from fastchain import distributed
+    comm = distributed.create_communicator('mpi')
+    rank, size = comm.rank, comm.size
+    windows = args.windows or (5 if args.quick else 9)
+    per_window = 2 if args.quick else 4
+
+    model = model_with_grads(rank)
+    params = list(model.params())
+    n_values = sum(p.size for p in params)
+    original = [p.grad.copy() for p in params]
+    sync = distributed.GradientSync(comm, params, cap_bytes=int(args.bucket_mb * 2 ** 20))
+    peer = chainermn.create_communicator('naive', MPI.COMM_WORLD)
+    flat = numpy.empty(n_values, numpy.float32)
+
+    def reset():
+        for p, g in zip(params, original):
+            p.grad[...] = g
+
+    def run_limit():
+        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+
+    def run_fastchain():
+        sync.begin_step()
+        sync.finish()
+
+    def run_chainermn():
+        peer.multi_node_mean_grad(model)
+
+    # Same inputs, same answer: fastchain's average equals ChainerMN's.
+    reset()
+    run_fastchain()
+    ours = [p.grad.copy() for p in params]
+    reset()
+    run_chainermn()
+    identical = all(numpy.array_equal(a, p.grad) for a, p in zip(ours, params))
+    max_diff = max(float(numpy.abs(a - p.grad).max()) for a, p in zip(ours, params))
+
+    variants = {'limit': run_limit, 'fastchain': run_fastchain, 'chainermn': run_chainermn}
+    rows = _common.Rows('syncs/s')
+    for name, fn in variants.items():        # warm-up
+        reset()
+        fn()
+    for w in range(windows):
+        for name, fn in variants.items():
+            reset()
+            MPI.COMM_WORLD.Barrier()
+            start = time.perf_counter()
+            for _ in range(per_window):
+                fn()
+            elapsed = MPI.COMM_WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX)
+            rows.add(name, per_window / elapsed)
+        if rank == 0:
+            print('window {}/{}: '.format(w + 1, windows) + ', '.join(
+                '{} {:.1f} ms'.format(n, 1e3 / v[-1]) for n, v in rows.windows.items()),
+                flush=True)
+    if rank != 0:
+        return
+    ratios = {'fastchain/limit': rows.ratio('fastchain', 'limit'),
+              'fastchain/chainermn': rows.ratio('fastchain', 'chainermn')}
+    config = {'processes': size, 'transport': 'MPI ({})'.format(
+                  MPI.Get_library_version().split('\n')[0].strip()),
+              'arrays': len(params), 'values': n_values,
+              'megabytes_fp32': round(n_values * 4 / 2 ** 20, 1),
+              'buckets': len(sync.buckets), 'bucket_mb': args.bucket_mb,
+              'windows': windows, 'syncs_per_window': per_window,
+              'chainermn_communicator': 'naive',
+              'results_identical_to_chainermn': identical,
+              'max_abs_difference_vs_chainermn': max_diff}
+    rows.skip('chainermn_flat', "ChainerMN's 'flat' and NCCL communicators need CuPy "
+              'arrays (no GPU here)')
+    rows.skip('fastchain_nccl', 'needs GPUs: run make gpu-check on a GPU machine')
+    notes = ['Every process holds the same 161 gradient arrays of ResNet-50; a sync '
+             'leaves their mean over the processes in every param.grad. The limit moves '
+             'the same bytes as one buffer and leaves them summed in place (no packing, '
+             'no averaging).']
+    _common.write('allreduce', args, config, rows, ratios, notes)
+
+
+if __name__ == '__main__':
+    main()
