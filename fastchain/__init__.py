@@ -23,6 +23,7 @@ _EXPORTS = {
     'active_handles': 'fastchain.config._enable',
     'report': 'fastchain.doctor._report',
     'DynamicLossScaler': 'fastchain.precision._scaler',
+    'static_graph': 'fastchain.static._cache',
 }
 
 __all__ = sorted(_EXPORTS) + ['__version__']

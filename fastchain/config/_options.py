@@ -10,6 +10,7 @@ GROUP_MODULES = (
     'fastchain.cudnn._group',
     'fastchain.precision._group',
     'fastchain.data._group',
+    'fastchain.static._group',
     'fastchain.nvtx._group',
 )
 

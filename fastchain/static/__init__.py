@@ -1,0 +1,11 @@
+"""Static-subgraph caching with Chainer's BatchNormalization fault fixed.
+
+``fastchain.enable(static_graph=True)`` caches the model of every optimizer
+set up while enabled; :func:`static_graph` marks a chain class or instance
+directly. See :mod:`fastchain.static._cache` for what is checked and
+:mod:`fastchain.static._fixes` for what is fixed in Chainer.
+"""
+
+from fastchain.static._cache import StaticGraphFallback, cache_static_graph, static_graph
+
+__all__ = ['StaticGraphFallback', 'cache_static_graph', 'static_graph']

@@ -1,0 +1,167 @@
+"""Three measured faults of Chainer 7.8.1's ``static_graph``, fixed where they
+arise.
+
+1. Wrong BatchNormalization gradients from the second batch on: the cached
+   backward keeps the ``BatchNormalizationGrad`` node made on the first
+   iteration, which holds that batch's mean and inverse std; replaying the
+   forward recomputes them on the forward node only. Fix: the grad node reads
+   them from its forward node when it runs (the same arrays in define-by-run,
+   so nothing changes there).
+2. Running statistics updated twice on the iteration that builds a schedule:
+   the define-by-run pass updates them, then the new schedule is run once
+   more. Fix: the statistics are put back as they were before that pass once
+   the schedule is built, so the schedule's own run is the one update.
+3. Output on stdout whatever the verbosity ('Creating new backward
+   schedule...'). Fix: the module's prints go through a filter that keeps
+   them only when verbosity was asked for.
+
+All three are installed together, once per process, by :func:`install`
+(``enable(static_graph=True)`` or the first cached chain); :func:`uninstall`
+takes them out again. None changes define-by-run execution.
+"""
+
+import builtins
+import threading
+
+from fastchain.config._recorder import Recorder
+
+_recorder = None
+_lock = threading.Lock()
+_local = threading.local()
+verbose = False
+
+
+def installed():
+    return _recorder is not None
+
+
+def install():
+    """Install the fixes (idempotent). Returns True if this call did it."""
+    global _recorder
+    with _lock:
+        if _recorder is not None:
+            return False
+        from chainer.functions.normalization import batch_normalization as bn
+        from chainer.graph_optimizations import static_graph as sg
+        recorder = Recorder()
+        recorder.set_attr(bn.BatchNormalization, 'backward', _bn_backward,
+                          label='BatchNormalization.backward (static-graph fix)')
+        build = sg.StaticScheduleFunction.build_schedule
+
+        def build_then_restore_statistics(self, *args, **kwargs):
+            result = build(self, *args, **kwargs)
+            saved = getattr(_local, 'statistics', None)
+            if saved is not None and not self.pass_depth:   # the forward schedule
+                _restore(saved)
+            return result
+
+        build_then_restore_statistics.__wrapped__ = build
+        recorder.set_attr(sg.StaticScheduleFunction, 'build_schedule',
+                          build_then_restore_statistics,
+                          label='StaticScheduleFunction.build_schedule (static-graph fix)')
+        recorder.set_attr(sg, 'print', _quiet_print,
+                          label='chainer static_graph print (static-graph fix)')
+        _recorder = recorder
+        return True
+
+
+def uninstall():
+    global _recorder
+    with _lock:
+        if _recorder is not None:
+            _recorder.undo()
+            _recorder = None
+
+
+def _quiet_print(*args, **kwargs):
+    if verbose:
+        builtins.print(*args, **kwargs)
+
+
+# --- 1. BatchNormalization gradients ------------------------------------------
+
+def _bn_backward(self, indexes, grad_outputs):
+    x, gamma = self.get_retained_inputs()
+    gy, = grad_outputs
+    grad = _LiveStatisticsGrad(self)
+    return grad.apply((x, gamma, gy))
+
+
+def _make_live_grad_class():
+    from chainer.functions.normalization import batch_normalization as bn
+
+    class LiveStatisticsGrad(bn.BatchNormalizationGrad):
+        """BatchNormalizationGrad that takes the batch statistics from its
+        forward node at the time it runs, not when it was made."""
+
+        def __init__(self, forward_node):
+            self._forward = forward_node
+            self.eps = forward_node.eps
+            self.expander = forward_node.expander
+            self.axis = forward_node.axis
+            self.key_axis = forward_node.key_axis
+            self._impl = forward_node._impl
+
+        # Chainer's __init__ sets these as attributes; here they are live.
+        mean = property(lambda self: self._forward.mean, lambda self, v: None)
+        inv_std = property(lambda self: self._forward.inv_std, lambda self, v: None)
+        forward_data = property(lambda self: self._forward.forward_data,
+                                lambda self, v: None)
+
+        @property
+        def var(self):
+            # Only iDeep's implementation keeps var (as Chainer's backward).
+            if isinstance(self._forward._impl, bn._IDeepBatchNormalizationImpl):
+                return self._forward.var
+            return None
+
+        @var.setter
+        def var(self, value):
+            pass
+
+    return LiveStatisticsGrad
+
+
+class _LazyGradClass:
+    cls = None
+
+    def __call__(self, forward_node):
+        if self.cls is None:
+            self.cls = _make_live_grad_class()
+        return self.cls(forward_node)
+
+
+_LiveStatisticsGrad = _LazyGradClass()
+
+
+# --- 2. running statistics on the building iteration -----------------------------
+
+def snapshot_statistics(chain):
+    """Copies of every BatchNormalization's running statistics in ``chain``."""
+    import chainer.links as L
+    saved = []
+    for link in chain.links():
+        if isinstance(link, L.BatchNormalization) and link.avg_mean is not None:
+            saved.append((link, link.avg_mean.copy(), link.avg_var.copy(), link.N))
+    return saved
+
+
+def _restore(saved):
+    for link, mean, var, n in saved:
+        link.avg_mean[...] = mean
+        link.avg_var[...] = var
+        link.N = n
+
+
+class building_statistics:
+    """While a schedule may be built, remember the statistics to go back to."""
+
+    def __init__(self, chain):
+        self.chain = chain
+
+    def __enter__(self):
+        _local.statistics = snapshot_statistics(self.chain)
+
+    def __exit__(self, *exc):
+        _local.statistics = None
+        return False
