@@ -5,6 +5,8 @@
 #   make test-np1   the same suite in .venv-np1: NumPy 1.26, Python 3.12, old setuptools
 #   make doctor     describe this machine
 #   make demo       train ResNet-50 on generated JPEGs with fastchain (the README's main job)
+#   make bench      the quick form of every benchmark -> benchmarks/results/
+#   make gpu-check  on a GPU machine: GPU tests, then the GPU benchmarks -> benchmarks/results/gpu/
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,7 +21,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.fastchain-setup
 
-.PHONY: setup test test-np1 doctor demo clean
+.PHONY: setup test test-np1 doctor demo bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -55,6 +57,33 @@ doctor: setup
 
 demo: setup
 	$(PY) recipes/resnet50/train.py --config recipes/resnet50/demo.yaml --all
+
+BENCHMARKS := loader overhead allreduce scaling nvtx_cost ladder
+
+bench: setup
+	@for b in $(BENCHMARKS); do \
+	  echo "== benchmarks/$$b.py --quick"; \
+	  $(PY) benchmarks/$$b.py --quick || exit 1; \
+	done
+	$(PY) benchmarks/summary.py benchmarks/results
+
+GPU_RESULTS := benchmarks/results/gpu
+
+gpu-check: setup
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "gpu-check: no NVIDIA GPU here (nvidia-smi finds none): run it on a machine with one"; exit 1; }
+	$(PIP) install -e ".[$(EXTRAS),gpu]"
+	@$(PY) -c "import sys; from fastchain.backends import cuda; s = cuda.cupy_status(); \
+	  sys.exit(0 if s.available else 'gpu-check: CuPy cannot use the GPU: {} (fix: {})'.format(s.why, s.fix))"
+	$(VENV)/bin/pytest -m gpu -rs
+	mkdir -p $(GPU_RESULTS)
+	$(PY) benchmarks/ladder.py --results $(GPU_RESULTS)
+	$(PY) benchmarks/allreduce.py --communicator nccl \
+	  --processes $$($(PY) -c "from fastchain.backends import cuda; print(len(cuda.gpus()))") \
+	  --results $(GPU_RESULTS)
+	$(PY) benchmarks/overhead.py --results $(GPU_RESULTS)
+	$(PY) benchmarks/loader.py --results $(GPU_RESULTS)
+	$(PY) benchmarks/nvtx_cost.py --results $(GPU_RESULTS)
+	$(PY) benchmarks/summary.py $(GPU_RESULTS)
 
 clean:
 	rm -rf .venv .venv-np1 .pytest_cache result recipes/*/.data benchmarks/.cache

@@ -24,6 +24,8 @@ def parser(name, doc):
                    help='the CI-sized run (minutes on 2 cores)')
     p.add_argument('--windows', type=int, default=None,
                    help='measurement windows per variant (median reported)')
+    p.add_argument('--results', default=RESULTS,
+                   help='directory for the JSON/Markdown copies (default: benchmarks/results)')
     return p
 
 
@@ -85,15 +87,17 @@ def write(name, args, config, rows, ratios, notes=None):
         result['notes'] = notes
     text = markdown(result)
     print(text)
+    stem = os.path.join(args.results, name + ('-quick' if args.quick else ''))
     paths = [args.json] if args.json else []
-    paths.append(os.path.join(RESULTS, name + ('-quick' if args.quick else '') + '.json'))
+    paths.append(stem + '.json')
     for path in paths:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, 'w') as f:
             json.dump(result, f, indent=2, default=str)
             f.write('\n')
-    with open(os.path.join(RESULTS, name + ('-quick' if args.quick else '') + '.md'), 'w') as f:
+    with open(stem + '.md', 'w') as f:
         f.write(text)
+    result['results_dir'] = args.results
     return result
 
 

@@ -33,14 +33,14 @@ def in_mpi():
                ('PMI_SIZE', 'OMPI_COMM_WORLD_SIZE', 'MV2_COMM_WORLD_SIZE'))
 
 
-def model_with_grads(rank, fill=None):
+def model_with_grads(rank, device):
     import chainer.links as L
     from fastchain.models import resnet50
     model = L.Classifier(resnet50(1000))
+    model.to_device(device)
     rng = numpy.random.RandomState(rank)
     for p in model.params():
-        p.grad = rng.standard_normal(p.shape).astype(numpy.float32) if fill is None \
-            else numpy.full(p.shape, fill, numpy.float32)
+        p.grad = device.send(rng.standard_normal(p.shape).astype(numpy.float32))
     return model
 
 
@@ -48,6 +48,8 @@ def main(argv=None):
     p = _common.parser('allreduce', __doc__)
     p.add_argument('--processes', type=int, default=2)
     p.add_argument('--bucket-mb', type=float, default=25)
+    p.add_argument('--communicator', choices=('mpi', 'nccl'), default='mpi',
+                   help='nccl: GPU arrays, one GPU per process (not run here: no GPU)')
     args = p.parse_args(argv)
     if not in_mpi():
         from fastchain.backends import mpi
@@ -58,25 +60,37 @@ def main(argv=None):
     import chainermn
     from mpi4py import MPI
     from fastchain import distributed
-    comm = distributed.create_communicator('mpi')
+    comm = distributed.create_communicator(args.communicator)
     rank, size = comm.rank, comm.size
     windows = args.windows or (5 if args.quick else 9)
     per_window = 2 if args.quick else 4
+    device = comm.device()
+    device.use()
+    xp = device.xp
 
-    model = model_with_grads(rank)
+    def synchronize():
+        if xp is not numpy:
+            xp.cuda.Device().synchronize()   # read the clock after the GPU is done
+
+    model = model_with_grads(rank, device)
     params = list(model.params())
     n_values = sum(p.size for p in params)
     original = [p.grad.copy() for p in params]
     sync = distributed.GradientSync(comm, params, cap_bytes=int(args.bucket_mb * 2 ** 20))
-    peer = chainermn.create_communicator('naive', MPI.COMM_WORLD)
-    flat = numpy.empty(n_values, numpy.float32)
+    peer_name = 'naive' if args.communicator == 'mpi' else 'pure_nccl'
+    peer = chainermn.create_communicator(peer_name, MPI.COMM_WORLD)
+    flat = xp.empty(n_values, numpy.float32)
 
     def reset():
         for p, g in zip(params, original):
             p.grad[...] = g
+        synchronize()
 
     def run_limit():
-        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        if xp is numpy:
+            MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        else:
+            comm.allreduce(flat, 'limit allreduce')
 
     def run_fastchain():
         sync.begin_step()
@@ -91,8 +105,8 @@ def main(argv=None):
     ours = [p.grad.copy() for p in params]
     reset()
     run_chainermn()
-    identical = all(numpy.array_equal(a, p.grad) for a, p in zip(ours, params))
-    max_diff = max(float(numpy.abs(a - p.grad).max()) for a, p in zip(ours, params))
+    identical = all(bool((a == p.grad).all()) for a, p in zip(ours, params))
+    max_diff = max(float(abs(a - p.grad).max()) for a, p in zip(ours, params))
 
     variants = {'limit': run_limit, 'fastchain': run_fastchain, 'chainermn': run_chainermn}
     rows = _common.Rows('syncs/s')
@@ -106,6 +120,7 @@ def main(argv=None):
             start = time.perf_counter()
             for _ in range(per_window):
                 fn()
+            synchronize()
             elapsed = MPI.COMM_WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX)
             rows.add(name, per_window / elapsed)
         if rank == 0:
@@ -116,18 +131,20 @@ def main(argv=None):
         return
     ratios = {'fastchain/limit': rows.ratio('fastchain', 'limit'),
               'fastchain/chainermn': rows.ratio('fastchain', 'chainermn')}
-    config = {'processes': size, 'transport': 'MPI ({})'.format(
-                  MPI.Get_library_version().split('\n')[0].strip()),
+    config = {'processes': size, 'communicator': args.communicator,
+              'transport': 'MPI ({})'.format(MPI.Get_library_version().split('\n')[0].strip())
+              if args.communicator == 'mpi' else 'NCCL',
               'arrays': len(params), 'values': n_values,
               'megabytes_fp32': round(n_values * 4 / 2 ** 20, 1),
               'buckets': len(sync.buckets), 'bucket_mb': args.bucket_mb,
               'windows': windows, 'syncs_per_window': per_window,
-              'chainermn_communicator': 'naive',
+              'chainermn_communicator': peer_name,
               'results_identical_to_chainermn': identical,
               'max_abs_difference_vs_chainermn': max_diff}
-    rows.skip('chainermn_flat', "ChainerMN's 'flat' and NCCL communicators need CuPy "
-              'arrays (no GPU here)')
-    rows.skip('fastchain_nccl', 'needs GPUs: run make gpu-check on a GPU machine')
+    if args.communicator == 'mpi':
+        rows.skip('chainermn_flat', "ChainerMN's 'flat' and NCCL communicators need CuPy "
+                  'arrays (no GPU here)')
+        rows.skip('fastchain_nccl', 'needs GPUs: run make gpu-check on a GPU machine')
     notes = ['Every process holds the same 161 gradient arrays of ResNet-50; a sync '
              'leaves their mean over the processes in every param.grad. The limit moves '
              'the same bytes as one buffer and leaves them summed in place (no packing, '

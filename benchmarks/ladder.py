@@ -1,0 +1,254 @@
+"""The GTC Japan 2018 speed ladder, reproduced on the device present.
+
+ResNet-50 (the recipe's model), the same batch and the same real JPEG files
+(ImageNet-like sizes, so decoding and preprocessing are part of every step),
+one rung after another, each adding one change to the one before, as in the
+talk:
+
+  baseline            SerialIterator, fp32, no cuDNN   (benchmarks/ladder_scripts/plain.py)
+  cudnn               + cuDNN
+  autotune            + cuDNN autotuning
+  fp16                + fp16 compute, preprocessing in NumPy fp16 (the talk's slow rung)
+  fp32_preprocessing  + preprocessing back in fp32, cast on the device
+  multiprocess        + worker processes and device prefetch for the input
+  static_graph        + static-subgraph caching
+  all                 plain.py + one fastchain.enable() call (ladder_scripts/with_fastchain.py)
+  torch               PyTorch eager ResNet-50, DataLoader with PIL (when torch is installed)
+
+A rung that cannot run here is listed with the reason. Each rung is built
+fresh, warmed up (worker start, first calls, schedule building), then timed
+for one window; rungs take turns window by window. Rows are iterations per
+second (median of windows); ``RUNG/baseline`` is a rung's speed over the
+baseline's. Writes JSON, a Markdown table and a PNG bar chart.
+"""
+
+import difflib
+import os
+import sys
+import time
+import warnings
+
+import numpy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common  # noqa: E402
+from ladder_scripts import plain, with_fastchain  # noqa: E402
+
+RUNGS = ('baseline', 'cudnn', 'autotune', 'fp16', 'fp32_preprocessing', 'multiprocess',
+         'static_graph', 'all')
+
+
+def changed_lines():
+    """Lines that differ between the plain script and the accelerated one."""
+    a = open(plain.__file__).read().splitlines()
+    b = open(with_fastchain.__file__).read().splitlines()
+    return [l[1:].strip() for l in difflib.unified_diff(a, b, lineterm='')
+            if l[:1] in '+-' and l[:3] not in ('+++', '---')]
+
+
+def rung_options(rung, cudnn_ok, workers, fp16_ok=True):
+    """The enable() options of a rung (each adds to the one before)."""
+    upto = RUNGS.index(rung)
+    options = dict(cudnn='never', autotune=False, loader_workers=0,
+                   prefetch_to_device=False, static_graph=False, fp16=False)
+    if upto >= 1 and cudnn_ok:
+        options['cudnn'] = 'auto'
+    if upto >= 2 and cudnn_ok:
+        options['autotune'] = True
+    if upto >= 3 and fp16_ok:
+        options['fp16'] = True
+    if upto >= 5:
+        options['loader_workers'] = workers
+        options['prefetch_to_device'] = True
+    if upto >= 6:
+        options['static_graph'] = True
+    dtype = numpy.float16 if rung == 'fp16' else numpy.float32
+    return options, dtype
+
+
+def build_rung(rung, paths, args, device, cudnn_ok, workers, fp16_ok):
+    import fastchain
+    pairs = [(l.split()[0], int(l.split()[1]))
+             for l in open(paths['train']).read().split('\n') if l]
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')     # "fp16 is slower on a CPU", etc.
+        if rung == 'all':
+            updater = with_fastchain.build(pairs, paths['root'], args.batch, args.crop,
+                                           len(paths['classes']), device)
+        else:
+            options, dtype = rung_options(rung, cudnn_ok, workers, fp16_ok)
+            fastchain.enable(**options)
+            updater = plain.build(pairs, paths['root'], args.batch, args.crop,
+                                  len(paths['classes']), device, dtype=dtype)
+
+    def close():
+        updater.finalize()
+        for handle in reversed(fastchain.active_handles()):
+            handle.disable()
+    return updater.update, close
+
+
+def torch_rung(paths, args, workers):
+    import torch
+    from PIL import Image
+    import torch_resnet
+
+    class Images(torch.utils.data.Dataset):
+        def __init__(self):
+            self.pairs = [(os.path.join(paths['root'], l.split()[0]), int(l.split()[1]))
+                          for l in open(paths['train']).read().split('\n') if l]
+
+        def __len__(self):
+            return len(self.pairs)
+
+        def __getitem__(self, i):
+            path, label = self.pairs[i]
+            image = numpy.asarray(Image.open(path).convert('RGB'), numpy.float32)
+            image = image.transpose(2, 0, 1)
+            _, h, w = image.shape
+            top = numpy.random.randint(0, h - args.crop + 1)
+            left = numpy.random.randint(0, w - args.crop + 1)
+            image = image[:, top:top + args.crop, left:left + args.crop]
+            if numpy.random.randint(2):
+                image = image[:, :, ::-1]
+            return torch.from_numpy(numpy.ascontiguousarray(
+                (image - plain.MEAN) / 255)), label
+
+    loader = torch.utils.data.DataLoader(Images(), batch_size=args.batch, shuffle=True,
+                                         num_workers=workers, drop_last=True,
+                                         persistent_workers=workers > 0)
+    model = torch_resnet.resnet50(len(paths['classes']))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    state = {'it': iter(loader)}
+
+    def step():
+        try:
+            x, t = next(state['it'])
+        except StopIteration:
+            state['it'] = iter(loader)
+            x, t = next(state['it'])
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), t)
+        loss.backward()
+        optimizer.step()
+    return step, lambda: None
+
+
+def chart(result, path):
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = {r['name']: r for r in result['rows']}
+    names = [n for n in RUNGS + ('torch',) if n in rows or
+             any(u['name'] == n for u in result['unavailable'])]
+    values = [rows[n]['value'] if n in rows else 0 for n in names]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bars = ax.bar(names, values, color=['#1f77b4' if n in rows else '#dddddd' for n in names])
+    for bar, n in zip(bars, names):
+        label = '{:.2f}'.format(rows[n]['value']) if n in rows else 'n/a'
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label,
+                ha='center', va='bottom', fontsize=8)
+    ax.set_ylabel('iterations/s')
+    m = result['machine']
+    ax.set_title('ResNet-50, batch {}, {}px crops - {} ({} cores), {}'.format(
+        result['config']['batch'], result['config']['crop'], m['cpu'], m['cores'],
+        'GPU: ' + m['gpus'][0]['name'] if m['gpus'] else 'no GPU'), fontsize=9)
+    plt.xticks(rotation=25, ha='right', fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = _common.parser('ladder', __doc__)
+    p.add_argument('--batch', type=int, default=None)
+    p.add_argument('--crop', type=int, default=None, help='training crop in pixels')
+    p.add_argument('--images', type=int, default=None)
+    p.add_argument('--device', default=None)
+    p.add_argument('--cpu-fp16', action='store_true',
+                   help='run the fp16 rungs on a CPU too (measured: ~80x slower than fp32)')
+    args = p.parse_args(argv)
+    import chainer
+    from fastchain.backends import cuda
+    from fastchain.data import available_cores, make_demo_dataset
+    gpu = cuda.available()
+    args.batch = args.batch or (32 if gpu else 16)
+    args.crop = args.crop or (224 if gpu else 32)
+    n_images = args.images or (320 if args.quick else 640)
+    windows = args.windows or (3 if args.quick else 5)
+    per_window = 4 if args.quick else 8
+    # Warm-up: workers start, first calls, and for the cached rungs the
+    # schedule build plus its two verified replays.
+    warmup_iterations = 4
+    device = chainer.get_device(args.device or ('@cupy:0' if gpu else '@numpy'))
+    device.use()
+    workers = available_cores()
+    cudnn = cuda.cudnn_status()
+    paths = make_demo_dataset(os.path.join(HERE, '.cache', 'ladder-jpegs-{}'.format(n_images)),
+                              n_train=n_images // 10, n_val=0, size=(300, 640), seed=2018)
+
+    rows = _common.Rows('iterations/s')
+    builders = {}
+    fp16_ok = gpu or args.cpu_fp16
+    for rung in RUNGS:
+        if rung in ('cudnn', 'autotune') and not cudnn.available:
+            rows.skip(rung, 'cuDNN is not available here: {} (fix: {})'.format(
+                cudnn.why, cudnn.fix))
+            continue
+        if rung in ('fp16', 'fp32_preprocessing') and not fp16_ok:
+            rows.skip(rung, 'fp16 is a GPU rung: NumPy runs float16 matrix products '
+                      'without BLAS (measured here: 31 s per iteration against 0.4 s in '
+                      'fp32 for this model and batch); the later rungs stay in fp32. '
+                      '--cpu-fp16 runs it anyway')
+            continue
+        builders[rung] = (lambda rung=rung: build_rung(rung, paths, args, device,
+                                                       cudnn.available, workers, fp16_ok))
+    try:
+        import torch    # noqa: F401
+        torch.set_num_threads(workers)
+        builders['torch'] = lambda: torch_rung(paths, args, workers)
+    except ImportError:
+        rows.skip('torch', 'PyTorch is not installed (pip install torch)')
+    warmup = {}
+    for w in range(windows):
+        for name, build in builders.items():
+            t0 = time.perf_counter()
+            step, close = build()
+            try:
+                for _ in range(warmup_iterations):
+                    step()
+                warmup.setdefault(name, round(time.perf_counter() - t0, 2))
+                start = time.perf_counter()
+                for _ in range(per_window):
+                    step()
+                rows.add(name, per_window / (time.perf_counter() - start))
+            finally:
+                close()
+        print('window {}/{}: '.format(w + 1, windows) + ', '.join(
+            '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
+
+    ratios = {'{}/baseline'.format(r): rows.ratio(r, 'baseline')
+              for r in RUNGS[1:] + ('torch',)}
+    ratios['all/torch'] = rows.ratio('all', 'torch')
+    diff = changed_lines()
+    config = {'model': 'ResNet-50 v1.5', 'batch': args.batch, 'crop': args.crop,
+              'images': n_images, 'image_sides_px': [300, 640], 'device': str(device),
+              'loader_workers': workers, 'windows': windows,
+              'iterations_per_window': per_window,
+              'warmup_seconds_first_window': warmup,
+              'changed_lines_plain_to_all': len(diff), 'changed_lines': diff,
+              'talk_changed_lines': 8}
+    notes = ['Changed lines from the plain script to the "all" row: {} ({}); the talk '
+             'needed 8.'.format(len(diff), '; '.join(diff)),
+             'Target on CPU: all/baseline >= 1.5.']
+    result = _common.write('ladder', args, config, rows, ratios, notes)
+    chart(result, os.path.join(args.results, 'ladder' + ('-quick' if args.quick else '')
+                               + '.png'))
+
+
+if __name__ == '__main__':
+    main()
