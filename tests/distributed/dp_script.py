@@ -72,9 +72,10 @@ def equivalence():
     numpy.random.seed(1 + rank)         # different init per rank: bcast must fix it
     model = L.Classifier(MLP())
     # overlap=True: the capture path NCCL uses, exercised here over MPI.
+    how = sys.argv[3]
     opt = distributed.create_multi_node_optimizer(
         chainer.optimizers.MomentumSGD(0.1), comm, bucket_cap_mb=0.001,
-        overlap=(sys.argv[3] == 'overlap'))
+        overlap=(how == 'overlap'), fp16_allreduce=(how == 'fp16'))
     opt.setup(model)
     reference = model.copy(mode='copy')
     ref_opt = chainer.optimizers.MomentumSGD(0.1).setup(reference)
@@ -89,12 +90,16 @@ def equivalence():
               for r in range(comm.size)]
         ref_opt.update(reference, numpy.concatenate([a for a, _ in xs]),
                        numpy.concatenate([c for _, c in xs]))
+    # fp16 on the wire rounds each averaged gradient to 11 bits.
+    rtol, atol = (2e-2, 2e-3) if how == 'fp16' else (1e-5, 1e-6)
     for (name, p), (_, q) in zip(sorted(model.namedparams()), sorted(reference.namedparams())):
-        numpy.testing.assert_allclose(p.array, q.array, rtol=1e-5, atol=1e-6, err_msg=name)
+        numpy.testing.assert_allclose(p.array, q.array, rtol=rtol, atol=atol, err_msg=name)
     same_everywhere(model)
     sync = opt._fastchain_sync
-    assert len(sync.buckets) > 2, len(sync.buckets)
-    expected = 5 if sys.argv[3] == 'overlap' else 0
+    assert len(sync.buckets) > (0 if how == 'fp16' else 2), len(sync.buckets)
+    assert all(b.dtype == (numpy.float16 if how == 'fp16' else numpy.float32)
+               for b in sync.buckets)
+    expected = 5 if how == 'overlap' else 0
     assert sync.overlapped_steps == expected and sync.redone_steps == 0, (
         sync.overlapped_steps, sync.redone_steps)
     done()

@@ -26,7 +26,7 @@ def mpirun(scenario, tmp_path, n=2, timeout=120, env=None, extra=()):
     return r
 
 
-@pytest.mark.parametrize('how', ['in_place', 'overlap'])
+@pytest.mark.parametrize('how', ['in_place', 'overlap', 'fp16'])
 def test_n_ranks_equal_one_process_with_n_times_the_batch(how, tmp_path):
     # 'overlap' runs the capture-during-backward path (NCCL's) over MPI.
     r = mpirun('equivalence', tmp_path, extra=[how])
@@ -102,3 +102,16 @@ def test_fastchain_run_is_mpiexec():
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [mpi.mpiexec_path(), '-n', '3', sys.executable, 'train.py',
                                 '--epochs', '2']
+
+
+@pytest.mark.gpu
+def test_nccl_communicator_averages_gpu_arrays():
+    # One process: NCCL with a world of one still goes through set-up and the
+    # collective on the device (make gpu-check runs this on a GPU machine).
+    import cupy
+    from fastchain import distributed
+    comm = distributed.create_communicator('nccl')
+    comm.device().use()
+    a = cupy.arange(10, dtype=cupy.float32)
+    comm.allreduce(a, 'test allreduce')
+    cupy.testing.assert_array_equal(a, cupy.arange(10, dtype=cupy.float32) * comm.size)
