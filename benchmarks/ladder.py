@@ -33,6 +33,7 @@ import numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common  # noqa: E402
+from _images import list_pairs, torch_dataset  # noqa: E402
 from ladder_scripts import plain, with_fastchain  # noqa: E402
 
 RUNGS = ('baseline', 'cudnn', 'autotune', 'fp16', 'fp32_preprocessing', 'multiprocess',
@@ -69,8 +70,7 @@ def rung_options(rung, cudnn_ok, workers, fp16_ok=True):
 
 def build_rung(rung, paths, args, device, cudnn_ok, workers, fp16_ok):
     import fastchain
-    pairs = [(l.split()[0], int(l.split()[1]))
-             for l in open(paths['train']).read().split('\n') if l]
+    pairs = list_pairs(paths)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')     # "fp16 is slower on a CPU", etc.
         if rung == 'all':
@@ -91,31 +91,9 @@ def build_rung(rung, paths, args, device, cudnn_ok, workers, fp16_ok):
 
 def torch_rung(paths, args, workers):
     import torch
-    from PIL import Image
     import torch_resnet
 
-    class Images(torch.utils.data.Dataset):
-        def __init__(self):
-            self.pairs = [(os.path.join(paths['root'], l.split()[0]), int(l.split()[1]))
-                          for l in open(paths['train']).read().split('\n') if l]
-
-        def __len__(self):
-            return len(self.pairs)
-
-        def __getitem__(self, i):
-            path, label = self.pairs[i]
-            image = numpy.asarray(Image.open(path).convert('RGB'), numpy.float32)
-            image = image.transpose(2, 0, 1)
-            _, h, w = image.shape
-            top = numpy.random.randint(0, h - args.crop + 1)
-            left = numpy.random.randint(0, w - args.crop + 1)
-            image = image[:, top:top + args.crop, left:left + args.crop]
-            if numpy.random.randint(2):
-                image = image[:, :, ::-1]
-            return torch.from_numpy(numpy.ascontiguousarray(
-                (image - plain.MEAN) / 255)), label
-
-    loader = torch.utils.data.DataLoader(Images(), batch_size=args.batch, shuffle=True,
+    loader = torch.utils.data.DataLoader(torch_dataset(paths, args.crop, plain.MEAN, 1 / 255), batch_size=args.batch, shuffle=True,
                                          num_workers=workers, drop_last=True,
                                          persistent_workers=workers > 0)
     model = torch_resnet.resnet50(len(paths['classes']))

@@ -31,6 +31,7 @@ import numpy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+from _images import list_pairs, random_crop_flip, torch_dataset  # noqa: E402
 
 MEAN = numpy.array([123.675, 116.28, 103.53], numpy.float32)[:, None, None]
 STD = numpy.array([58.395, 57.12, 57.375], numpy.float32)[:, None, None]
@@ -63,21 +64,13 @@ class _ChainerPreprocessed:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         image, label = self.base[i]       # float32 CHW, via PIL
-        _, h, w = image.shape
-        top = numpy.random.randint(0, h - CROP + 1)
-        left = numpy.random.randint(0, w - CROP + 1)
-        image = image[:, top:top + CROP, left:left + CROP]
-        if numpy.random.randint(2):
-            image = image[:, :, ::-1]
-        return (image - MEAN) / STD, label
+        return (random_crop_flip(image, CROP) - MEAN) / STD, label
 
 
 def chainer_variant(kind, paths, batch, workers):
     import chainer
     from chainer.dataset import concat_examples
-    pairs = [(line.split()[0], int(line.split()[1]))
-             for line in open(paths['train']).read().split('\n') if line]
-    ds = _ChainerPreprocessed(pairs, paths['root'])
+    ds = _ChainerPreprocessed(list_pairs(paths), paths['root'])
     if kind == 'serial':
         it = chainer.iterators.SerialIterator(ds, batch)
     else:
@@ -103,29 +96,7 @@ def fastchain_variant(paths, batch, workers, normalize=True):
 
 def torch_variant(paths, batch, workers):
     import torch
-    from PIL import Image
-
-    class TorchImages(torch.utils.data.Dataset):
-        def __init__(self):
-            self.pairs = [(os.path.join(paths['root'], l.split()[0]), int(l.split()[1]))
-                          for l in open(paths['train']).read().split('\n') if l]
-
-        def __len__(self):
-            return len(self.pairs)
-
-        def __getitem__(self, i):
-            path, label = self.pairs[i]
-            image = numpy.asarray(Image.open(path).convert('RGB'), numpy.float32)
-            image = image.transpose(2, 0, 1)
-            _, h, w = image.shape
-            top = numpy.random.randint(0, h - CROP + 1)
-            left = numpy.random.randint(0, w - CROP + 1)
-            image = image[:, top:top + CROP, left:left + CROP]
-            if numpy.random.randint(2):
-                image = image[:, :, ::-1]
-            return torch.from_numpy(numpy.ascontiguousarray((image - MEAN) / STD)), label
-
-    loader = torch.utils.data.DataLoader(TorchImages(), batch_size=batch, shuffle=True,
+    loader = torch.utils.data.DataLoader(torch_dataset(paths, CROP, MEAN, 1.0 / STD), batch_size=batch, shuffle=True,
                                          num_workers=workers, persistent_workers=True,
                                          drop_last=True)
     state = {'it': iter(loader)}

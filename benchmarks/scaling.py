@@ -26,7 +26,6 @@ import _common  # noqa: E402
 def child(args):
     import chainer
     import chainer.links as L
-    from chainer import training
     from fastchain import distributed
     from fastchain.models import ResNet
     comm = distributed.create_communicator('mpi')

@@ -1,7 +1,5 @@
 """The fp16 accelerator group of ``fastchain.enable``."""
 
-import numpy
-
 from fastchain.backends import cuda
 from fastchain.config._options import Group, Option, State
 from fastchain.precision import _attach

@@ -54,7 +54,6 @@ def test_each_bad_file_names_itself(bad_root, name, reason):
 
 
 def test_transforms_make_uint8_chw_of_the_requested_size(image_root):
-    import chainer
     d = data.ImageListDataset(os.path.join(image_root, 'train.txt'))
     for transform, shape in [(data.RandomCrop(32), (3, 32, 32)),
                              (data.RandomCrop(120), (3, 120, 120)),   # upsized first

@@ -1,7 +1,6 @@
 """The built-in timeline and the step summary, on CPU."""
 
 import json
-import os
 import warnings
 
 import numpy

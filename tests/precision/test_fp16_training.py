@@ -1,6 +1,5 @@
 """enable(fp16=True) on a plain Chainer Trainer script, on the CPU."""
 
-import copy
 import warnings
 
 import numpy

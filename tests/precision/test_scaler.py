@@ -3,7 +3,6 @@
 import numpy
 import pytest
 
-import chainer
 from chainer import serializers
 
 from fastchain.precision import DynamicLossScaler
