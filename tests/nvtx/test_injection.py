@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 from .conftest import nest, read_log
 
@@ -123,3 +125,25 @@ def test_nvtx_false_emits_nothing(nvtx_tool, tmp_path):
     events = run(nvtx_tool, tmp_path, mode=False, poison=())
     # Not one NVTX call: the tool was never even initialised.
     assert events == []
+
+
+@pytest.mark.mpi
+def test_each_allreduce_bucket_is_a_range(nvtx_tool, tmp_path):
+    from fastchain.backends import mpi
+    script = os.path.join(os.path.dirname(__file__), '..', 'distributed', 'dp_script.py')
+    log = str(tmp_path / 'nvtx.log')
+    out = tmp_path / 'out'
+    out.mkdir()
+    env = dict(os.environ, NVTX_INJECTION64_PATH=nvtx_tool, FASTCHAIN_NVTX_LOG=log)
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, script,
+                        'equivalence', str(out), 'in_place'],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    events = read_log(log)
+    buckets = [e[6] for e in events if e[0] == 'push' and e[6].startswith('allreduce bucket')]
+    # 2 ranks x 6 steps x every bucket, each pushed and popped.
+    assert buckets and len(buckets) % 12 == 0
+    assert sorted(set(buckets))[0] == 'allreduce bucket 0'
+    nest(events)        # balanced on every thread
+    categories = {e[6] for e in events if e[0] == 'category'}
+    assert 'allreduce' in categories
