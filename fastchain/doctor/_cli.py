@@ -37,7 +37,7 @@ def _print_human(rep, out):
         print('  {:20s} {:42s} {}'.format(s['name'], s['module'], s['why']), file=out)
     print('\naccelerators:', file=out)
     for name, s in rep['accelerators'].items():
-        line = '  {:16s} available: {:3s} active: {:3s}'.format(
+        line = '  {:20s} available: {:3s} active: {:3s}'.format(
             name, _yes(s['available']), _yes(s['active']))
         if not s['available']:
             line += '  ({}; fix: {})'.format(s['why'], s['fix'])
