@@ -30,7 +30,14 @@ def attach(optimizer, scaler, recorder, fp32_update=True):
                       label='optimizer._loss_scale')
 
     def check_nan_in_grads():
-        scaler.step(p.grad for p in target.params())
+        params = list(target.params())
+        # The update rules unscale each gradient by param._loss_scale, which
+        # Variable.backward sets, but Chainer's static_graph backward does not
+        # (measured: the updates were loss_scale times too large, then NaN).
+        # Say it here for every parameter, whoever ran the backward.
+        for p in params:
+            p._loss_scale = optimizer._loss_scale
+        scaler.step(p.grad for p in params)
 
     def is_safe_to_update():
         return bool(scaler.stepped)
