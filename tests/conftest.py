@@ -42,3 +42,14 @@ def run_python(code, *args, env=None, timeout=120, check=True):
 @pytest.fixture
 def python():
     return run_python
+
+
+@pytest.fixture(autouse=True)
+def no_handle_leaks_into_the_next_test():
+    """A failing test must not leave fastchain enabled for the ones after it."""
+    yield
+    import sys
+    enable_module = sys.modules.get('fastchain.config._enable')
+    if enable_module is not None:
+        for handle in reversed(enable_module.active_handles()):
+            handle.disable()
