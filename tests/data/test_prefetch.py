@@ -141,3 +141,21 @@ def test_enable_upgrades_a_plain_scripts_serial_iterator(images, tmp_path):
 
     updater, _ = script(tmp_path / 'off')
     assert type(updater.get_iterator('main')) is chainer.iterators.SerialIterator
+
+
+@pytest.mark.gpu
+def test_device_prefetch_on_a_gpu_matches_the_cpu(images):
+    # The GPU edge: side stream, event, the training stream waiting on it.
+    import chainer.backends.cuda as cuda
+    ref = data.MultiprocessIterator(images, 4, seed=5, n_workers=0)
+    it = data.DevicePrefetcher(data.MultiprocessIterator(images, 4, seed=5, n_workers=2),
+                               data.ImageConverter(), '@cupy:0')
+    try:
+        for _ in range(5):
+            expected = data.ImageConverter()(ref.next())
+            x, t = convert._call_converter(it.converter, it.next(), None)
+            assert isinstance(x, cuda.ndarray)
+            numpy.testing.assert_allclose(cuda.to_cpu(x), expected[0], rtol=1e-6)
+            numpy.testing.assert_array_equal(cuda.to_cpu(t), expected[1])
+    finally:
+        it.finalize()

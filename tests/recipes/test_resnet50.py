@@ -99,3 +99,16 @@ def test_data_parallel_under_mpiexec_with_resume(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     log = log_of(tmp_path, 'dp2')
     assert [e['iteration'] for e in log] == [2, 4, 6]
+
+
+@pytest.mark.gpu
+def test_all_accelerators_on_a_gpu(tmp_path):
+    result = run(tmp_path, '--data', 'demo', '--iterations', '6', '--all',
+                 '--device', '@cupy:0')
+    from fastchain.backends import cuda
+    expected = ['cudnn', 'autotune', 'static_graph']
+    if cuda.tensor_cores_available():       # fp16='auto' needs TensorCores
+        expected.append('fp16')
+    for name in expected:
+        line = next(l for l in result.stdout.splitlines() if l.strip().startswith(name))
+        assert 'active' in line, line
