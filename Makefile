@@ -10,7 +10,7 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= test,mpi,recipes,bench
+EXTRAS ?= test,mpi,recipes
 # Empty: the newest NumPy the registry offers (2.x). E.g. NUMPY_SPEC='numpy==1.26.*'.
 NUMPY_SPEC ?=
 # 1: keep setuptools<82 (which still ships pkg_resources) after building Chainer.

@@ -15,8 +15,10 @@ flips, normalised, as float32 arrays ready for the model:
                         the device (what the host pays when a GPU normalises)
   torch                 PyTorch DataLoader with PIL, one worker per core (when
                         torch is installed)
-  limit                 decode only (Pillow, full size) of the same files by
-                        one process per core: what the cores can do at best
+  limit                 decode only (full size, with the decoder fastchain uses:
+                        simplejpeg, measured faster than Pillow below) of the
+                        same files by one process per core: what the cores can
+                        do at best
 
 Each variant is built, warmed up (workers started, first batches), then
 timed for one window; variants take turns window by window.
@@ -113,12 +115,14 @@ def torch_variant(paths, batch, workers):
 # --- (e): the decode limit ----------------------------------------------------
 
 def _decode(path):
-    from PIL import Image
-    return numpy.asarray(Image.open(path).convert('RGB')).shape
+    # fastchain's decoder: simplejpeg for full-size JPEGs (see decoder_rates).
+    from fastchain.data._images import open_image, to_hwc
+    return to_hwc(open_image(path)).shape
 
 
 def limit_rate(files, workers, seconds):
-    """Images/s of full Pillow decodes, one process per core, for ~seconds."""
+    """Images/s of full-size decodes with the decoder fastchain uses, one
+    process per core, for ~seconds."""
     ctx = multiprocessing.get_context('fork')
     with ctx.Pool(workers) as pool:
         pool.map(_decode, files[:workers * 4])      # warm up
@@ -224,8 +228,9 @@ def main(argv=None):
               'decoders_single_process_images_per_s': decoder_rates(files)}
     notes = ['Every variant but fastchain_uint8 outputs normalised float32 224x224 '
              'crops with flips; fastchain_uint8 stops at the uint8 batch a GPU would '
-             'normalise. The limit decodes each file at full size with Pillow and '
-             'nothing else, in one process per core.']
+             'normalise. The limit decodes each file at full size and '
+             'nothing else, in one process per core, with the fastest decoder measured '
+             '(decoders_single_process_images_per_s in the config).']
     _common.write('loader', args, config, rows, ratios, notes)
 
 

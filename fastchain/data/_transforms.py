@@ -21,6 +21,7 @@ def _draft(image, width, height):
         return 1.0, 1.0
     full = image.size
     image.draft('RGB', (max(1, int(width)), max(1, int(height))))
+    image.fastchain_drafted = True      # decode through Pillow, at the draft scale
     return image.size[0] / full[0], image.size[1] / full[1]
 
 
@@ -38,7 +39,7 @@ class RandomCrop:
         w, h = image.size
         if w < s or h < s:
             f = s / min(w, h)
-            image = image.convert('RGB').resize(
+            image = image.convert('RGB').resize(   # (a new image: decoded by Pillow)
                 (max(s, math.ceil(w * f)), max(s, math.ceil(h * f))))
         array = to_hwc(image)
         h, w, _ = array.shape

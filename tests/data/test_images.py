@@ -105,3 +105,36 @@ def test_normalize_on_the_device_side():
     x = numpy.full((2, 3, 4, 4), 255, numpy.uint8)
     out = data.Normalize(mean=(0, 0, 0), std=(255, 255, 255))(x, numpy.float16)
     assert out.dtype == numpy.float16 and numpy.allclose(out, 1.0)
+
+
+@pytest.mark.parametrize('mode', ['RGB', 'L', 'CMYK'])
+def test_fast_jpeg_decode_gives_pillows_pixels(tmp_path, mode):
+    # simplejpeg decodes full-size JPEGs; CMYK (which it cannot) falls back
+    # to Pillow. Either way the pixels are Pillow's.
+    from PIL import Image
+    from fastchain.data import _images
+    rng = numpy.random.RandomState(0)
+    pixels = rng.randint(0, 256, (37, 53, 3), dtype=numpy.uint8)
+    path = str(tmp_path / 'x.jpg')
+    Image.fromarray(pixels).convert(mode).save(path, quality=85)
+    expected = numpy.asarray(Image.open(path).convert('RGB'))
+    got = _images.to_hwc(_images.open_image(path))
+    assert got.shape == (37, 53, 3) and got.dtype == numpy.uint8
+    numpy.testing.assert_array_equal(got, expected)
+
+
+def test_simplejpeg_is_the_full_size_decoder(tmp_path, monkeypatch):
+    from PIL import Image
+    from fastchain.data import _images
+    if _images._simplejpeg is None:
+        pytest.skip('simplejpeg is not installed')
+    calls = []
+    real = _images._simplejpeg.decode_jpeg
+    monkeypatch.setattr(_images._simplejpeg, 'decode_jpeg',
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = str(tmp_path / 'x.jpg')
+    Image.fromarray(numpy.zeros((64, 64, 3), numpy.uint8)).save(path)
+    _images.to_hwc(_images.open_image(path))
+    assert calls == [1]
+    data.CenterCrop(16, resize=20)(_images.open_image(path))     # reduced size: Pillow
+    assert calls == [1]
