@@ -70,17 +70,23 @@ class CudnnGroup(Group):
 
         size = values['workspace_size']
         if size is not None:
-            import chainer.backends.cuda as chainer_cuda
-            old = chainer_cuda.get_max_workspace_size()
-            recorder.call('chainer.backends.cuda.max_workspace_size',
-                          lambda: chainer_cuda.set_max_workspace_size(size),
-                          lambda: chainer_cuda.set_max_workspace_size(old),
-                          old=old, new=size)
+            set_workspace(recorder, size)
             cudnn = states['cudnn']
             states['workspace_size'] = State(
                 'workspace_size', cudnn.available, cudnn.available,
                 requested=True, why=cudnn.why, fix=cudnn.fix, setting=size)
         return list(states.values())
+
+
+def set_workspace(recorder, size):
+    """Set cuDNN's workspace through Chainer, recorded for the handle's undo."""
+    import chainer.backends.cuda as chainer_cuda
+    old = chainer_cuda.get_max_workspace_size()
+    recorder.call('chainer.backends.cuda.max_workspace_size',
+                  lambda: chainer_cuda.set_max_workspace_size(size),
+                  lambda: chainer_cuda.set_max_workspace_size(old),
+                  old=old, new=size)
+    return old
 
 
 GROUP = CudnnGroup()

@@ -24,7 +24,22 @@ def _conv(n_in, n_out, k, stride=1):
                            initialW=initializers.HeNormal())
 
 
-class Bottleneck(chainer.Chain):
+class _Block(chainer.Chain):
+    """What both block kinds share: the shortcut (a strided 1x1 projection
+    where the shape changes, else the identity) and the final add + ReLU."""
+
+    def _add_projection(self, n_in, n_out, stride):
+        # Called inside init_scope, so the links register as proj/proj_bn.
+        if stride != 1 or n_in != n_out:
+            self.proj = _conv(n_in, n_out, 1, stride)
+            self.proj_bn = L.BatchNormalization(n_out)
+
+    def _residual(self, h, x):
+        shortcut = self.proj_bn(self.proj(x)) if hasattr(self, 'proj') else x
+        return F.relu(h + shortcut)
+
+
+class Bottleneck(_Block):
     """1x1 -> 3x3 (stride here: v1.5) -> 1x1, expansion 4."""
 
     expansion = 4
@@ -40,19 +55,15 @@ class Bottleneck(chainer.Chain):
             self.conv3 = _conv(width, n_out, 1)
             self.bn3 = L.BatchNormalization(
                 n_out, initial_gamma=0 if zero_init_residual else None)
-            if stride != 1 or n_in != n_out:
-                self.proj = _conv(n_in, n_out, 1, stride)
-                self.proj_bn = L.BatchNormalization(n_out)
+            self._add_projection(n_in, n_out, stride)
 
     def forward(self, x):
         h = F.relu(self.bn1(self.conv1(x)))
         h = F.relu(self.bn2(self.conv2(h)))
-        h = self.bn3(self.conv3(h))
-        shortcut = self.proj_bn(self.proj(x)) if hasattr(self, 'proj') else x
-        return F.relu(h + shortcut)
+        return self._residual(self.bn3(self.conv3(h)), x)
 
 
-class Basic(chainer.Chain):
+class Basic(_Block):
     """3x3 -> 3x3, expansion 1 (ResNet-18/34)."""
 
     expansion = 1
@@ -65,15 +76,11 @@ class Basic(chainer.Chain):
             self.conv2 = _conv(width, width, 3)
             self.bn2 = L.BatchNormalization(
                 width, initial_gamma=0 if zero_init_residual else None)
-            if stride != 1 or n_in != width:
-                self.proj = _conv(n_in, width, 1, stride)
-                self.proj_bn = L.BatchNormalization(width)
+            self._add_projection(n_in, width, stride)
 
     def forward(self, x):
         h = F.relu(self.bn1(self.conv1(x)))
-        h = self.bn2(self.conv2(h))
-        shortcut = self.proj_bn(self.proj(x)) if hasattr(self, 'proj') else x
-        return F.relu(h + shortcut)
+        return self._residual(self.bn2(self.conv2(h)), x)
 
 
 class Stage(chainer.Chain):

@@ -55,12 +55,9 @@ class Fp16Group(Group):
                 recorder.set_config('use_cudnn_tensor_core', 'auto')
             if 'workspace_size' not in explicit:
                 import chainer.backends.cuda as chainer_cuda
-                old = chainer_cuda.get_max_workspace_size()
-                if old < FP16_WORKSPACE:
-                    recorder.call('chainer.backends.cuda.max_workspace_size',
-                                  lambda: chainer_cuda.set_max_workspace_size(FP16_WORKSPACE),
-                                  lambda: chainer_cuda.set_max_workspace_size(old),
-                                  old=old, new=FP16_WORKSPACE)
+                from fastchain.cudnn._group import set_workspace
+                if chainer_cuda.get_max_workspace_size() < FP16_WORKSPACE:
+                    set_workspace(recorder, FP16_WORKSPACE)
             state.note = None
         else:
             state.note = ('fp16 runs on the CPU through NumPy, which is slower '
