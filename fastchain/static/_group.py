@@ -1,4 +1,5 @@
-"""The static-graph group of ``fastchain.enable``."""
+"""The per-iteration-overhead group of ``fastchain.enable``: the static-graph
+cache and the fused CPU update."""
 
 from fastchain.config._options import Group, State, boolean
 
@@ -9,43 +10,55 @@ class StaticGraphGroup(Group):
         boolean('static_graph', "cache the static subgraph of each optimizer's model "
                 '(its predictor, for L.Classifier) to cut per-iteration Python '
                 'overhead (default: off)', default=False),
+        boolean('fused_update', 'update SGD/MomentumSGD parameters on the CPU with a '
+                'fused, cache-blocked, multithreaded kernel, bitwise equal to '
+                "Chainer's (default: on; GPU updates are fused kernels already)"),
     )
 
     def probe(self):
-        return [State('static_graph', True, False)]
+        return [State('static_graph', True, False), State('fused_update', True, False)]
 
     def apply(self, values, explicit, recorder):
-        state = State('static_graph', True, bool(values['static_graph']),
-                      requested='static_graph' in explicit, setting=values['static_graph'])
-        if not values['static_graph']:
-            return [state]
-        from fastchain.static import _fixes
-        if _fixes.install():
-            recorder.call('chainer static_graph fixes', lambda: None, _fixes.uninstall)
-        _wrap_setup(recorder)
-        return [state]
+        static = State('static_graph', True, bool(values['static_graph']),
+                       requested='static_graph' in explicit, setting=values['static_graph'])
+        fused = State('fused_update', True, values['fused_update'] is not False,
+                      requested='fused_update' in explicit, setting=values['fused_update'])
+        if static.active:
+            from fastchain.static import _fixes
+            if _fixes.install():
+                recorder.call('chainer static_graph fixes', lambda: None, _fixes.uninstall)
+        if static.active or fused.active:
+            _wrap_setup(recorder, static.active, fused.active)
+        return [static, fused]
 
 
-def _wrap_setup(recorder):
+def _wrap_setup(recorder, static, fused):
     import chainer
     from chainer.optimizer import GradientMethod
     from fastchain.static._cache import cache_static_graph
+    from fastchain.static._update import fuse
     setup = GradientMethod.setup
 
     def setup_with_cache(self, link):
         result = setup(self, link)
-        chain = getattr(link, 'predictor', None)
-        if not isinstance(chain, chainer.Chain):
-            chain = link
-        if 'forward' not in vars(chain):
-            undo = cache_static_graph(chain)
-            recorder.call('static graph of {}'.format(type(chain).__name__),
-                          lambda: None, undo)
+        if fused:
+            undo, n = fuse(self)
+            if n:
+                recorder.call('fused update of {} rules of {}'.format(
+                    n, type(self).__name__), lambda: None, undo)
+        if static:
+            chain = getattr(link, 'predictor', None)
+            if not isinstance(chain, chainer.Chain):
+                chain = link
+            if 'forward' not in vars(chain):
+                undo = cache_static_graph(chain)
+                recorder.call('static graph of {}'.format(type(chain).__name__),
+                              lambda: None, undo)
         return result
 
     setup_with_cache.__wrapped__ = setup
     recorder.set_attr(GradientMethod, 'setup', setup_with_cache,
-                      label='GradientMethod.setup (static_graph)')
+                      label='GradientMethod.setup (static_graph, fused_update)')
 
 
 GROUP = StaticGraphGroup()

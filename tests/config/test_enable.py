@@ -44,6 +44,8 @@ VALUES = {
     'loss_scale': st.sampled_from(['dynamic', False, {'init_scale': 1024.0}, None]),
     'loader_workers': st.sampled_from([None, 0, 1, 4]),
     'prefetch_to_device': st.sampled_from([True, False, None]),
+    'static_graph': st.sampled_from([True, False, None]),
+    'fused_update': st.sampled_from([True, False, None]),
 }
 
 
@@ -78,7 +80,8 @@ def test_each_option_is_applied_to_chainer_and_restored(device):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', FastchainWarning)
         with fastchain.enable(cudnn='always', autotune=True, tensor_cores='never',
-                              workspace_size=1 << 20, loader_workers=0) as h:
+                              workspace_size=1 << 20, loader_workers=0,
+                              fused_update=False) as h:
             assert chainer.config.use_cudnn == 'always'
             assert chainer.config.autotune is True
             assert chainer.config.use_cudnn_tensor_core == 'never'
@@ -95,7 +98,9 @@ def test_defaults_turn_autotune_on_only_where_cudnn_works(device):
     before = snapshot()
     with warnings.catch_warnings():
         warnings.simplefilter('error')      # defaults never warn
-        with fastchain.enable(loader_workers=0) as h:   # the cuDNN defaults only
+        # The cuDNN defaults only (the fused update is on by default too:
+        # tested in tests/static/test_fused_update.py).
+        with fastchain.enable(loader_workers=0, fused_update=False) as h:
             if device == 'fake-cudnn':
                 assert chainer.config.autotune is True
                 assert h.states['autotune'].active
@@ -174,7 +179,7 @@ def test_a_failing_group_undoes_what_was_already_applied(monkeypatch):
 
 
 def test_disable_is_idempotent_and_the_handle_reports():
-    h = fastchain.enable(cudnn='never', loader_workers=0)
+    h = fastchain.enable(cudnn='never', loader_workers=0, fused_update=False)
     try:
         assert 'active=[]' in repr(h) and 'enabled' in repr(h)
     finally:

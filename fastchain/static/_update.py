@@ -1,0 +1,119 @@
+"""A fused, cache-blocked CPU kernel for the SGD and MomentumSGD updates.
+
+Chainer's CPU update is a handful of whole-array NumPy operations per
+parameter (``v *= momentum; v -= lr * grad; param += v``): each one streams
+the full array through memory and the middle one allocates a temporary. For
+ResNet-50 (23.5 M parameters) that is ~45 ms of a ~150 ms overhead-bound CPU
+step; the fused kernel takes ~8 ms off it (measured, 2-core machine).
+Splitting it over threads was measured too and gained nothing in a training
+step: OpenBLAS's threads still spin on the other core after the last
+convolution.
+
+The fused kernel applies the *same* NumPy operations, in the same order and
+with the same operand types, to blocks small enough to stay in cache, with
+one small reused temporary. Each element goes through exactly the operations
+Chainer's code applies to it, so the results are bitwise identical (tested).
+
+It replaces only ``update_core_cpu`` of the rule instances it is given, so
+Chainer's own ``UpdateRule.update`` still does the rest: hooks, the division
+by the loss scale, fp32 master weights, ``enabled``. Anything outside its
+fast path (a rule subclass with its own kernel, iDeep arrays, mixed dtypes,
+non-contiguous state) goes through Chainer's code unchanged. On a GPU the
+update is already one fused CUDA kernel, and this is not used.
+"""
+
+import numpy
+
+# Elements per block: 256 KiB of float32 per operand (the best of 2**12 to
+# 2**18 measured on the 2-core development machine).
+BLOCK = 1 << 16
+
+
+def _momentum_blocks(p, g, v, lr, momentum):
+    n = p.size
+    tmp = numpy.empty(min(BLOCK, n), numpy.result_type(lr, g))
+    for i in range(0, n, BLOCK):
+        j = min(n, i + BLOCK)
+        vb, t = v[i:j], tmp[:j - i]
+        numpy.multiply(vb, momentum, out=vb)        # v *= momentum
+        numpy.multiply(lr, g[i:j], out=t)           # lr * grad
+        numpy.subtract(vb, t, out=vb)               # v -= ...
+        pb = p[i:j]
+        numpy.add(pb, vb, out=pb)                   # param += v
+
+
+def _sgd_blocks(p, g, lr):
+    n = p.size
+    tmp = numpy.empty(min(BLOCK, n), numpy.result_type(lr, g))
+    for i in range(0, n, BLOCK):
+        j = min(n, i + BLOCK)
+        t = tmp[:j - i]
+        numpy.multiply(lr, g[i:j], out=t)           # lr * grad
+        pb = p[i:j]
+        numpy.subtract(pb, t, out=pb)               # param -= ...
+
+
+def _flat(array):
+    return array.reshape(-1)
+
+
+def _plain_arrays(*arrays):
+    return all(type(a) is numpy.ndarray for a in arrays)
+
+
+def fused_update_core_cpu(rule, original):
+    """The replacement for ``rule.update_core_cpu`` (bound to ``rule``)."""
+    from chainer.optimizers.momentum_sgd import MomentumSGDRule
+
+    momentum_rule = isinstance(rule, MomentumSGDRule)
+
+    def update_core_cpu(param):
+        grad = param.grad
+        if grad is None:
+            return
+        p = param.data
+        v = rule.state['v'] if momentum_rule else p
+        if not (_plain_arrays(p, grad, v) and p.dtype == grad.dtype == v.dtype
+                and p.shape == grad.shape == v.shape
+                and p.flags.c_contiguous and v.flags.c_contiguous):
+            return original(param)
+        hp = rule.hyperparam
+        g = _flat(grad if grad.flags.c_contiguous else numpy.ascontiguousarray(grad))
+        if momentum_rule:
+            _momentum_blocks(_flat(p), g, _flat(v), hp.lr, hp.momentum)
+        else:
+            _sgd_blocks(_flat(p), g, hp.lr)
+
+    update_core_cpu.fastchain_fused = True
+    return update_core_cpu
+
+
+def supported(rule):
+    """True if ``rule`` is an SGD or MomentumSGD rule using Chainer's CPU kernel."""
+    from chainer.optimizers.momentum_sgd import MomentumSGDRule
+    from chainer.optimizers.sgd import SGDRule
+    for cls in (MomentumSGDRule, SGDRule):
+        if isinstance(rule, cls):
+            return type(rule).update_core_cpu is cls.update_core_cpu
+    return False
+
+
+def fuse(optimizer):
+    """Give every supported update rule of ``optimizer`` the fused kernel.
+
+    Returns a callable that puts Chainer's kernels back, and the number of
+    rules changed.
+    """
+    changed = []
+    for param in optimizer.target.params():
+        rule = param.update_rule
+        if rule is None or 'update_core_cpu' in vars(rule) or not supported(rule):
+            continue
+        rule.update_core_cpu = fused_update_core_cpu(rule, rule.update_core_cpu)
+        changed.append(rule)
+
+    def undo():
+        for rule in changed:
+            if getattr(vars(rule).get('update_core_cpu'), 'fastchain_fused', False):
+                del rule.update_core_cpu
+    return undo, len(changed)

@@ -1,0 +1,133 @@
+"""The fused CPU update gives exactly Chainer's results, and steps aside
+where it does not apply."""
+
+import chainer
+import chainer.links as L
+import numpy
+import pytest
+from chainer import optimizer_hooks, optimizers
+
+import fastchain
+from fastchain.static import _update
+
+
+class Net(chainer.Chain):
+    """Parameters above and below the threaded size, plus a no-grad one."""
+
+    def __init__(self, dtype=numpy.float32):
+        super().__init__()
+        with self.init_scope():
+            self.big = L.Linear(600, 1000, initialW=chainer.initializers.Normal(
+                0.05, dtype=dtype), initial_bias=chainer.initializers.Zero(dtype))
+            self.small = L.Linear(1000, 10, initialW=chainer.initializers.Normal(
+                0.05, dtype=dtype), initial_bias=chainer.initializers.Zero(dtype))
+            self.unused = chainer.Parameter(numpy.ones(7, dtype))
+
+    def forward(self, x, t):
+        return chainer.functions.softmax_cross_entropy(
+            self.small(chainer.functions.relu(self.big(x))), t)
+
+
+def _train(make_optimizer, fused, steps=4, dtype=numpy.float32, hooks=(), lr_type=float,
+           loss_scale=None):
+    numpy.random.seed(0)
+    model = Net(dtype)
+    opt = make_optimizer().setup(model)
+    for hook in hooks:
+        opt.add_hook(hook())
+    if loss_scale:
+        opt.loss_scaling(scale=loss_scale)
+    if fused:
+        undo, n = _update.fuse(opt)
+        assert n == len(list(model.params()))
+    rng = numpy.random.RandomState(1)
+    for step in range(steps):
+        opt.hyperparam.lr = lr_type(0.05 / (step + 1))
+        x = rng.randn(8, 600).astype(dtype)
+        t = rng.randint(0, 10, 8).astype(numpy.int32)
+        opt.update(model, x, t)
+    return {name: p.array.copy() for name, p in model.namedparams()}
+
+
+@pytest.mark.parametrize('make_optimizer', [
+    lambda: optimizers.MomentumSGD(0.05, momentum=0.9),
+    lambda: optimizers.SGD(0.05),
+], ids=['momentum_sgd', 'sgd'])
+@pytest.mark.parametrize('case', [
+    dict(),
+    dict(dtype=numpy.float64),
+    dict(lr_type=numpy.float64),     # NumPy 2 promotes float32 * float64-scalar
+    dict(hooks=(lambda: optimizer_hooks.WeightDecay(1e-3),
+                lambda: optimizer_hooks.GradientClipping(0.5))),
+    dict(loss_scale=128.0),
+], ids=['float32', 'float64', 'numpy_lr', 'hooks', 'loss_scale'])
+def test_bitwise_equal_to_chainer(make_optimizer, case):
+    expected = _train(make_optimizer, fused=False, **case)
+    got = _train(make_optimizer, fused=True, **case)
+    assert expected.keys() == got.keys()
+    moved = 0
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype
+        numpy.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+        moved += name != '/unused'
+    assert moved == 4
+
+
+def test_blocks_cover_a_parameter_larger_than_one_block():
+    # /big/W has 600,000 elements: nine full blocks and a partial one.
+    assert 600 * 1000 % _update.BLOCK and 600 * 1000 > 2 * _update.BLOCK
+    p = numpy.arange(600000, dtype=numpy.float32)
+    g = numpy.ones_like(p)
+    v = numpy.full_like(p, 2.0)
+    _update._momentum_blocks(p, g, v, 0.5, 0.25)
+    numpy.testing.assert_array_equal(v, numpy.full_like(p, 0.0))
+    numpy.testing.assert_array_equal(p, numpy.arange(600000, dtype=numpy.float32))
+    _update._sgd_blocks(p, g, 0.5)
+    numpy.testing.assert_array_equal(p, numpy.arange(600000, dtype=numpy.float32) - 0.5)
+
+
+def test_unsupported_rules_and_arrays_keep_chainers_kernel():
+    class MyRule(optimizers.momentum_sgd.MomentumSGDRule):
+        def update_core_cpu(self, param):
+            param.array[...] = 42
+
+    class MyMomentum(optimizers.MomentumSGD):
+        def create_update_rule(self):
+            return MyRule(self.hyperparam)
+
+    model = Net()
+    assert _update.fuse(MyMomentum().setup(model))[1] == 0
+    assert _update.fuse(optimizers.Adam().setup(Net()))[1] == 0
+    # A non-contiguous parameter goes through Chainer's code (and stays right).
+    model = Net()
+    opt = optimizers.MomentumSGD(0.1).setup(model)
+    _update.fuse(opt)
+    w = model.big.W
+    w.array = numpy.asfortranarray(w.array)
+    w.grad = numpy.ones_like(w.array)
+    before = w.array.copy()
+    w.update()
+    numpy.testing.assert_allclose(w.array, before - 0.1, rtol=0, atol=1e-6)
+
+
+def test_undo_restores_chainers_kernel():
+    opt = optimizers.MomentumSGD().setup(Net())
+    undo, n = _update.fuse(opt)
+    rule = opt.target.big.W.update_rule
+    assert getattr(rule.update_core_cpu, 'fastchain_fused', False)
+    assert _update.fuse(opt)[1] == 0            # never twice
+    undo()
+    assert 'update_core_cpu' not in vars(rule)
+
+
+def test_enable_turns_it_on_by_default_and_off_on_request():
+    with fastchain.enable(loader_workers=0) as handle:
+        opt = optimizers.MomentumSGD().setup(Net())
+        assert getattr(opt.target.big.W.update_rule.update_core_cpu, 'fastchain_fused', False)
+        assert handle.states['fused_update'].active
+    assert 'update_core_cpu' not in vars(opt.target.big.W.update_rule)
+    with fastchain.enable(fused_update=False, loader_workers=0):
+        opt = optimizers.MomentumSGD().setup(Net())
+        assert 'update_core_cpu' not in vars(opt.target.big.W.update_rule)
+    with pytest.raises(ValueError, match='fused_update'):
+        fastchain.enable(fused_update='yes')
