@@ -29,10 +29,12 @@ class Net(chainer.Chain):
 
 
 def _train(make_optimizer, fused, steps=4, dtype=numpy.float32, hooks=(), lr_type=float,
-           loss_scale=None):
+           loss_scale=None, fp32_update=False):
     numpy.random.seed(0)
     model = Net(dtype)
     opt = make_optimizer().setup(model)
+    if fp32_update:
+        opt.use_fp32_update()
     for hook in hooks:
         opt.add_hook(hook())
     if loss_scale:
@@ -60,7 +62,8 @@ def _train(make_optimizer, fused, steps=4, dtype=numpy.float32, hooks=(), lr_typ
     dict(hooks=(lambda: optimizer_hooks.WeightDecay(1e-3),
                 lambda: optimizer_hooks.GradientClipping(0.5))),
     dict(loss_scale=128.0),
-], ids=['float32', 'float64', 'numpy_lr', 'hooks', 'loss_scale'])
+    dict(dtype=numpy.float16, fp32_update=True, loss_scale=128.0),  # fp16's set-up
+], ids=['float32', 'float64', 'numpy_lr', 'hooks', 'loss_scale', 'fp16_masters'])
 def test_bitwise_equal_to_chainer(make_optimizer, case):
     expected = _train(make_optimizer, fused=False, **case)
     got = _train(make_optimizer, fused=True, **case)
