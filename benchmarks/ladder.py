@@ -12,6 +12,8 @@ talk:
   fp32_preprocessing  + preprocessing back in fp32, cast on the device
   multiprocess        + worker processes and device prefetch for the input
   static_graph        + static-subgraph caching
+  fused_update        + the fused CPU optimizer update (fastchain's, not in the talk; on a
+                        GPU the update is one CUDA kernel already and this rung changes nothing)
   all                 plain.py + one fastchain.enable() call (ladder_scripts/with_fastchain.py)
   torch               PyTorch eager ResNet-50, DataLoader with PIL (when torch is installed)
 
@@ -37,7 +39,7 @@ from _images import list_pairs, torch_dataset  # noqa: E402
 from ladder_scripts import plain, with_fastchain  # noqa: E402
 
 RUNGS = ('baseline', 'cudnn', 'autotune', 'fp16', 'fp32_preprocessing', 'multiprocess',
-         'static_graph', 'all')
+         'static_graph', 'fused_update', 'all')
 
 
 def changed_lines():
@@ -52,7 +54,8 @@ def rung_options(rung, cudnn_ok, workers, fp16_ok=True):
     """The enable() options of a rung (each adds to the one before)."""
     upto = RUNGS.index(rung)
     options = dict(cudnn='never', autotune=False, loader_workers=0,
-                   prefetch_to_device=False, static_graph=False, fp16=False)
+                   prefetch_to_device=False, static_graph=False, fp16=False,
+                   fused_update=False)
     if upto >= 1 and cudnn_ok:
         options['cudnn'] = 'auto'
     if upto >= 2 and cudnn_ok:
@@ -64,6 +67,8 @@ def rung_options(rung, cudnn_ok, workers, fp16_ok=True):
         options['prefetch_to_device'] = True
     if upto >= 6:
         options['static_graph'] = True
+    if upto >= 7:
+        options['fused_update'] = True
     dtype = numpy.float16 if rung == 'fp16' else numpy.float32
     return options, dtype
 

@@ -3,7 +3,8 @@ cache, and where the rest of the host time goes.
 
 Two settings: overhead-bound (batch 2, 32x32 input: Chainer's per-function
 Python work is a large part of a step) and compute-bound (batch 16, 96x96).
-In each, identical models train side by side, windows alternating:
+In each, identical models train side by side, each in its own process,
+windows alternating:
 
 - ``dynamic``: ordinary define-by-run Chainer;
 - ``static``: the static-graph cache alone
@@ -34,6 +35,7 @@ SETTINGS = {'overhead_bound': (2, 32), 'compute_bound': (16, 96)}
 # variant: (static_graph, fused_update)
 VARIANTS = {'dynamic': (False, False), 'static': (True, False),
             'static_fused': (True, True), 'fused': (False, True)}
+SETTLE = 0.3        # seconds between two variants' windows
 VARIANTS_OF = {'overhead_bound': ('dynamic', 'static', 'static_fused', 'fused'),
                'compute_bound': ('dynamic', 'static', 'static_fused')}
 
@@ -74,37 +76,109 @@ def profile(step, n=5):
     return rows
 
 
+class _Variant:
+    """One variant in its own process: its own model, heap and BLAS threads.
+
+    Measured in one process, four ResNet-50s sharing a heap and caches
+    slowed each other unevenly (the same variant read 125 ms in one process
+    and 154 ms alone); separate processes that take turns window by window
+    keep the alternation without that cross-talk.
+    """
+
+    TIMEOUT = 600
+
+    def __init__(self, name, batch, size):
+        import multiprocessing
+        self.name = name
+        ctx = multiprocessing.get_context('spawn')
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, name, batch, size),
+                                   name='overhead-' + name, daemon=True)
+        self.process.start()
+        child.close()
+
+    def ask(self, *request):
+        self.conn.send(request)
+        if not self.conn.poll(self.TIMEOUT):
+            raise RuntimeError('variant {} did not answer within {} s'.format(
+                self.name, self.TIMEOUT))
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            raise RuntimeError('variant {} died (exit code {})'.format(
+                self.name, self.process.exitcode)) from None
+        if kind == 'error':
+            raise RuntimeError('variant {} failed: {}'.format(self.name, value))
+        return value
+
+    def close(self):
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def _serve(conn, name, batch, size):
+    try:
+        step, handle = make(*VARIANTS[name], batch, size)
+        for _ in range(3):      # warm-up: the cached model builds its schedule
+            step()
+    except Exception as e:      # reported by the parent, naming the variant
+        conn.recv()
+        conn.send(('error', '{}: {}'.format(type(e).__name__, e)))
+        return
+    while True:
+        request = conn.recv()
+        if request is None:
+            break
+        kind, n = request
+        if kind == 'run':
+            start = time.perf_counter()
+            for _ in range(n):
+                step()
+            conn.send(('ok', time.perf_counter() - start))
+        elif kind == 'profile':
+            conn.send(('ok', profile(step, n)))
+    handle.disable()
+
+
 def main(argv=None):
     p = _common.parser('overhead', __doc__)
     args = p.parse_args(argv)
     windows = args.windows or (5 if args.quick else 9)
-    per_window = 3 if args.quick else 6
+    # iterations per window: a compute-bound step takes ~2 s here.
+    per_window = {'overhead_bound': 8 if args.quick else 16,
+                  'compute_bound': 2 if args.quick else 4}
     rows = _common.Rows('iterations/s')
     config = {'model': 'ResNet-50 (v1.5, width 64)', 'windows': windows,
               'iterations_per_window': per_window,
+              'method': 'each variant in its own process; windows alternate',
               'settings': {k: {'batch': b, 'input': s} for k, (b, s) in SETTINGS.items()}}
     remaining = None
     for setting, (batch, size) in SETTINGS.items():
-        steps = {}
-        for name in VARIANTS_OF[setting]:
-            step, handle = make(*VARIANTS[name], batch, size)
-            for _ in range(3):      # warm-up: the cached model builds its schedule
-                step()
-            steps[name] = (step, handle)
-        for w in range(windows):
-            for name, (step, _) in steps.items():
-                start = time.perf_counter()
-                for _ in range(per_window):
-                    step()
-                rows.add('{}@{}'.format(name, setting),
-                         per_window / (time.perf_counter() - start))
-            print('{} window {}/{}: '.format(setting, w + 1, windows) + ', '.join(
-                '{} {:.1f} ms'.format(n, 1e3 / v[-1]) for n, v in rows.windows.items()
-                if n.endswith('@' + setting)), flush=True)
-        if setting == 'overhead_bound':
-            remaining = profile(steps['static_fused'][0])
-        for _, handle in steps.values():
-            handle.disable()
+        variants = [_Variant(name, batch, size) for name in VARIANTS_OF[setting]]
+        try:
+            for v in variants:      # every process has warmed up before any window
+                v.ask('run', 0)
+            for w in range(windows):
+                for v in variants:
+                    # Let the last process's OpenBLAS threads stop spinning
+                    # (they busy-wait ~0.1 s after a call) before timing the next.
+                    time.sleep(SETTLE)
+                    elapsed = v.ask('run', per_window[setting])
+                    rows.add('{}@{}'.format(v.name, setting), per_window[setting] / elapsed)
+                print('{} window {}/{}: '.format(setting, w + 1, windows) + ', '.join(
+                    '{} {:.1f} ms'.format(n, 1e3 / v[-1]) for n, v in rows.windows.items()
+                    if n.endswith('@' + setting)), flush=True)
+            if setting == 'overhead_bound':
+                remaining = next(v for v in variants if v.name == 'static_fused').ask(
+                    'profile', 5)
+        finally:
+            for v in variants:
+                v.close()
     ratios = {}
     for s in SETTINGS:
         for name in VARIANTS_OF[s][1:]:
