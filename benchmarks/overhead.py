@@ -77,13 +77,10 @@ def profile(step, n=5):
 
 
 class _Variant:
-    """One variant in its own process: its own model, heap and BLAS threads.
-
-    Measured in one process, four ResNet-50s sharing a heap and caches
-    slowed each other unevenly (the same variant read 125 ms in one process
-    and 154 ms alone); separate processes that take turns window by window
-    keep the alternation without that cross-talk.
-    """
+    """One variant in its own process: its own model, heap and BLAS threads,
+    as in a real run (four ResNet-50s in one process share a heap and the
+    allocator's state). The processes take turns window by window, so the
+    alternation stays."""
 
     TIMEOUT = 600
 
