@@ -192,9 +192,11 @@ class DevicePrefetcher(iterator_module.Iterator):
 
     def finalize(self):
         self._finalized = True
-        if self._thread.is_alive():
+        thread = getattr(self, '_thread', None)    # None: __init__ raised
+        if thread is not None and thread.is_alive():
             self._stop_thread()
-        self.iterator.finalize()
+        if hasattr(self, 'iterator'):
+            self.iterator.finalize()
 
 
 @contextlib.contextmanager

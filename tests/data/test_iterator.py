@@ -240,17 +240,33 @@ SCRIPT = textwrap.dedent('''
 def run_script(tmp_path, body, **kwargs):
     code = SCRIPT.format(tests=os.path.dirname(os.path.dirname(__file__)),
                          root=str(tmp_path), body=body)
-    return subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+    kwargs.setdefault('stderr', subprocess.PIPE)
+    return subprocess.Popen([sys.executable, '-X', 'faulthandler', '-c', code],
+                            stdout=subprocess.PIPE, text=True, **kwargs)
 
 
 def test_ctrl_c_ends_the_process_and_its_workers(tmp_path):
-    proc = run_script(tmp_path, 'while True:\n        it.next()')
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=20)
-    assert 'KeyboardInterrupt' in err
+    # stderr goes to a file: waiting for the process must not depend on
+    # every descendant having closed an inherited pipe.
+    err_path = tmp_path / 'stderr.txt'
+    with open(err_path, 'w') as err_file:
+        proc = run_script(tmp_path, 'while True:\n        it.next()', stderr=err_file)
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # Where is it stuck? faulthandler (-X faulthandler) dumps every
+            # thread's stack on SIGABRT.
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=10)
+            pytest.fail('the main process did not end within 30 s of Ctrl-C; workers '
+                        'alive: {}; its stacks:\n{}'.format(children_alive(pids),
+                                                            err_path.read_text()[-6000:]))
+    proc.stdout.close()
+    err = err_path.read_text()
+    assert 'KeyboardInterrupt' in err, err
     deadline = time.monotonic() + 5
     while children_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
