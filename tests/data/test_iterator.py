@@ -245,12 +245,20 @@ def run_script(tmp_path, body, **kwargs):
                             stdout=subprocess.PIPE, text=True, **kwargs)
 
 
+def _ctrl_c_as_in_a_terminal():
+    # A job started in the background by a non-interactive shell (as CI
+    # runners may do) inherits SIGINT ignored, and Python then keeps it
+    # ignored: Ctrl-C would do nothing. Give the script a terminal's default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_ends_the_process_and_its_workers(tmp_path):
     # stderr goes to a file: waiting for the process must not depend on
     # every descendant having closed an inherited pipe.
     err_path = tmp_path / 'stderr.txt'
     with open(err_path, 'w') as err_file:
-        proc = run_script(tmp_path, 'while True:\n        it.next()', stderr=err_file)
+        proc = run_script(tmp_path, 'while True:\n        it.next()', stderr=err_file,
+                          preexec_fn=_ctrl_c_as_in_a_terminal)
         pids = [int(p) for p in proc.stdout.readline().split()]
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
