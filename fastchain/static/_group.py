@@ -11,8 +11,8 @@ class StaticGraphGroup(Group):
                 '(its predictor, for L.Classifier) to cut per-iteration Python '
                 'overhead (default: off)', default=False),
         boolean('fused_update', 'update SGD/MomentumSGD parameters on the CPU with a '
-                'fused, cache-blocked, multithreaded kernel, bitwise equal to '
-                "Chainer's (default: on; GPU updates are fused kernels already)"),
+                "fused, cache-blocked kernel, bitwise equal to Chainer's (default: on; "
+                "Chainer's GPU kernel is left as it is)"),
     )
 
     def probe(self):
@@ -39,7 +39,7 @@ def _wrap_setup(recorder, static, fused):
     from fastchain.static._update import fuse
     setup = GradientMethod.setup
 
-    def setup_with_cache(self, link):
+    def setup_and_apply(self, link):
         result = setup(self, link)
         if fused:
             undo, n = fuse(self)
@@ -56,8 +56,8 @@ def _wrap_setup(recorder, static, fused):
                               lambda: None, undo)
         return result
 
-    setup_with_cache.__wrapped__ = setup
-    recorder.set_attr(GradientMethod, 'setup', setup_with_cache,
+    setup_and_apply.__wrapped__ = setup
+    recorder.set_attr(GradientMethod, 'setup', setup_and_apply,
                       label='GradientMethod.setup (static_graph, fused_update)')
 
 

@@ -3,11 +3,10 @@
 Chainer's CPU update is a handful of whole-array NumPy operations per
 parameter (``v *= momentum; v -= lr * grad; param += v``): each one streams
 the full array through memory and the middle one allocates a temporary. For
-ResNet-50 (23.5 M parameters) that is ~45 ms of a ~150 ms overhead-bound CPU
-step; the fused kernel takes ~8 ms off it (measured, 2-core machine).
-Splitting it over threads was measured too and gained nothing in a training
-step: OpenBLAS's threads still spin on the other core after the last
-convolution.
+ResNet-50 it is the largest own-time entry of an overhead-bound CPU step after
+the convolutions (benchmarks/overhead.py profiles both kernels). Splitting it
+over threads was tried and gained nothing in a training step: OpenBLAS's
+threads still spin on the other core after the last convolution.
 
 The fused kernel applies the *same* NumPy operations, in the same order and
 with the same operand types, to blocks small enough to stay in cache, with
@@ -18,8 +17,8 @@ It replaces only ``update_core_cpu`` of the rule instances it is given, so
 Chainer's own ``UpdateRule.update`` still does the rest: hooks, the division
 by the loss scale, fp32 master weights, ``enabled``. Anything outside its
 fast path (a rule subclass with its own kernel, iDeep arrays, mixed dtypes,
-non-contiguous state) goes through Chainer's code unchanged. On a GPU the
-update is already one fused CUDA kernel, and this is not used.
+non-contiguous state) goes through Chainer's code unchanged. Chainer's GPU
+update (one elementwise CUDA kernel) is not touched (not run on a GPU).
 """
 
 import numpy
@@ -53,10 +52,6 @@ def _sgd_blocks(p, g, lr):
         numpy.subtract(pb, t, out=pb)               # param -= ...
 
 
-def _flat(array):
-    return array.reshape(-1)
-
-
 def _plain_arrays(*arrays):
     return all(type(a) is numpy.ndarray for a in arrays)
 
@@ -78,11 +73,11 @@ def fused_update_core_cpu(rule, original):
                 and p.flags.c_contiguous and v.flags.c_contiguous):
             return original(param)
         hp = rule.hyperparam
-        g = _flat(grad if grad.flags.c_contiguous else numpy.ascontiguousarray(grad))
+        g = numpy.ascontiguousarray(grad).reshape(-1)     # a copy only if needed
         if momentum_rule:
-            _momentum_blocks(_flat(p), g, _flat(v), hp.lr, hp.momentum)
+            _momentum_blocks(p.reshape(-1), g, v.reshape(-1), hp.lr, hp.momentum)
         else:
-            _sgd_blocks(_flat(p), g, hp.lr)
+            _sgd_blocks(p.reshape(-1), g, hp.lr)
 
     update_core_cpu.fastchain_fused = True
     return update_core_cpu

@@ -12,7 +12,7 @@ from fastchain.static import _update
 
 
 class Net(chainer.Chain):
-    """Parameters above and below the threaded size, plus a no-grad one."""
+    """Parameters larger and smaller than one block, plus a no-grad one."""
 
     def __init__(self, dtype=numpy.float32):
         super().__init__()
