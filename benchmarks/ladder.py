@@ -12,8 +12,8 @@ talk:
   fp32_preprocessing  + preprocessing back in fp32, cast on the device
   multiprocess        + worker processes and device prefetch for the input
   static_graph        + static-subgraph caching
-  fused_update        + the fused CPU optimizer update (fastchain's, not in the talk; on a
-                        GPU the update is one CUDA kernel already and this rung changes nothing)
+  fused_update        + the fused CPU optimizer update (fastchain's, not in the talk; it
+                        leaves Chainer's GPU update kernel as it is: not run on a GPU)
   all                 plain.py + one fastchain.enable() call (ladder_scripts/with_fastchain.py)
   torch               PyTorch eager ResNet-50, DataLoader with PIL (when torch is installed)
 
