@@ -16,14 +16,17 @@ arise.
    them only when verbosity was asked for.
 
 All three are installed together, once per process, by :func:`install`
-(``enable(static_graph=True)`` or the first cached chain); :func:`uninstall`
-takes them out again. None changes define-by-run execution.
+(``enable(static_graph=True)`` or the first cached chain), with the hook that
+binds lean kernels into every schedule once it is built
+(:mod:`fastchain.static._bind`); :func:`uninstall` takes them out again. None
+changes define-by-run execution.
 """
 
 import builtins
 import threading
 
 from fastchain.config._recorder import Recorder
+from fastchain.static import _bind
 
 _recorder = None
 _lock = threading.Lock()
@@ -53,6 +56,7 @@ def install():
             saved = getattr(_local, 'statistics', None)
             if saved is not None and not self.pass_depth:   # the forward schedule
                 _restore(saved)
+            _bind.bind_schedule(self)
             return result
 
         build_then_restore_statistics.__wrapped__ = build

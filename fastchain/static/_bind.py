@@ -1,0 +1,232 @@
+"""Kernels bound once per schedule entry: the lean part of the replay.
+
+Chainer's replay of a static schedule still calls each function the way
+define-by-run does: ``FunctionNode.forward`` checks layouts, backends and
+iDeep, and the CPU convolution then pads its input with ``numpy.pad`` (a
+general-purpose routine with ~20 us of Python per call), fills an im2col
+array, and has ``numpy.tensordot`` work out its transposes. In a schedule the
+shapes, strides and parameters of every call are fixed, so all of that can be
+settled once. For the functions that dominate a CPU step of a convolutional
+network, this module replaces the schedule entry's callable with a kernel
+bound to its call:
+
+- ``Convolution2DFunction`` (forward) and ``Convolution2DGradW`` (the weight
+  gradient): the padded input lives in a buffer allocated once, whose zero
+  border is never written again; the im2col columns are a strided view of it
+  that goes straight into the same ``numpy.dot`` call, with the same operand
+  shapes and layouts, as Chainer's ``tensordot``;
+- ``Deconvolution2DFunction`` (the input gradient): the same ``numpy.dot``
+  and Chainer's col2im accumulation with its slices computed once.
+
+The arithmetic is Chainer's: the same BLAS calls on equal operands and the
+same accumulation order, so a bound replay is bitwise equal to Chainer's
+replay (tested), which is itself checked against define-by-run. Anything
+else (grouped, ``cover_all``, iDeep or GPU arrays, non-standard layouts, an
+input whose shape or dtype differs from the first call's) runs Chainer's
+code unchanged.
+
+Bound kernels keep no array that escapes: every output is freshly allocated,
+and the padded buffers are shared by the entries of one schedule that pad the
+same shape (the schedule runs its entries one at a time).
+"""
+
+import numpy
+from numpy.lib.stride_tricks import as_strided
+
+# Set False to measure or debug Chainer's own replay (benchmarks/overhead.py).
+enabled = True
+
+
+def bind_schedule(schedule):
+    """Bind the supported entries of a built ``StaticScheduleFunction``.
+
+    Returns the number of entries bound.
+    """
+    if not enabled:
+        return 0
+    buffers = {}
+    bound = 0
+    for info in schedule.schedule_info_list:
+        node = info.function_node
+        if node is None or info.kwargs.get('inputs') is None:
+            continue
+        make = _MAKERS.get(type(node))
+        if (make is None or not _plain_node(node)
+                or getattr(info.func, '__name__', None) != 'generic_static_forward'):
+            continue
+        info.func = _Lazy(make, node, info.func, buffers)
+        bound += 1
+    return bound
+
+
+def _plain_node(node):
+    if getattr(node, 'groups', 1) != 1 or getattr(node, 'cover_all', False):
+        return False
+    if getattr(node, '_use_ideep', False):
+        return False
+    layouts = getattr(node, 'input_layouts', None)
+    return layouts is None or all(layout is None for layout in layouts)
+
+
+class _Lazy:
+    """The entry's callable: plans on the first call (with the real arrays),
+    then runs the plan; Chainer's callable whenever the plan does not fit."""
+
+    __slots__ = ('make', 'node', 'original', 'buffers', 'plan', 'key')
+
+    def __init__(self, make, node, original, buffers):
+        self.make, self.node, self.original, self.buffers = make, node, original, buffers
+        self.plan = None
+        self.key = None
+
+    def __call__(self, func, inputs):
+        key = tuple((type(a), a.shape, a.dtype) for a in inputs)
+        if self.plan is None and self.key is None:
+            self.key = key
+            if all(t is numpy.ndarray for t, _, _ in key):
+                try:
+                    self.plan = self.make(self.node, inputs, self.buffers)
+                except Exception:       # an input this planner did not foresee
+                    self.plan = None
+        if self.plan is not None and key == self.key:
+            return self.plan(inputs)
+        return self.original(func, inputs=inputs)
+
+
+def _buffer(buffers, shape, dtype):
+    key = (shape, numpy.dtype(dtype))
+    buf = buffers.get(key)
+    if buf is None:
+        buf = buffers[key] = numpy.zeros(shape, dtype)
+    return buf
+
+
+def _columns(node, x, kh, kw, buffers):
+    """A function x -> the im2col view of x as (n, oh, ow, c, kh, kw).
+
+    Chainer pads with (ph, ph + sy - 1) rows and (pw, pw + sx - 1) columns;
+    without cover_all the extra sy - 1 rows are never read, so an unpadded
+    input is viewed in place.
+    """
+    from chainer.utils import conv
+    n, c, h, w = x.shape
+    sy, sx, ph, pw, dy, dx = node.sy, node.sx, node.ph, node.pw, node.dy, node.dx
+    oh = conv.get_conv_outsize(h, kh, sy, ph, False, dy)
+    ow = conv.get_conv_outsize(w, kw, sx, pw, False, dx)
+    shape = (n, oh, ow, c, kh, kw)
+
+    def view(a):
+        s0, s1, s2, s3 = a.strides
+        return as_strided(a, shape, (s0, s2 * sy, s3 * sx, s1, s2 * dy, s3 * dx),
+                          writeable=False)
+
+    if ph == 0 and pw == 0:
+        return view, (oh, ow)
+    padded = _buffer(buffers, (n, c, h + 2 * ph + sy - 1, w + 2 * pw + sx - 1), x.dtype)
+    interior = padded[:, :, ph:ph + h, pw:pw + w]
+    padded_view = view(padded)
+
+    def fill_and_view(a):
+        interior[...] = a
+        return padded_view
+    return fill_and_view, (oh, ow)
+
+
+def _convolution(node, inputs, buffers):
+    # Chainer: col = im2col(x); y = tensordot(col, W, ((1, 2, 3), (1, 2, 3)))
+    # .astype(x.dtype); y += b; rollaxis(y, 3, 1).
+    x, W = inputs[0], inputs[1]
+    with_bias = len(inputs) == 3
+    o, c, kh, kw = W.shape
+    columns, (oh, ow) = _columns(node, x, kh, kw, buffers)
+    n = x.shape[0]
+    rows, k = n * oh * ow, c * kh * kw
+    dtype = x.dtype
+
+    def run(inputs):
+        x, W = inputs[0], inputs[1]
+        # tensordot's reshape of Chainer's col is a C-contiguous copy; this
+        # one is too except in degenerate shapes, where it may be a view.
+        cols = numpy.ascontiguousarray(columns(x).reshape(rows, k))
+        y = numpy.dot(cols, W.transpose(1, 2, 3, 0).reshape(k, o))
+        y = y.reshape(n, oh, ow, o).astype(dtype, copy=False)
+        if with_bias:
+            y += inputs[2]
+        return y.transpose(0, 3, 1, 2),
+    return run
+
+
+def _convolution_grad_w(node, inputs, buffers):
+    # Chainer: gW = tensordot(gy, im2col(x), ((0, 2, 3), (0, 4, 5))).astype(W_dtype)
+    x, gy = inputs
+    columns, (oh, ow) = _columns(node, x, node.kh, node.kw, buffers)
+    n, c = x.shape[:2]
+    o = gy.shape[1]
+    rows, k = n * oh * ow, c * node.kh * node.kw
+    shape = (o, c, node.kh, node.kw)
+    w_dtype = node.W_dtype
+
+    def run(inputs):
+        x, gy = inputs
+        if not (gy.flags.c_contiguous or gy.flags.f_contiguous) and 1 in gy.shape:
+            gy = numpy.ascontiguousarray(gy)        # as Chainer does (its issue 2744)
+        cols = numpy.ascontiguousarray(columns(x).reshape(rows, k))
+        gw = numpy.dot(gy.transpose(1, 0, 2, 3).reshape(o, rows), cols)
+        return gw.reshape(shape).astype(w_dtype, copy=False),
+    return run
+
+
+def _deconvolution(node, inputs, buffers):
+    # Chainer: gcol = rollaxis(tensordot(W, x, (0, 1)).astype(x.dtype), 3);
+    # y = col2im(gcol); y += b.
+    x, W = inputs[0], inputs[1]
+    if node.outh is None or node.outw is None:
+        return None
+    with_bias = len(inputs) == 3
+    n, o, ih, iw = x.shape
+    _, c, kh, kw = W.shape
+    sy, sx, ph, pw, dy, dx = node.sy, node.sx, node.ph, node.pw, node.dy, node.dx
+    h, w = node.outh, node.outw
+    k, rows = c * kh * kw, n * ih * iw
+    dtype = x.dtype
+    padded_shape = (n, c, h + 2 * ph + sy - 1, w + 2 * pw + sx - 1)
+    windows = [(j, i, (slice(None), slice(None), slice(j * dy, j * dy + sy * ih, sy),
+                       slice(i * dx, i * dx + sx * iw, sx)))
+               for j in range(kh) for i in range(kw)]
+    crop = (slice(None), slice(None), slice(ph, ph + h), slice(pw, pw + w))
+
+    def run(inputs):
+        x, W = inputs[0], inputs[1]
+        gcol = numpy.dot(W.transpose(1, 2, 3, 0).reshape(k, o),
+                         x.transpose(1, 0, 2, 3).reshape(o, rows))
+        gcol = gcol.reshape(c, kh, kw, n, ih, iw).astype(dtype, copy=False)
+        gcol = numpy.rollaxis(gcol, 3)
+        img = numpy.zeros(padded_shape, dtype)
+        for j, i, window in windows:
+            img[window] += gcol[:, :, j, i]
+        y = img[crop]
+        if with_bias:
+            y += inputs[2].reshape((1, -1, 1, 1))
+        return y,
+    return run
+
+
+def _makers():
+    from chainer.functions.connection import convolution_2d, deconvolution_2d
+    return {
+        convolution_2d.Convolution2DFunction: _convolution,
+        convolution_2d.Convolution2DGradW: _convolution_grad_w,
+        deconvolution_2d.Deconvolution2DFunction: _deconvolution,
+    }
+
+
+class _MakerTable:
+    table = None
+
+    def get(self, cls):
+        if self.table is None:
+            self.table = _makers()
+        return self.table.get(cls)
+
+
+_MAKERS = _MakerTable()

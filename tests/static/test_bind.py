@@ -1,0 +1,179 @@
+"""Kernels bound into a schedule compute exactly what Chainer's replay does."""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from fastchain.models import ResNet
+from fastchain.static import StaticGraphFallback, _bind, _fixes, cache_static_graph
+
+
+@pytest.fixture(autouse=True)
+def fresh_fixes():
+    _fixes.uninstall()
+    yield
+    _fixes.uninstall()
+    _bind.enabled = True
+
+
+class ConvZoo(chainer.Chain):
+    """Every convolution setting the binder plans for, and two it leaves alone."""
+
+    def __init__(self, dtype=numpy.float32):
+        super().__init__()
+        init = chainer.initializers.Normal(0.1, dtype=dtype)
+        with self.init_scope():
+            self.c7 = L.Convolution2D(3, 6, 7, stride=2, pad=3, initialW=init,
+                                      initial_bias=init)
+            self.c1 = L.Convolution2D(6, 8, 1, nobias=True, initialW=init)
+            self.c1s = L.Convolution2D(8, 8, 1, stride=2, nobias=True, initialW=init)
+            self.c3 = L.Convolution2D(8, 8, 3, pad=1, initialW=init, initial_bias=init)
+            self.rect = L.Convolution2D(8, 6, (3, 2), stride=(2, 1), pad=(1, 0),
+                                        initialW=init, initial_bias=init)
+            self.dil = L.Convolution2D(6, 6, 3, pad=(2, 1), dilate=(2, 1), nobias=True,
+                                       initialW=init)
+            self.grouped = L.Convolution2D(6, 6, 3, pad=1, groups=2, initialW=init,
+                                           initial_bias=init)
+            self.cover_W = chainer.Parameter(init, (4, 6, 2, 2))
+
+    def forward(self, x):
+        h = F.relu(self.c7(x))
+        h = F.relu(self.c1(h))
+        h = self.c3(self.c1s(h)) + h[:, :, ::2, ::2]
+        h = self.dil(F.relu(self.rect(h)))
+        h = F.convolution_2d(self.grouped(h), self.cover_W, stride=2, cover_all=True)
+        return F.sum(h, axis=(2, 3))
+
+
+def cached_copies(make, n=2):
+    numpy.random.seed(0)
+    first = make()
+    models = [first]
+    for _ in range(n - 1):
+        m = make()
+        m.copyparams(first)
+        for a, b in zip(first.links(), m.links()):
+            if isinstance(a, L.BatchNormalization):
+                b.avg_mean[...] = a.avg_mean
+                b.avg_var[...] = a.avg_var
+        models.append(m)
+    return models
+
+
+def bound_entries(model):
+    lazies = []
+    for schedules in model.schedule_manager.schedules.values():
+        for forward in schedules:
+            for schedule in (forward, forward.backward_schedule_func):
+                lazies += [i.func for i in schedule.schedule_info_list
+                           if isinstance(i.func, _bind._Lazy)]
+    return lazies
+
+
+def train(model, optimizer, x, t):
+    model.cleargrads()
+    loss = F.softmax_cross_entropy(model(x), t)
+    loss.backward()
+    optimizer.update()
+
+
+def run_pair(make, inputs, steps=5):
+    """Train a bound and an unbound cached copy side by side; return them."""
+    bound, chainers = cached_copies(make)
+    cache_static_graph(bound)
+    cache_static_graph(chainers)
+    opts = [chainer.optimizers.MomentumSGD(0.05).setup(m) for m in (bound, chainers)]
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        for i in range(steps):
+            x, t = inputs(i)
+            _bind.enabled = True
+            train(bound, opts[0], x, t)
+            _bind.enabled = False           # read when a schedule is built
+            train(chainers, opts[1], x, t)
+            for (name, p), (_, q) in zip(sorted(bound.namedparams()),
+                                         sorted(chainers.namedparams())):
+                numpy.testing.assert_array_equal(p.grad, q.grad, err_msg='grad ' + name)
+                numpy.testing.assert_array_equal(p.array, q.array, err_msg=name)
+    return bound, chainers
+
+
+def test_resnet_bound_replay_is_bitwise_chainers_replay():
+    rng = numpy.random.RandomState(1)
+
+    def inputs(i):
+        return (rng.randn(4, 3, 32, 32).astype(numpy.float32),
+                rng.randint(0, 5, 4).astype(numpy.int32))
+    bound, chainers = run_pair(lambda: ResNet(50, 5, width=4), inputs)
+    for a, b in zip(bound.links(), chainers.links()):
+        if isinstance(a, L.BatchNormalization):
+            numpy.testing.assert_array_equal(a.avg_mean, b.avg_mean)
+            numpy.testing.assert_array_equal(a.avg_var, b.avg_var)
+    lazies = bound_entries(bound)
+    # 53 convolutions: forward, weight gradient and input gradient (Chainer's
+    # backward schedule also computes the gradient of the chain's input).
+    assert len(lazies) == 53 * 3
+    assert all(lazy.plan is not None for lazy in lazies)
+    assert bound_entries(chainers) == []
+
+
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+def test_every_planned_convolution_setting_is_bitwise_chainers(dtype):
+    rng = numpy.random.RandomState(2)
+
+    def inputs(i):
+        return (rng.randn(3, 3, 19, 17).astype(dtype), rng.randint(0, 4, 3).astype(numpy.int32))
+    bound, _ = run_pair(lambda: ConvZoo(dtype), inputs)
+    planned = {type(lazy.node).__name__ for lazy in bound_entries(bound) if lazy.plan}
+    assert planned == {'Convolution2DFunction', 'Convolution2DGradW',
+                       'Deconvolution2DFunction'}
+    # groups > 1 and cover_all stay Chainer's: six layers are bound, each with
+    # forward, weight and input gradients, and the cover_all layer's input
+    # gradient (a plain deconvolution).
+    assert len(bound_entries(bound)) == 6 * 3 + 1
+
+
+def test_bound_replay_matches_define_by_run():
+    numpy.random.seed(0)
+    ordinary, cached = cached_copies(ConvZoo)
+    cache_static_graph(cached)
+    rng = numpy.random.RandomState(3)
+    for _ in range(4):
+        x = rng.randn(2, 3, 19, 17).astype(numpy.float32)
+        for m in (ordinary, cached):
+            m.cleargrads()
+            F.sum(m(x) ** 2).backward()
+        for (name, p), (_, q) in zip(sorted(ordinary.namedparams()),
+                                     sorted(cached.namedparams())):
+            numpy.testing.assert_allclose(q.grad, p.grad, rtol=1e-5, atol=1e-6,
+                                          err_msg=name)
+    assert bound_entries(cached)
+
+
+def test_an_input_unlike_the_plans_runs_chainers_code():
+    from chainer.functions.connection.convolution_2d import Convolution2DFunction
+    node = Convolution2DFunction(stride=1, pad=1)
+    calls = []
+
+    def chainers(func, inputs):
+        calls.append(inputs)
+        return tuple(v.array for v in Convolution2DFunction(stride=1, pad=1).apply(inputs))
+    lazy = _bind._Lazy(_bind._convolution, node, chainers, {})
+    rng = numpy.random.RandomState(4)
+    W = rng.randn(4, 3, 3, 3).astype(numpy.float32)
+    x = rng.randn(2, 3, 5, 5).astype(numpy.float32)
+    y, = lazy(node, inputs=[x, W])
+    assert lazy.plan is not None and not calls
+    numpy.testing.assert_array_equal(y, F.convolution_2d(x, W, pad=1).array)
+    other = rng.randn(1, 3, 6, 6).astype(numpy.float32)    # another shape
+    y2, = lazy(node, inputs=[other, W])
+    assert len(calls) == 1
+    numpy.testing.assert_array_equal(y2, F.convolution_2d(other, W, pad=1).array)
+    y3, = lazy(node, inputs=[x * 2, W])                      # the plan again
+    assert len(calls) == 1
+    numpy.testing.assert_array_equal(y3, F.convolution_2d(x * 2, W, pad=1).array)
