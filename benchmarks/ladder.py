@@ -14,6 +14,8 @@ talk:
   static_graph        + static-subgraph caching
   fused_update        + the fused CPU optimizer update (fastchain's, not in the talk; it
                         leaves Chainer's GPU update kernel as it is: not run on a GPU)
+  cpu_conv            + fastchain's CPU convolution kernels, also bound into the cached
+                        schedule (fastchain's, not in the talk; CPU only)
   all                 plain.py + one fastchain.enable() call (ladder_scripts/with_fastchain.py)
   torch               PyTorch eager ResNet-50, DataLoader with PIL (when torch is installed)
 
@@ -39,7 +41,7 @@ from _images import list_pairs, torch_dataset  # noqa: E402
 from ladder_scripts import plain, with_fastchain  # noqa: E402
 
 RUNGS = ('baseline', 'cudnn', 'autotune', 'fp16', 'fp32_preprocessing', 'multiprocess',
-         'static_graph', 'fused_update', 'all')
+         'static_graph', 'fused_update', 'cpu_conv', 'all')
 
 
 def changed_lines():
@@ -55,7 +57,7 @@ def rung_options(rung, cudnn_ok, workers, fp16_ok=True):
     upto = RUNGS.index(rung)
     options = dict(cudnn='never', autotune=False, loader_workers=0,
                    prefetch_to_device=False, static_graph=False, fp16=False,
-                   fused_update=False)
+                   fused_update=False, cpu_conv=False)
     if upto >= 1 and cudnn_ok:
         options['cudnn'] = 'auto'
     if upto >= 2 and cudnn_ok:
@@ -69,6 +71,8 @@ def rung_options(rung, cudnn_ok, workers, fp16_ok=True):
         options['static_graph'] = True
     if upto >= 7:
         options['fused_update'] = True
+    if upto >= 8:
+        options['cpu_conv'] = True
     dtype = numpy.float16 if rung == 'fp16' else numpy.float32
     return options, dtype
 

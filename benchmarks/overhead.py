@@ -3,19 +3,26 @@ cache, and where the rest of the host time goes.
 
 Two settings: overhead-bound (batch 2, 32x32 input: Chainer's per-function
 Python work is a large part of a step) and compute-bound (batch 16, 96x96).
-In each, identical models train side by side, each in its own process,
-windows alternating:
+In each, identical models (same weights, same batch) train in one process,
+one step each in turn, the order of the turn alternating, so drift and the
+machine's neighbours hit every variant alike:
 
-- ``dynamic``: ordinary define-by-run Chainer;
-- ``static``: the static-graph cache alone
-  (``enable(static_graph=True, fused_update=False)``);
-- ``static_fused``: what ``enable(static_graph=True)`` gives, the cache plus
-  the fused CPU update (on by default);
-- ``fused`` (overhead-bound only): the fused update alone, so the two
-  contributions can be told apart.
+- ``dynamic``: define-by-run with fastchain's defaults (``enable()``: its
+  CPU convolution kernels and fused update, both bitwise equal to Chainer's);
+- ``static``: the same plus the static-graph cache (``enable(static_graph=
+  True)``): Chainer's schedule replay with fastchain's fixes and the kernels
+  bound into the schedule;
+- ``chainer_dynamic``: plain Chainer;
+- ``chainer_static``: the cache with Chainer's kernels and update
+  (``enable(static_graph=True, cpu_conv=False, fused_update=False)``).
 
-``static/dynamic@...`` is the cache's own effect. A cProfile of
-``static_fused`` steps in the overhead-bound setting shows what is left.
+``static/dynamic`` is the cache's effect with everything else equal, as the
+talk's static-graph rung sat on the rungs below it; ``chainer_static/
+chainer_dynamic`` is the same comparison on Chainer's own kernels. The cache
+and the fused update are applied per model with the functions ``enable()``
+applies at optimizer set-up (``cache_static_graph``, ``fuse``); the
+convolution kernels (process-wide) are switched around each step. A cProfile
+of cached steps in the overhead-bound setting shows what is left.
 """
 
 import cProfile
@@ -32,30 +39,48 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 SETTINGS = {'overhead_bound': (2, 32), 'compute_bound': (16, 96)}
-# variant: (static_graph, fused_update)
-VARIANTS = {'dynamic': (False, False), 'static': (True, False),
-            'static_fused': (True, True), 'fused': (False, True)}
-SETTLE = 0.3        # seconds between two variants' windows
-VARIANTS_OF = {'overhead_bound': ('dynamic', 'static', 'static_fused', 'fused'),
-               'compute_bound': ('dynamic', 'static', 'static_fused')}
+# variant: (static_graph, cpu_conv, fused_update)
+VARIANTS = {'chainer_dynamic': (False, False, False), 'chainer_static': (True, False, False),
+            'dynamic': (False, True, True), 'static': (True, True, True)}
+WARM_UP = 3     # steps: the cached models build their schedules
 
 
-def make(static, fused, batch, size):
+def make(static, cpu_conv, fused, batch, size):
+    """One variant: a ResNet-50 classifier and its training step."""
     import chainer
     import chainer.links as L
-    import fastchain
+    from fastchain.config._recorder import Recorder
     from fastchain.models import ResNet
-    numpy.random.seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')
-        handle = fastchain.enable(static_graph=static, fused_update=fused,
-                                  loader_workers=0)
+    from fastchain.static import _conv, cache_static_graph
+    from fastchain.static._update import fuse
+    numpy.random.seed(0)                # the same weights in every variant
     model = L.Classifier(ResNet(50, 10))
+    if static:
+        cache_static_graph(model.predictor)
     optimizer = chainer.optimizers.MomentumSGD(0.01).setup(model)
+    if fused:
+        fuse(optimizer)
     rng = numpy.random.RandomState(1)
     x = rng.randn(batch, 3, size, size).astype(numpy.float32)
     t = rng.randint(0, 10, batch).astype(numpy.int32)
-    return (lambda: optimizer.update(model, x, t)), handle
+
+    def step():
+        optimizer.update(model, x, t)
+
+    def kernels():
+        """Switch the convolution kernels (process-wide) to this variant's."""
+        recorder = Recorder()
+        (_conv.install if cpu_conv else _conv.remove)(recorder)
+        return recorder
+    recorder = kernels()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')      # a fallback would void the comparison
+            for _ in range(WARM_UP):
+                step()
+    finally:
+        recorder.undo()
+    return step, kernels
 
 
 def profile(step, n=5):
@@ -76,131 +101,84 @@ def profile(step, n=5):
     return rows
 
 
-class _Variant:
-    """One variant in its own process: its own model, heap and BLAS threads,
-    as in a real run (four ResNet-50s in one process share a heap and the
-    allocator's state). The processes take turns window by window, so the
-    alternation stays."""
-
-    TIMEOUT = 600
-
-    def __init__(self, name, batch, size):
-        import multiprocessing
-        self.name = name
-        ctx = multiprocessing.get_context('spawn')
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, name, batch, size),
-                                   name='overhead-' + name, daemon=True)
-        self.process.start()
-        child.close()
-
-    def ask(self, *request):
-        self.conn.send(request)
-        if not self.conn.poll(self.TIMEOUT):
-            raise RuntimeError('variant {} did not answer within {} s'.format(
-                self.name, self.TIMEOUT))
-        try:
-            kind, value = self.conn.recv()
-        except EOFError:
-            raise RuntimeError('variant {} died (exit code {})'.format(
-                self.name, self.process.exitcode)) from None
-        if kind == 'error':
-            raise RuntimeError('variant {} failed: {}'.format(self.name, value))
-        return value
-
-    def close(self):
-        try:
-            self.conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
-        self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-
-
-def _serve(conn, name, batch, size):
-    try:
-        step, handle = make(*VARIANTS[name], batch, size)
-        for _ in range(3):      # warm-up: the cached model builds its schedule
-            step()
-    except Exception as e:      # reported by the parent, naming the variant
-        conn.recv()
-        conn.send(('error', '{}: {}'.format(type(e).__name__, e)))
-        return
-    while True:
-        request = conn.recv()
-        if request is None:
-            break
-        kind, n = request
-        if kind == 'run':
-            start = time.perf_counter()
-            for _ in range(n):
-                step()
-            conn.send(('ok', time.perf_counter() - start))
-        elif kind == 'profile':
-            conn.send(('ok', profile(step, n)))
-    handle.disable()
-
-
 def main(argv=None):
     p = _common.parser('overhead', __doc__)
     args = p.parse_args(argv)
-    windows = args.windows or (5 if args.quick else 9)
-    # iterations per window: a compute-bound step takes ~2 s here.
-    per_window = {'overhead_bound': 8 if args.quick else 16,
-                  'compute_bound': 2 if args.quick else 4}
+    # Rounds (one step per variant each); --windows sets the overhead-bound
+    # count. A compute-bound step takes ~2 s here.
+    rounds = {'overhead_bound': args.windows or (30 if args.quick else 80),
+              'compute_bound': 4 if args.quick else 9}
     rows = _common.Rows('iterations/s')
-    config = {'model': 'ResNet-50 (v1.5, width 64)', 'windows': windows,
-              'iterations_per_window': per_window,
-              'method': 'each variant in its own process; windows alternate',
+    config = {'model': 'ResNet-50 (v1.5, width 64)', 'windows': rounds,
+              'warm_up_steps': WARM_UP,
+              'method': 'one process; every variant runs one step in turn, the order '
+                        'alternating between rounds; a window is one step',
               'settings': {k: {'batch': b, 'input': s} for k, (b, s) in SETTINGS.items()}}
     profiles = {}
     for setting, (batch, size) in SETTINGS.items():
-        variants = [_Variant(name, batch, size) for name in VARIANTS_OF[setting]]
-        try:
-            for v in variants:      # every process has warmed up before any window
-                v.ask('run', 0)
-            for w in range(windows):
-                for v in variants:
-                    # Let the last process's OpenBLAS threads stop spinning
-                    # (they busy-wait ~0.1 s after a call) before timing the next.
-                    time.sleep(SETTLE)
-                    elapsed = v.ask('run', per_window[setting])
-                    rows.add('{}@{}'.format(v.name, setting), per_window[setting] / elapsed)
-                print('{} window {}/{}: '.format(setting, w + 1, windows) + ', '.join(
-                    '{} {:.1f} ms'.format(n, 1e3 / v[-1]) for n, v in rows.windows.items()
-                    if n.endswith('@' + setting)), flush=True)
-            if setting == 'overhead_bound':
-                # Both cached variants, so the two update kernels' own times
-                # come from the same run.
-                profiles = {v.name: v.ask('profile', 5) for v in variants
-                            if v.name in ('static', 'static_fused')}
-        finally:
-            for v in variants:
-                v.close()
-    ratios = {}
+        variants = {name: make(*VARIANTS[name], batch, size) for name in VARIANTS}
+        names = list(variants)
+
+        def timed_step(name):
+            step, kernels = variants[name]
+            recorder = kernels()
+            try:
+                return _common.timed(step)[0]
+            finally:
+                recorder.undo()
+        for r in range(rounds[setting]):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                rows.add('{}@{}'.format(name, setting), 1.0 / timed_step(name))
+            if (r + 1) % max(1, rounds[setting] // 5) == 0:
+                print('{} round {}/{}: '.format(setting, r + 1, rounds[setting]) + ', '.join(
+                    '{} {:.1f} ms'.format(n.split('@')[0], 1e3 / numpy.median(v))
+                    for n, v in rows.windows.items() if n.endswith('@' + setting)),
+                    flush=True)
+        if setting == 'overhead_bound':
+            # Both cached variants: what is left, and the two update kernels'
+            # own times from the same run.
+            for name in ('static', 'chainer_static'):
+                step, kernels = variants[name]
+                recorder = kernels()
+                try:
+                    profiles[name] = profile(step, 5)
+                finally:
+                    recorder.undo()
+        del variants
+    ratios, paired = {}, {}
     for s in SETTINGS:
-        for name in VARIANTS_OF[s][1:]:
-            ratios['{}/dynamic@{}'.format(name, s)] = rows.ratio(
-                '{}@{}'.format(name, s), 'dynamic@' + s)
+        for a, b in (('static', 'dynamic'), ('chainer_static', 'chainer_dynamic'),
+                     ('dynamic', 'chainer_dynamic'), ('static', 'chainer_dynamic')):
+            key = '{}/{}@{}'.format(a, b, s)
+            ratios[key] = rows.ratio('{}@{}'.format(a, s), '{}@{}'.format(b, s))
+            # The same ratio taken within each round, then the median: steps of
+            # one round ran back to back, so slow drift cancels.
+            paired[key] = round(float(numpy.median(
+                numpy.array(rows.windows['{}@{}'.format(a, s)])
+                / numpy.array(rows.windows['{}@{}'.format(b, s)]))), 3)
+    config['paired_ratios'] = paired
     config['profiles_of_cached_steps_overhead_bound'] = profiles
-    remaining = profiles.get('static_fused', [])
+    remaining = profiles.get('static', [])
 
     def own_ms(variant, function):
         return next((r['ms_per_step'] for r in profiles.get(variant, [])
                      if function in r['function']), None)
     notes = ['Target on the overhead-bound setting: static/dynamic >= 1.3 on CPU; the '
-             "talk's anchor is x1.31 on a V100. static/dynamic is the static-graph cache "
-             'alone; static_fused/dynamic adds the fused CPU update that '
-             'enable(static_graph=True) also turns on (fused_update, default on), and '
-             'fused/dynamic is that update alone.',
-             'Where a cached overhead-bound step (static_fused) still spends its host time (cProfile, '
-             'top functions by own time): ' + '; '.join(
+             "talk's anchor is x1.31 on a V100, measured on top of the rungs below it. "
+             'static/dynamic: the cache, everything else at fastchain\'s defaults on both '
+             'sides; chainer_static/chainer_dynamic: the cache on Chainer\'s kernels and '
+             "update; dynamic/chainer_dynamic: fastchain's CPU kernels (cpu_conv, "
+             'fused_update) without the cache; static/chainer_dynamic: all of it.',
+             'Median of the per-round ratios (steps of a round run back to back): ' + ', '.join(
+                 '{} {}'.format(k, v) for k, v in paired.items() if 'overhead' in k) + '.',
+             'Where a cached overhead-bound step (static) still spends its host time '
+             '(cProfile, top functions by own time): ' + '; '.join(
                  '{function} {ms_per_step} ms'.format(**r) for r in remaining[:6]),
              "The optimizer update's own time per step, same run: Chainer's "
-             'MomentumSGD update_core_cpu {} ms (static), the fused _momentum_blocks {} ms '
-             '(static_fused).'.format(own_ms('static', 'update_core_cpu'),
-                                      own_ms('static_fused', '_momentum_blocks'))]
+             'MomentumSGD update_core_cpu {} ms (chainer_static), the fused '
+             '_momentum_blocks {} ms (static).'.format(
+                 own_ms('chainer_static', 'update_core_cpu'),
+                 own_ms('static', '_momentum_blocks'))]
     _common.write('overhead', args, config, rows, ratios, notes)
 
 

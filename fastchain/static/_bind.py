@@ -4,26 +4,31 @@ Chainer's replay of a static schedule still calls each function the way
 define-by-run does: ``FunctionNode.forward`` checks layouts, backends and
 iDeep, and the CPU convolution then pads its input with ``numpy.pad`` (a
 general-purpose routine with ~20 us of Python per call), fills an im2col
-array, and has ``numpy.tensordot`` work out its transposes. In a schedule the
-shapes, strides and parameters of every call are fixed, so all of that can be
-settled once. For the functions that dominate a CPU step of a convolutional
-network, this module replaces the schedule entry's callable with a kernel
-bound to its call:
+array, has ``numpy.tensordot`` copy it again into the matrix it multiplies,
+and ``numpy.dot`` zero-fills its output before BLAS overwrites it. In a
+schedule the shapes, strides and parameters of every call are fixed, so the
+planning can be done once. For the functions that dominate a CPU step of a
+convolutional network, this module replaces the schedule entry's callable
+with a kernel planned for its call:
 
 - ``Convolution2DFunction`` (forward) and ``Convolution2DGradW`` (the weight
   gradient): the padded input lives in a buffer allocated once, whose zero
-  border is never written again; the im2col columns are a strided view of it
-  that goes straight into the same ``numpy.dot`` call, with the same operand
-  shapes and layouts, as Chainer's ``tensordot``;
-- ``Deconvolution2DFunction`` (the input gradient): the same ``numpy.dot``
-  and Chainer's col2im accumulation with its slices computed once.
+  border is never written again; the im2col columns are a strided view of it,
+  copied once into the matrix Chainer's ``tensordot`` builds;
+- ``Deconvolution2DFunction`` (the input gradient): the same matrix product
+  and Chainer's col2im accumulation with its slices computed once;
+- the products go through ``numpy.matmul``, which calls the same BLAS routine
+  on the same operands without the zero fill.
 
-The arithmetic is Chainer's: the same BLAS calls on equal operands and the
-same accumulation order, so a bound replay is bitwise equal to Chainer's
-replay (tested), which is itself checked against define-by-run. Anything
-else (grouped, ``cover_all``, iDeep or GPU arrays, non-standard layouts, an
-input whose shape or dtype differs from the first call's) runs Chainer's
-code unchanged.
+The arithmetic is Chainer's: the same BLAS products of equal operands and
+the same accumulation order, so a bound replay is bitwise equal to Chainer's
+replay (tested on ResNet-50 and on every convolution setting planned for),
+which is itself checked against define-by-run. Anything else (grouped,
+``cover_all``, iDeep or GPU arrays, non-standard layouts, an input whose
+shape or dtype differs from the first call's) runs Chainer's code unchanged.
+The same planners serve define-by-run, planned per call
+(:mod:`fastchain.static._conv`, ``enable(cpu_conv=...)``, which also decides
+whether schedules are bound).
 
 Bound kernels keep no array that escapes: every output is freshly allocated,
 and the padded buffers are shared by the entries of one schedule that pad the
@@ -33,7 +38,7 @@ same shape (the schedule runs its entries one at a time).
 import numpy
 from numpy.lib.stride_tricks import as_strided
 
-# Set False to measure or debug Chainer's own replay (benchmarks/overhead.py).
+# Whether schedules built from now on are bound (enable(cpu_conv=False) clears it).
 enabled = True
 
 
@@ -148,7 +153,7 @@ def _convolution(node, inputs, buffers):
         # tensordot's reshape of Chainer's col is a C-contiguous copy; this
         # one is too except in degenerate shapes, where it may be a view.
         cols = numpy.ascontiguousarray(columns(x).reshape(rows, k))
-        y = numpy.dot(cols, W.transpose(1, 2, 3, 0).reshape(k, o))
+        y = numpy.matmul(cols, W.transpose(1, 2, 3, 0).reshape(k, o))
         y = y.reshape(n, oh, ow, o).astype(dtype, copy=False)
         if with_bias:
             y += inputs[2]
@@ -171,7 +176,7 @@ def _convolution_grad_w(node, inputs, buffers):
         if not (gy.flags.c_contiguous or gy.flags.f_contiguous) and 1 in gy.shape:
             gy = numpy.ascontiguousarray(gy)        # as Chainer does (its issue 2744)
         cols = numpy.ascontiguousarray(columns(x).reshape(rows, k))
-        gw = numpy.dot(gy.transpose(1, 0, 2, 3).reshape(o, rows), cols)
+        gw = numpy.matmul(gy.transpose(1, 0, 2, 3).reshape(o, rows), cols)
         return gw.reshape(shape).astype(w_dtype, copy=False),
     return run
 
@@ -197,7 +202,7 @@ def _deconvolution(node, inputs, buffers):
 
     def run(inputs):
         x, W = inputs[0], inputs[1]
-        gcol = numpy.dot(W.transpose(1, 2, 3, 0).reshape(k, o),
+        gcol = numpy.matmul(W.transpose(1, 2, 3, 0).reshape(k, o),
                          x.transpose(1, 0, 2, 3).reshape(o, rows))
         gcol = gcol.reshape(c, kh, kw, n, ih, iw).astype(dtype, copy=False)
         gcol = numpy.rollaxis(gcol, 3)

@@ -1,5 +1,5 @@
-"""The per-iteration-overhead group of ``fastchain.enable``: the static-graph
-cache and the fused CPU update."""
+"""The per-iteration host-time group of ``fastchain.enable``: the static-graph
+cache, fastchain's CPU convolution kernels and the fused CPU update."""
 
 from fastchain.config._options import Group, State, boolean
 
@@ -10,26 +10,38 @@ class StaticGraphGroup(Group):
         boolean('static_graph', "cache the static subgraph of each optimizer's model "
                 '(its predictor, for L.Classifier) to cut per-iteration Python '
                 'overhead (default: off)', default=False),
+        boolean('cpu_conv', "compute CPU convolutions (forward and both gradients) "
+                "with fastchain's kernels, bitwise equal to Chainer's, and bind them "
+                'into cached schedules (default: on; GPU convolutions are left to '
+                'Chainer)'),
         boolean('fused_update', 'update SGD/MomentumSGD parameters on the CPU with a '
                 "fused, cache-blocked kernel, bitwise equal to Chainer's (default: on; "
                 "Chainer's GPU kernel is left as it is)"),
     )
 
     def probe(self):
-        return [State('static_graph', True, False), State('fused_update', True, False)]
+        return [State('static_graph', True, False), State('cpu_conv', True, False),
+                State('fused_update', True, False)]
 
     def apply(self, values, explicit, recorder):
         static = State('static_graph', True, bool(values['static_graph']),
                        requested='static_graph' in explicit, setting=values['static_graph'])
         fused = State('fused_update', True, values['fused_update'] is not False,
                       requested='fused_update' in explicit, setting=values['fused_update'])
+        conv = State('cpu_conv', True, values['cpu_conv'] is not False,
+                     requested='cpu_conv' in explicit, setting=values['cpu_conv'])
+        from fastchain.static import _conv
+        if conv.active:
+            _conv.install(recorder)
+        else:
+            _conv.remove(recorder)
         if static.active:
             from fastchain.static import _fixes
             if _fixes.install():
                 recorder.call('chainer static_graph fixes', lambda: None, _fixes.uninstall)
         if static.active or fused.active:
             _wrap_setup(recorder, static.active, fused.active)
-        return [static, fused]
+        return [static, conv, fused]
 
 
 def _wrap_setup(recorder, static, fused):

@@ -18,10 +18,17 @@ def snapshot():
     from chainer.dataset import convert
     from chainer.optimizer import GradientMethod
     from chainer.training.updaters import StandardUpdater
+    from fastchain.static import _bind, _conv
     return (dict(chainer.global_config.__dict__),
             chainer_cuda.get_max_workspace_size(),
             dict(GradientMethod.__dict__), dict(vars(convert)),
-            dict(StandardUpdater.__dict__))
+            dict(StandardUpdater.__dict__),
+            [cls._forward_cpu_core for cls, _ in _conv._functions()], _bind.enabled)
+
+
+def chainer_config():
+    """What the cuDNN group touches."""
+    return dict(chainer.global_config.__dict__), chainer_cuda.get_max_workspace_size()
 
 
 @pytest.fixture(params=['no-gpu', 'fake-cudnn'])
@@ -46,6 +53,7 @@ VALUES = {
     'prefetch_to_device': st.sampled_from([True, False, None]),
     'static_graph': st.sampled_from([True, False, None]),
     'fused_update': st.sampled_from([True, False, None]),
+    'cpu_conv': st.sampled_from([True, False, None]),
 }
 
 
@@ -87,7 +95,7 @@ def test_each_option_is_applied_to_chainer_and_restored(device):
             assert chainer.config.use_cudnn_tensor_core == 'never'
             if chainer_cuda.cudnn_enabled:    # a no-op in Chainer without cuDNN
                 assert chainer_cuda.get_max_workspace_size() == 1 << 20
-            labels = [label for label, _, _ in h.changes]
+            labels = [label for label, _, _ in h.changes if 'cpu_conv' not in label]
             assert labels == ['chainer.config.use_cudnn', 'chainer.config.autotune',
                               'chainer.config.use_cudnn_tensor_core',
                               'chainer.backends.cuda.max_workspace_size']
@@ -98,14 +106,14 @@ def test_defaults_turn_autotune_on_only_where_cudnn_works(device):
     before = snapshot()
     with warnings.catch_warnings():
         warnings.simplefilter('error')      # defaults never warn
-        # The cuDNN defaults only (the fused update is on by default too:
-        # tested in tests/static/test_fused_update.py).
+        # The cuDNN defaults only (the fused update and the CPU convolution
+        # kernels are on by default too: tested in tests/static/).
         with fastchain.enable(loader_workers=0, fused_update=False) as h:
             if device == 'fake-cudnn':
                 assert chainer.config.autotune is True
                 assert h.states['autotune'].active
             else:
-                assert snapshot() == before
+                assert chainer_config() == before[:2]
                 assert not h.states['autotune'].active
                 assert h.states['autotune'].why
     assert snapshot() == before
@@ -179,7 +187,7 @@ def test_a_failing_group_undoes_what_was_already_applied(monkeypatch):
 
 
 def test_disable_is_idempotent_and_the_handle_reports():
-    h = fastchain.enable(cudnn='never', loader_workers=0, fused_update=False)
+    h = fastchain.enable(cudnn='never', loader_workers=0, fused_update=False, cpu_conv=False)
     try:
         assert 'active=[]' in repr(h) and 'enabled' in repr(h)
     finally:

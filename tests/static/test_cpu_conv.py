@@ -1,0 +1,125 @@
+"""cpu_conv: define-by-run convolutions through fastchain's kernels, bitwise
+equal to Chainer's, and its enable()/disable()."""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import fastchain
+from fastchain.config import FastchainWarning
+from fastchain.static import _bind, _conv
+
+from tests.static.test_bind import ConvZoo
+
+
+class DeconvNet(chainer.Chain):
+    def __init__(self, dtype):
+        super().__init__()
+        init = chainer.initializers.Normal(0.1, dtype=dtype)
+        with self.init_scope():
+            self.up = L.Deconvolution2D(4, 3, 4, stride=2, pad=1, initialW=init,
+                                        initial_bias=init)
+            self.up1 = L.Deconvolution2D(3, 2, 1, nobias=True, initialW=init)
+
+    def forward(self, x):
+        return F.sum(self.up1(F.relu(self.up(x))), axis=(2, 3))
+
+
+def grads(make, x, **options):
+    numpy.random.seed(0)
+    model = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FastchainWarning)
+        with fastchain.enable(loader_workers=0, **options):
+            # x needs a gradient: Chainer 7.8.1's deconvolution backward fails
+            # when only its weight gradient is asked for (_set_cover_all is
+            # given variables instead of shapes).
+            y = model(chainer.Variable(x))
+            model.cleargrads()
+            F.sum(y * y).backward()
+    return y.array, {name: p.grad for name, p in model.namedparams()}
+
+
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32, numpy.float64])
+@pytest.mark.parametrize('make,shape', [(ConvZoo, (3, 3, 19, 17)),
+                                        (DeconvNet, (2, 4, 5, 6))])
+def test_define_by_run_is_bitwise_chainers(make, shape, dtype):
+    x = numpy.random.RandomState(1).randn(*shape).astype(dtype)
+    calls = []
+    real = _bind._convolution, _bind._convolution_grad_w, _bind._deconvolution
+
+    def counting(i):
+        def plan(node, inputs, buffers):
+            calls.append(type(node).__name__)
+            return real[i](node, inputs, buffers)
+        return plan
+    y0, g0 = grads(lambda: make(dtype), x, cpu_conv=False)
+    assert not calls
+    _bind._convolution, _bind._convolution_grad_w, _bind._deconvolution = (
+        counting(0), counting(1), counting(2))
+    try:
+        y1, g1 = grads(lambda: make(dtype), x)
+    finally:
+        _bind._convolution, _bind._convolution_grad_w, _bind._deconvolution = real
+    assert set(calls) == {'Convolution2DFunction', 'Convolution2DGradW',
+                          'Deconvolution2DFunction'}
+    numpy.testing.assert_array_equal(y1, y0)
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        numpy.testing.assert_array_equal(g1[name], g0[name], err_msg=name)
+
+
+def cores():
+    return [cls._forward_cpu_core for cls, _ in _conv._functions()]
+
+
+def test_enable_installs_once_and_cpu_conv_false_restores_chainers_inside_its_scope():
+    chainers = cores()
+    with fastchain.enable(loader_workers=0) as outer:
+        assert outer.states['cpu_conv'].active
+        installed = cores()
+        assert all(c.fastchain_cpu_conv for c in installed)
+        assert [c.__wrapped__ for c in installed] == chainers
+        with fastchain.enable(loader_workers=0):
+            assert cores() == installed             # not wrapped twice
+        with fastchain.enable(loader_workers=0, cpu_conv=False) as inner:
+            assert not inner.states['cpu_conv'].active
+            assert cores() == chainers and _bind.enabled is False
+        assert cores() == installed and _bind.enabled is True
+    assert cores() == chainers and _bind.enabled is True
+
+
+def test_schedules_built_under_cpu_conv_false_replay_chainers_code():
+    from fastchain.static import _fixes
+    from tests.static.test_bind import bound_entries
+    _fixes.uninstall()
+    try:
+        for option, bound in ((False, False), (True, True)):
+            numpy.random.seed(0)
+            model = ConvZoo()
+            x = numpy.random.RandomState(2).randn(2, 3, 19, 17).astype(numpy.float32)
+            with fastchain.enable(loader_workers=0, cpu_conv=option):
+                fastchain.static_graph(model)
+                for _ in range(2):
+                    model.cleargrads()
+                    F.sum(model(x)).backward()
+            assert bool(bound_entries(model)) is bound
+    finally:
+        _fixes.uninstall()
+
+
+def test_resnet50_at_full_width_is_bitwise_chainers():
+    # Every convolution shape of the real model (the overhead benchmark's
+    # setting), so BLAS sees the operand shapes it sees in training.
+    from fastchain.models import ResNet
+    x = numpy.random.RandomState(3).randn(2, 3, 32, 32).astype(numpy.float32)
+    y0, g0 = grads(lambda: ResNet(50, 10), x, cpu_conv=False)
+    y1, g1 = grads(lambda: ResNet(50, 10), x)
+    numpy.testing.assert_array_equal(y1, y0)
+    for name in g0:
+        numpy.testing.assert_array_equal(g1[name], g0[name], err_msg=name)
