@@ -50,7 +50,8 @@ class ConvZoo(chainer.Chain):
         return F.sum(h, axis=(2, 3))
 
 
-def cached_copies(make, n=2):
+def copies(make, n=2):
+    """n models with the same parameters and statistics."""
     numpy.random.seed(0)
     first = make()
     models = [first]
@@ -84,7 +85,7 @@ def train(model, optimizer, x, t):
 
 def run_pair(make, inputs, steps=5):
     """Train a bound and an unbound cached copy side by side; return them."""
-    bound, chainers = cached_copies(make)
+    bound, chainers = copies(make)
     cache_static_graph(bound)
     cache_static_graph(chainers)
     opts = [chainer.optimizers.MomentumSGD(0.05).setup(m) for m in (bound, chainers)]
@@ -140,7 +141,7 @@ def test_every_planned_convolution_setting_is_bitwise_chainers(dtype):
 
 def test_bound_replay_matches_define_by_run():
     numpy.random.seed(0)
-    ordinary, cached = cached_copies(ConvZoo)
+    ordinary, cached = copies(ConvZoo)
     cache_static_graph(cached)
     rng = numpy.random.RandomState(3)
     for _ in range(4):
