@@ -18,7 +18,9 @@ with a kernel planned for its call:
 - ``Deconvolution2DFunction`` (the input gradient): the same matrix product
   and Chainer's col2im accumulation with its slices computed once;
 - the products go through ``numpy.matmul``, which calls the same BLAS routine
-  on the same operands without the zero fill.
+  on the same operands without the zero fill (and, where this NumPy's ``dot``
+  raises no floating-point warnings, as NumPy 1.x's does not, without
+  matmul's either: an fp16 overflow warns no more than under Chainer).
 
 The arithmetic is Chainer's: the same BLAS products of equal operands and
 the same accumulation order, so a bound replay is bitwise equal to Chainer's
@@ -37,6 +39,26 @@ same shape (the schedule runs its entries one at a time).
 
 import numpy
 from numpy.lib.stride_tricks import as_strided
+
+_dot_warns = None     # does this NumPy's dot report floating-point errors?
+
+
+def _quiet_matmul(a, b):
+    with numpy.errstate(all='ignore'):
+        return numpy.matmul(a, b)
+
+
+def _product():
+    """numpy.matmul, quiet where numpy.dot (what Chainer calls) is quiet."""
+    global _dot_warns
+    if _dot_warns is None:
+        import warnings
+        with warnings.catch_warnings(record=True) as caught, numpy.errstate(invalid='warn'):
+            warnings.simplefilter('always')
+            numpy.dot(numpy.array([[numpy.inf]]), numpy.array([[0.0]]))
+        _dot_warns = bool(caught)
+    return numpy.matmul if _dot_warns else _quiet_matmul
+
 
 # Whether schedules built from now on are bound (enable(cpu_conv=False) clears it).
 enabled = True
@@ -147,13 +169,14 @@ def _convolution(node, inputs, buffers):
     n = x.shape[0]
     rows, k = n * oh * ow, c * kh * kw
     dtype = x.dtype
+    product = _product()
 
     def run(inputs):
         x, W = inputs[0], inputs[1]
         # tensordot's reshape of Chainer's col is a C-contiguous copy; this
         # one is too except in degenerate shapes, where it may be a view.
         cols = numpy.ascontiguousarray(columns(x).reshape(rows, k))
-        y = numpy.matmul(cols, W.transpose(1, 2, 3, 0).reshape(k, o))
+        y = product(cols, W.transpose(1, 2, 3, 0).reshape(k, o))
         y = y.reshape(n, oh, ow, o).astype(dtype, copy=False)
         if with_bias:
             y += inputs[2]
@@ -170,13 +193,14 @@ def _convolution_grad_w(node, inputs, buffers):
     rows, k = n * oh * ow, c * node.kh * node.kw
     shape = (o, c, node.kh, node.kw)
     w_dtype = node.W_dtype
+    product = _product()
 
     def run(inputs):
         x, gy = inputs
         if not (gy.flags.c_contiguous or gy.flags.f_contiguous) and 1 in gy.shape:
             gy = numpy.ascontiguousarray(gy)        # as Chainer does (its issue 2744)
         cols = numpy.ascontiguousarray(columns(x).reshape(rows, k))
-        gw = numpy.matmul(gy.transpose(1, 0, 2, 3).reshape(o, rows), cols)
+        gw = product(gy.transpose(1, 0, 2, 3).reshape(o, rows), cols)
         return gw.reshape(shape).astype(w_dtype, copy=False),
     return run
 
@@ -199,10 +223,11 @@ def _deconvolution(node, inputs, buffers):
                        slice(i * dx, i * dx + sx * iw, sx)))
                for j in range(kh) for i in range(kw)]
     crop = (slice(None), slice(None), slice(ph, ph + h), slice(pw, pw + w))
+    product = _product()
 
     def run(inputs):
         x, W = inputs[0], inputs[1]
-        gcol = numpy.matmul(W.transpose(1, 2, 3, 0).reshape(k, o),
+        gcol = product(W.transpose(1, 2, 3, 0).reshape(k, o),
                          x.transpose(1, 0, 2, 3).reshape(o, rows))
         gcol = gcol.reshape(c, kh, kw, n, ih, iw).astype(dtype, copy=False)
         gcol = numpy.rollaxis(gcol, 3)

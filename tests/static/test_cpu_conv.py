@@ -123,3 +123,26 @@ def test_resnet50_at_full_width_is_bitwise_chainers():
     numpy.testing.assert_array_equal(y1, y0)
     for name in g0:
         numpy.testing.assert_array_equal(g1[name], g0[name], err_msg=name)
+
+
+def test_an_overflowed_gradient_warns_exactly_when_chainers_kernels_warn():
+    # NumPy 1.x's dot reports no floating-point errors, matmul does; 2.x's
+    # dot does too. Whatever this NumPy does, cpu_conv matches Chainer.
+    x = numpy.ones((2, 3, 5, 5), numpy.float32)
+    W = numpy.ones((4, 3, 3, 3), numpy.float32)
+    gy = numpy.zeros((2, 4, 5, 5), numpy.float32)
+    gy[0, 0, 0, 0] = numpy.inf          # inf * 0: an invalid value in the products
+
+    def warned(**options):
+        with warnings.catch_warnings(record=True) as caught, \
+                fastchain.enable(loader_workers=0, **options):
+            warnings.simplefilter('always')
+            xv, Wv = chainer.Variable(x), chainer.Variable(W)
+            y = F.convolution_2d(xv, Wv, pad=1)
+            y.grad = gy
+            y.backward()
+        return [str(w.message) for w in caught if w.category is RuntimeWarning], xv.grad
+    chainers, gx0 = warned(cpu_conv=False)
+    ours, gx1 = warned()
+    assert bool(ours) == bool(chainers)
+    numpy.testing.assert_array_equal(gx1, gx0)
