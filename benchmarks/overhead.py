@@ -22,7 +22,9 @@ chainer_dynamic`` is the same comparison on Chainer's own kernels. The cache
 and the fused update are applied per model with the functions ``enable()``
 applies at optimizer set-up (``cache_static_graph``, ``fuse``); the
 convolution kernels (process-wide) are switched around each step. A cProfile
-of cached steps in the overhead-bound setting shows what is left.
+of cached steps in the overhead-bound setting shows what is left. On a GPU
+(the default where one works; ``--device``) the clock is read after the
+device synchronises, and the CPU kernels change nothing (not run on a GPU).
 """
 
 import cProfile
@@ -45,8 +47,8 @@ VARIANTS = {'chainer_dynamic': (False, False, False), 'chainer_static': (True, F
 WARM_UP = 3     # steps: the cached models build their schedules
 
 
-def make(static, cpu_conv, fused, batch, size):
-    """One variant: a ResNet-50 classifier and its training step."""
+def make(static, cpu_conv, fused, batch, size, device):
+    """One variant: a ResNet-50 classifier and its training step (on ``device``)."""
     import chainer
     import chainer.links as L
     from fastchain.config._recorder import Recorder
@@ -55,17 +57,20 @@ def make(static, cpu_conv, fused, batch, size):
     from fastchain.static._update import fuse
     numpy.random.seed(0)                # the same weights in every variant
     model = L.Classifier(ResNet(50, 10))
+    model.to_device(device)
     if static:
         cache_static_graph(model.predictor)
     optimizer = chainer.optimizers.MomentumSGD(0.01).setup(model)
     if fused:
         fuse(optimizer)
     rng = numpy.random.RandomState(1)
-    x = rng.randn(batch, 3, size, size).astype(numpy.float32)
-    t = rng.randint(0, 10, batch).astype(numpy.int32)
+    x = device.send(rng.randn(batch, 3, size, size).astype(numpy.float32))
+    t = device.send(rng.randint(0, 10, batch).astype(numpy.int32))
 
     def step():
         optimizer.update(model, x, t)
+        if device.xp is not numpy:
+            device.device.synchronize()     # read the clock after the GPU is done
 
     def kernels():
         """Switch the convolution kernels (process-wide) to this variant's."""
@@ -103,20 +108,27 @@ def profile(step, n=5):
 
 def main(argv=None):
     p = _common.parser('overhead', __doc__)
+    p.add_argument('--device', default=None,
+                   help="Chainer device (default: '@cupy:0' where a GPU works, else '@numpy'); "
+                        'the CPU kernels (cpu_conv, fused_update) change nothing on a GPU')
     args = p.parse_args(argv)
+    import chainer
+    from fastchain.backends import cuda
+    device = chainer.get_device(args.device or ('@cupy:0' if cuda.available() else '@numpy'))
+    device.use()
     # Rounds (one step per variant each); --windows sets the overhead-bound
     # count. A compute-bound step takes ~2 s here.
     rounds = {'overhead_bound': args.windows or (30 if args.quick else 80),
               'compute_bound': 4 if args.quick else 9}
     rows = _common.Rows('iterations/s')
-    config = {'model': 'ResNet-50 (v1.5, width 64)', 'windows': rounds,
+    config = {'model': 'ResNet-50 (v1.5, width 64)', 'device': str(device), 'windows': rounds,
               'warm_up_steps': WARM_UP,
               'method': 'one process; every variant runs one step in turn, the order '
                         'alternating between rounds; a window is one step',
               'settings': {k: {'batch': b, 'input': s} for k, (b, s) in SETTINGS.items()}}
     profiles = {}
     for setting, (batch, size) in SETTINGS.items():
-        variants = {name: make(*VARIANTS[name], batch, size) for name in VARIANTS}
+        variants = {name: make(*VARIANTS[name], batch, size, device) for name in VARIANTS}
         names = list(variants)
 
         def timed_step(name):
