@@ -24,15 +24,16 @@ applies at optimizer set-up (``cache_static_graph``, ``fuse``); the
 convolution kernels (process-wide) are switched around each step. A cProfile
 of cached steps in the overhead-bound setting shows what is left. On a GPU
 (the default where one works; ``--device``) the clock is read after the
-device synchronises, and the CPU kernels change nothing (not run on a GPU).
+device synchronises; the CPU kernels act on NumPy arrays only (the GPU path
+is not run on a GPU yet).
 """
 
+import contextlib
 import cProfile
 import io
 import os
 import pstats
 import sys
-import time
 import warnings
 
 import numpy
@@ -72,19 +73,19 @@ def make(static, cpu_conv, fused, batch, size, device):
         if device.xp is not numpy:
             device.device.synchronize()     # read the clock after the GPU is done
 
+    @contextlib.contextmanager
     def kernels():
-        """Switch the convolution kernels (process-wide) to this variant's."""
+        """This variant's convolution kernels (process-wide) while inside."""
         recorder = Recorder()
         (_conv.install if cpu_conv else _conv.remove)(recorder)
-        return recorder
-    recorder = kernels()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter('error')      # a fallback would void the comparison
-            for _ in range(WARM_UP):
-                step()
-    finally:
-        recorder.undo()
+        try:
+            yield
+        finally:
+            recorder.undo()
+    with kernels(), warnings.catch_warnings():
+        warnings.simplefilter('error')      # a fallback would void the comparison
+        for _ in range(WARM_UP):
+            step()
     return step, kernels
 
 
@@ -110,7 +111,8 @@ def main(argv=None):
     p = _common.parser('overhead', __doc__)
     p.add_argument('--device', default=None,
                    help="Chainer device (default: '@cupy:0' where a GPU works, else '@numpy'); "
-                        'the CPU kernels (cpu_conv, fused_update) change nothing on a GPU')
+                        'the CPU kernels (cpu_conv, fused_update) act on NumPy arrays only; '
+                        'the GPU path is not run on a GPU yet')
     args = p.parse_args(argv)
     import chainer
     from fastchain.backends import cuda
@@ -133,11 +135,8 @@ def main(argv=None):
 
         def timed_step(name):
             step, kernels = variants[name]
-            recorder = kernels()
-            try:
+            with kernels():
                 return _common.timed(step)[0]
-            finally:
-                recorder.undo()
         for r in range(rounds[setting]):
             for name in (names if r % 2 == 0 else names[::-1]):
                 rows.add('{}@{}'.format(name, setting), 1.0 / timed_step(name))
@@ -151,11 +150,8 @@ def main(argv=None):
             # own times from the same run.
             for name in ('static', 'chainer_static'):
                 step, kernels = variants[name]
-                recorder = kernels()
-                try:
+                with kernels():
                     profiles[name] = profile(step, 5)
-                finally:
-                    recorder.undo()
         del variants
     ratios, paired = {}, {}
     for s in SETTINGS:

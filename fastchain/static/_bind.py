@@ -73,17 +73,22 @@ def bind_schedule(schedule):
         return 0
     buffers = {}
     bound = 0
+    makers = planners()
     for info in schedule.schedule_info_list:
         node = info.function_node
         if node is None or info.kwargs.get('inputs') is None:
             continue
-        make = _MAKERS.get(type(node))
+        make = makers.get(type(node))
         if (make is None or not _plain_node(node)
                 or getattr(info.func, '__name__', None) != 'generic_static_forward'):
             continue
         info.func = _Lazy(make, node, info.func, buffers)
         bound += 1
     return bound
+
+
+def _plain(arrays):
+    return all(type(a) is numpy.ndarray for a in arrays)
 
 
 def _plain_node(node):
@@ -110,7 +115,7 @@ class _Lazy:
         key = tuple((type(a), a.shape, a.dtype) for a in inputs)
         if self.plan is None and self.key is None:
             self.key = key
-            if all(t is numpy.ndarray for t, _, _ in key):
+            if _plain(inputs):
                 try:
                     self.plan = self.make(self.node, inputs, self.buffers)
                 except Exception:       # an input this planner did not foresee
@@ -241,22 +246,11 @@ def _deconvolution(node, inputs, buffers):
     return run
 
 
-def _makers():
+def planners():
+    """{Chainer function class: its planner}: the functions this module plans."""
     from chainer.functions.connection import convolution_2d, deconvolution_2d
     return {
         convolution_2d.Convolution2DFunction: _convolution,
         convolution_2d.Convolution2DGradW: _convolution_grad_w,
         deconvolution_2d.Deconvolution2DFunction: _deconvolution,
     }
-
-
-class _MakerTable:
-    table = None
-
-    def get(self, cls):
-        if self.table is None:
-            self.table = _makers()
-        return self.table.get(cls)
-
-
-_MAKERS = _MakerTable()

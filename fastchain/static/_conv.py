@@ -11,67 +11,39 @@ planning once (its bound kernels). Results stay bitwise equal to Chainer's
 Only ``_forward_cpu_core`` of the three convolution functions is replaced,
 so Chainer's type checks, layouts and dispatch (GPU, iDeep, grouped) stay
 Chainer's; inside, anything the kernels do not plan for (iDeep, ``cover_all``,
-non-NumPy arrays) goes to Chainer's code.
+non-standard layouts, non-NumPy arrays) goes to Chainer's code.
 """
-
-import numpy
 
 from fastchain.static import _bind
 
 
-def _plain(arrays):
-    return all(type(a) is numpy.ndarray for a in arrays)
-
-
-def _convolution_core(original):
-    def _forward_cpu_core(self, x, W, b):
-        inputs = (x, W) if b is None else (x, W, b)
-        if self._use_ideep or self.cover_all or not _plain(inputs):
-            return original(self, x, W, b)
-        return _bind._convolution(self, inputs, {})(inputs)
-    _forward_cpu_core.__wrapped__ = original
-    return _forward_cpu_core
-
-
-def _convolution_grad_w_core(original):
-    def _forward_cpu_core(self, x, gy):
-        inputs = (x, gy)
-        if self._use_ideep or self.cover_all or not _plain(inputs):
-            return original(self, x, gy)
-        return _bind._convolution_grad_w(self, inputs, {})(inputs)
-    _forward_cpu_core.__wrapped__ = original
-    return _forward_cpu_core
-
-
-def _deconvolution_core(original):
-    def _forward_cpu_core(self, x, W, b):
-        inputs = (x, W) if b is None else (x, W, b)
+def _planned(original, planner):
+    """``_forward_cpu_core`` that runs ``planner``'s plan for this call, or
+    Chainer's ``original`` where the planners do not apply."""
+    def _forward_cpu_core(self, *arrays):
+        inputs = tuple(a for a in arrays if a is not None)     # no bias: (x, W)
         plan = None
-        if not self._use_ideep and _plain(inputs):
-            plan = _bind._deconvolution(self, inputs, {})
+        if _bind._plain_node(self) and _bind._plain(inputs):
+            plan = planner(self, inputs, {})
         if plan is None:
-            return original(self, x, W, b)
+            return original(self, *arrays)
         return plan(inputs)
     _forward_cpu_core.__wrapped__ = original
     return _forward_cpu_core
 
 
 def _functions():
-    from chainer.functions.connection import convolution_2d as c2
-    from chainer.functions.connection import deconvolution_2d as d2
-    return ((c2.Convolution2DFunction, _convolution_core),
-            (c2.Convolution2DGradW, _convolution_grad_w_core),
-            (d2.Deconvolution2DFunction, _deconvolution_core))
+    return _bind.planners().items()
 
 
 def install(recorder):
     """Give the three convolution functions fastchain's CPU kernels (and let
     schedules bind them); undone with ``recorder``."""
-    for cls, wrap in _functions():
+    for cls, planner in _functions():
         core = cls._forward_cpu_core
         if getattr(core, 'fastchain_cpu_conv', False):
             continue            # an enclosing handle installed it already
-        new = wrap(core)
+        new = _planned(core, planner)
         new.fastchain_cpu_conv = True
         recorder.set_attr(cls, '_forward_cpu_core', new,
                           label='{}._forward_cpu_core (cpu_conv)'.format(cls.__name__))
