@@ -26,7 +26,7 @@ import builtins
 import threading
 
 from fastchain.config._recorder import Recorder
-from fastchain.static import _bind
+from fastchain.static import _bind, _flat
 
 _recorder = None
 _lock = threading.Lock()
@@ -57,6 +57,7 @@ def install():
             if saved is not None and not self.pass_depth:   # the forward schedule
                 _restore(saved)
             _bind.bind_schedule(self)
+            _flat.compile_schedule(self)
             return result
 
         build_then_restore_statistics.__wrapped__ = build
