@@ -16,9 +16,10 @@ arise.
    them only when verbosity was asked for.
 
 All three are installed together, once per process, by :func:`install`
-(``enable(static_graph=True)`` or the first cached chain), with the hook that
-binds lean kernels into every schedule once it is built
-(:mod:`fastchain.static._bind`); :func:`uninstall` takes them out again. None
+(``enable(static_graph=True)`` or the first cached chain), with the hook that,
+once a schedule is built, binds lean kernels into it
+(:mod:`fastchain.static._bind`) and gives it a flat program
+(:mod:`fastchain.static._flat`); :func:`uninstall` takes them out again. None
 changes define-by-run execution.
 """
 
