@@ -211,6 +211,10 @@ def loss_scale_agreement():
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         handle = fastchain.enable(fp16=True, loader_workers=0)
+    # Seeded: with some initial weights the first fp16 step overflows at the
+    # initial scale and is skipped (correctly, on every rank), which this
+    # test's expected decisions do not allow for.
+    numpy.random.seed(0)
     net = MLP()
     step = {'k': 0}
 
