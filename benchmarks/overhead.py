@@ -127,13 +127,14 @@ def main(argv=None):
     from fastchain.backends import cuda
     device = chainer.get_device(args.device or ('@cupy:0' if cuda.available() else '@numpy'))
     device.use()
-    # Rounds (one step per variant each); --windows sets the overhead-bound
-    # count. A compute-bound step takes ~2 s here.
-    rounds = {'overhead_bound': args.windows or (30 if args.quick else 80),
-              'compute_bound': 4 if args.quick else 9,
-              'python_bound': args.windows or (30 if args.quick else 80)}
+    # Rounds (one step per variant each); --windows sets the overhead- and
+    # python-bound counts. A compute-bound step takes ~2 s here.
+    short = args.windows or (30 if args.quick else 80)
+    rounds = {'overhead_bound': short, 'compute_bound': 4 if args.quick else 9,
+              'python_bound': short}
     rows = _common.Rows('iterations/s')
-    config = {'model': 'ResNet-50 (v1.5); width 64, python_bound at width 4', 'device': str(device), 'windows': rounds,
+    config = {'model': 'ResNet-50 (v1.5); width 64, python_bound at width 4',
+              'device': str(device), 'windows': rounds,
               'warm_up_steps': WARM_UP,
               'method': 'one process; every variant runs one step in turn, the order '
                         'alternating between rounds; a window is one step',

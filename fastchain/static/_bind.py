@@ -105,7 +105,6 @@ class _Lazy:
     then runs the plan; Chainer's callable whenever the plan does not fit."""
 
     __slots__ = ('make', 'node', 'original', 'buffers', 'plan', 'key')
-    fastchain_bound = True      # _flat calls it as func(node, inputs)
 
     def __init__(self, make, node, original, buffers):
         self.make, self.node, self.original, self.buffers = make, node, original, buffers

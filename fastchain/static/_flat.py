@@ -30,6 +30,8 @@ with Chainer's debug verbosity (>= 2) keep Chainer's replay and its prints.
 
 import numpy
 
+from fastchain.static._bind import _Lazy
+
 # Whether schedules built from now on get a flat program.
 enabled = True
 
@@ -46,8 +48,8 @@ def compile_schedule(schedule):
     params = schedule.params_list
     data_pre, grad_pre = _param_hooks(schedule.param_hooks, params)
     data_post, grad_post = _param_hooks(schedule.param_post_hooks, params)
-    in_var_hooks = tuple((u, i) for u, i in schedule.in_var_hooks)
-    out_var_hooks = tuple((o, u) for o, u in schedule.out_var_hooks)
+    in_var_hooks = tuple(schedule.in_var_hooks)     # (unique index, input index)
+    out_var_hooks = tuple(schedule.out_var_hooks)   # (output index, unique index)
     program = []
     compiled = 0
     for info in schedule.schedule_info_list:
@@ -119,7 +121,7 @@ def _entry(info):
     if getattr(func, '__name__', None) == 'generic_static_forward':
         def call(ins):
             return node.forward(tuple(ins))
-    elif getattr(func, 'fastchain_bound', False):
+    elif isinstance(func, _Lazy):
         def call(ins):
             return func(node, ins)
     else:

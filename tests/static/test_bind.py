@@ -10,15 +10,10 @@ import chainer.functions as F
 import chainer.links as L
 
 from fastchain.models import ResNet
-from fastchain.static import StaticGraphFallback, _bind, _fixes, cache_static_graph
+from fastchain.static import StaticGraphFallback, _bind, cache_static_graph
 
 
-@pytest.fixture(autouse=True)
-def fresh_fixes():
-    _fixes.uninstall()
-    yield
-    _fixes.uninstall()
-    _bind.enabled = True
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
 
 
 class ConvZoo(chainer.Chain):
@@ -66,14 +61,17 @@ def copies(make, n=2):
     return models
 
 
+def schedules(model):
+    """Every schedule a cached model has built: forward, then its backward."""
+    for forwards in model.schedule_manager.schedules.values():
+        for forward in forwards:
+            yield forward
+            yield forward.backward_schedule_func
+
+
 def bound_entries(model):
-    lazies = []
-    for schedules in model.schedule_manager.schedules.values():
-        for forward in schedules:
-            for schedule in (forward, forward.backward_schedule_func):
-                lazies += [i.func for i in schedule.schedule_info_list
-                           if isinstance(i.func, _bind._Lazy)]
-    return lazies
+    return [i.func for schedule in schedules(model) for i in schedule.schedule_info_list
+            if isinstance(i.func, _bind._Lazy)]
 
 
 def train(model, optimizer, x, t):

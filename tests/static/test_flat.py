@@ -10,24 +10,11 @@ import chainer.functions as F
 import chainer.links as L
 
 from fastchain.models import ResNet
-from fastchain.static import StaticGraphFallback, _fixes, _flat, cache_static_graph
+from fastchain.static import StaticGraphFallback, _flat, cache_static_graph
 
-from .test_bind import copies, train
+from .test_bind import copies, schedules, train
 
-
-@pytest.fixture(autouse=True)
-def fresh_fixes():
-    _fixes.uninstall()
-    yield
-    _fixes.uninstall()
-    _flat.enabled = True
-
-
-def schedules(model):
-    for forwards in model.schedule_manager.schedules.values():
-        for forward in forwards:
-            yield forward
-            yield forward.backward_schedule_func
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
 
 
 def test_flat_replay_is_bitwise_chainers_replay():

@@ -14,12 +14,7 @@ from fastchain.models import ResNet
 from fastchain.static import StaticGraphFallback, cache_static_graph
 
 
-@pytest.fixture(autouse=True)
-def fresh_fixes():
-    from fastchain.static import _fixes
-    _fixes.uninstall()
-    yield
-    _fixes.uninstall()
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
 
 
 def pair(make):
