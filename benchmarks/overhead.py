@@ -63,8 +63,9 @@ def make(static, cpu_conv, fused, batch, size, width, device):
     import chainer.links as L
     from fastchain.config._recorder import Recorder
     from fastchain.models import ResNet
-    from fastchain.static import _conv, cache_static_graph
-    from fastchain.static._update import fuse
+    from fastchain.kernels import _conv
+    from fastchain.static import cache_static_graph
+    from fastchain.kernels._update import fuse
     numpy.random.seed(0)                # the same weights in every variant
     model = L.Classifier(ResNet(50, 10, width=width))
     model.to_device(device)

@@ -53,3 +53,17 @@ def no_handle_leaks_into_the_next_test():
     if enable_module is not None:
         for handle in reversed(enable_module.active_handles()):
             handle.disable()
+
+
+@pytest.fixture
+def fresh_fixes():
+    """Chainer's static_graph without fastchain's fixes before and after a test,
+    and the module flags that decide how later schedules are built at their
+    defaults afterwards."""
+    from fastchain.kernels import _bind
+    from fastchain.static import _fixes, _flat
+    _fixes.uninstall()
+    yield
+    _fixes.uninstall()
+    _bind.enabled = True
+    _flat.enabled = True

@@ -18,7 +18,7 @@ arise.
 All three are installed together, once per process, by :func:`install`
 (``enable(static_graph=True)`` or the first cached chain), with the hook that,
 once a schedule is built, binds lean kernels into it
-(:mod:`fastchain.static._bind`) and gives it a flat program
+(:mod:`fastchain.kernels._bind`) and gives it a flat program
 (:mod:`fastchain.static._flat`); :func:`uninstall` takes them out again. None
 changes define-by-run execution.
 """
@@ -27,7 +27,8 @@ import builtins
 import threading
 
 from fastchain.config._recorder import Recorder
-from fastchain.static import _bind, _flat
+from fastchain.kernels import _bind
+from fastchain.static import _flat
 
 _recorder = None
 _lock = threading.Lock()

@@ -30,7 +30,7 @@ with Chainer's debug verbosity (>= 2) keep Chainer's replay and its prints.
 
 import numpy
 
-from fastchain.static._bind import _Lazy
+from fastchain.kernels._bind import _Lazy
 
 # Whether schedules built from now on get a flat program.
 enabled = True

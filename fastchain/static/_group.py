@@ -30,7 +30,7 @@ class StaticGraphGroup(Group):
                       requested='fused_update' in explicit, setting=values['fused_update'])
         conv = State('cpu_conv', True, values['cpu_conv'] is not False,
                      requested='cpu_conv' in explicit, setting=values['cpu_conv'])
-        from fastchain.static import _conv
+        from fastchain.kernels import _conv
         if conv.active:
             _conv.install(recorder)
         else:
@@ -48,7 +48,7 @@ def _wrap_setup(recorder, static, fused):
     import chainer
     from chainer.optimizer import GradientMethod
     from fastchain.static._cache import cache_static_graph
-    from fastchain.static._update import fuse
+    from fastchain.kernels._update import fuse
     setup = GradientMethod.setup
 
     def setup_and_apply(self, link):

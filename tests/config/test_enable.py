@@ -18,7 +18,7 @@ def snapshot():
     from chainer.dataset import convert
     from chainer.optimizer import GradientMethod
     from chainer.training.updaters import StandardUpdater
-    from fastchain.static import _bind, _conv
+    from fastchain.kernels import _bind, _conv
     return (dict(chainer.global_config.__dict__),
             chainer_cuda.get_max_workspace_size(),
             dict(GradientMethod.__dict__), dict(vars(convert)),

@@ -12,7 +12,7 @@ import chainer.links as L
 from fastchain.models import ResNet
 from fastchain.static import StaticGraphFallback, _flat, cache_static_graph
 
-from .test_bind import copies, schedules, train
+from tests.helpers import copies, schedules, train
 
 pytestmark = pytest.mark.usefixtures('fresh_fixes')
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures('fresh_fixes')
 
 def pair(make):
     """The same model twice: one ordinary, one cached."""
-    from tests.static.test_bind import copies
+    from tests.helpers import copies
     ordinary, cached = copies(make)
     undo = cache_static_graph(cached)
     return ordinary, cached, undo

@@ -12,9 +12,9 @@ import chainer.links as L
 
 import fastchain
 from fastchain.config import FastchainWarning
-from fastchain.static import _bind, _conv
+from fastchain.kernels import _bind, _conv
 
-from tests.static.test_bind import ConvZoo
+from tests.helpers import ConvZoo
 
 
 class DeconvNet(chainer.Chain):
@@ -96,7 +96,7 @@ def test_enable_installs_once_and_cpu_conv_false_restores_chainers_inside_its_sc
 
 def test_schedules_built_under_cpu_conv_false_replay_chainers_code():
     from fastchain.static import _fixes
-    from tests.static.test_bind import bound_entries
+    from tests.helpers import bound_entries
     _fixes.uninstall()
     try:
         for option, bound in ((False, False), (True, True)):

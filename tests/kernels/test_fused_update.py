@@ -8,7 +8,7 @@ import pytest
 from chainer import optimizer_hooks, optimizers
 
 import fastchain
-from fastchain.static import _update
+from fastchain.kernels import _update
 
 
 class Net(chainer.Chain):

@@ -29,7 +29,7 @@ which is itself checked against define-by-run. Anything else (grouped,
 ``cover_all``, iDeep or GPU arrays, non-standard layouts, an input whose
 shape or dtype differs from the first call's) runs Chainer's code unchanged.
 The same planners serve define-by-run, planned per call
-(:mod:`fastchain.static._conv`, ``enable(cpu_conv=...)``, which also decides
+(:mod:`fastchain.kernels._conv`, ``enable(cpu_conv=...)``, which also decides
 whether schedules are bound).
 
 Bound kernels keep no array that escapes: every output is freshly allocated,

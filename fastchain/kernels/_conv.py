@@ -1,6 +1,6 @@
 """fastchain's CPU convolution kernels in define-by-run (``cpu_conv``).
 
-The kernels of :mod:`fastchain.static._bind` are planned per call here: the
+The kernels of :mod:`fastchain.kernels._bind` are planned per call here: the
 plan is made from the call's arrays and run at once. Define-by-run thus gets
 what does not depend on a schedule (no ``numpy.pad``, the im2col columns
 copied once instead of twice, ``numpy.matmul`` instead of ``numpy.dot``, which
@@ -14,7 +14,7 @@ Chainer's; inside, anything the kernels do not plan for (iDeep, ``cover_all``,
 non-standard layouts, non-NumPy arrays) goes to Chainer's code.
 """
 
-from fastchain.static import _bind
+from fastchain.kernels import _bind
 
 
 def _planned(original, planner):
