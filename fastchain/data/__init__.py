@@ -16,8 +16,8 @@ StandardUpdater gets a SerialIterator (option ``loader_workers``).
 from fastchain.data._demo import CLASSES as DEMO_CLASSES, make_demo_dataset
 from fastchain.data._images import (ImageDecodeError, ImageFolderDataset,
                                     ImageListDataset)
-from fastchain.data._iterator import (DataLoadError, MultiprocessIterator,
-                                      WorkerDiedError, available_cores)
+from fastchain.data._iterator import DataLoadError, MultiprocessIterator, available_cores
+from fastchain.data._pool import WorkerDiedError
 from fastchain.data._prefetch import DevicePrefetcher, ImageConverter, PreparedBatch
 from fastchain.data._transforms import (CenterCrop, Normalize, RandomCrop,
                                         RandomResizedCrop)

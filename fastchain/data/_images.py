@@ -46,6 +46,9 @@ class ImageDecodeError(Exception):
 def open_image(path, index=None):
     """Open ``path`` as a not-yet-decoded Pillow image (the header is read).
 
+    The file's bytes ride along on the image (set here, read by
+    :func:`to_hwc` only), for the fast full-size JPEG decode.
+
     Raises:
         ImageDecodeError: missing, unreadable or not an image.
     """
@@ -61,20 +64,38 @@ def open_image(path, index=None):
     except Exception as e:
         raise ImageDecodeError(path, index, 'not an image ({}: {})'.format(
             type(e).__name__, e)) from None
-    image.fastchain_data = data      # for the fast full-size JPEG decode
+    image.fastchain_data = data
     return image
+
+
+# The Pillow mode a JPEG decodes to, by the colour space in its header: the
+# ones simplejpeg gives Pillow's pixels for (Pillow's CMYK conversion differs
+# by a level or so).
+_FAST_MODES = {'YCbCr': 'RGB', 'RGB': 'RGB', 'Gray': 'L'}
+
+
+def _fast_decode(image):
+    """simplejpeg's full-size RGB decode of ``image``, or ``None`` where Pillow
+    must decode: not an opened JPEG, or one that will not decode as its file
+    says (``Image.draft`` has reduced its size or changed its mode), or one
+    that simplejpeg cannot read (Pillow then names the problem)."""
+    data = getattr(image, 'fastchain_data', None)
+    if _simplejpeg is None or data is None or image.format != 'JPEG':
+        return None
+    try:
+        height, width, colourspace, _ = _simplejpeg.decode_jpeg_header(data)
+        if image.size != (width, height) or image.mode != _FAST_MODES.get(colourspace):
+            return None
+        return _simplejpeg.decode_jpeg(data, colorspace='RGB')
+    except Exception:
+        return None         # truncated, corrupt, ...
 
 
 def to_hwc(image, path=None, index=None):
     """Decode a Pillow image to a uint8 HWC RGB array."""
-    data = getattr(image, 'fastchain_data', None)
-    # RGB and grey only: Pillow's CMYK conversion differs by a level or so.
-    if _simplejpeg is not None and data is not None and image.format == 'JPEG' \
-            and image.mode in ('RGB', 'L') and not getattr(image, 'fastchain_drafted', False):
-        try:
-            return _simplejpeg.decode_jpeg(data, colorspace='RGB')
-        except Exception:
-            pass        # truncated, corrupt, ...: Pillow decodes or names the problem
+    array = _fast_decode(image)
+    if array is not None:
+        return array
     try:
         if image.mode != 'RGB':
             image = image.convert('RGB')

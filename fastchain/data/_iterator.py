@@ -1,11 +1,6 @@
 """A multiprocess prefetching iterator with exact, resumable order."""
 
-import multiprocessing
-import multiprocessing.connection
 import os
-import signal
-import time
-import weakref
 
 import numpy
 
@@ -13,6 +8,10 @@ import chainer
 from chainer.dataset import iterator as iterator_module
 
 from fastchain.data import _workers
+from fastchain.data._pool import WorkerPool
+from fastchain.data._schedule import Schedule
+
+SIZING_TRIES = 16   # examples tried, in order, for one to lay out the shared memory
 
 
 class DataLoadError(Exception):
@@ -32,21 +31,6 @@ class DataLoadError(Exception):
             ('\nIn the worker:\n' + detail) if detail else ''))
 
 
-class LoadedBatch(list):
-    """A batch (list of examples) from the workers.
-
-    ``stacked`` is, when every example came through shared memory, a tuple
-    with one ``(batch, ...)`` array per array field (``None`` for the other
-    fields): the examples are rows of these arrays.
-    """
-
-    stacked = None
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process ended without being asked to."""
-
-
 def available_cores():
     try:
         return len(os.sched_getaffinity(0))
@@ -63,8 +47,12 @@ class MultiprocessIterator(iterator_module.Iterator):
     snapshot resumes in the middle of an epoch exactly.
 
     Array fields of the examples are written by the workers straight into
-    shared memory (sized from the first example), one slot per batch in
-    flight; only labels and other small fields are pickled.
+    shared memory (laid out from the first example of the order that loads),
+    one slot per batch in flight; only labels and other small fields are
+    pickled.
+
+    A :class:`~fastchain.data.DevicePrefetcher` can wrap it: it reads ahead
+    and gives back what the training loop did not use through :meth:`seek`.
 
     Args:
         dataset: any Chainer dataset (indexable, ``len``).
@@ -79,13 +67,21 @@ class MultiprocessIterator(iterator_module.Iterator):
         on_error (str): ``'raise'`` (default): a bad example raises
             :class:`DataLoadError` naming its index and file. ``'skip'``: it
             is left out of its batch and counted in :attr:`skipped` (and
-            reported as ``skipped_examples`` to Chainer's reporter).
+            reported as ``skipped_examples`` to Chainer's reporter). Either
+            way this happens in :meth:`next`, for the batch the example is
+            in, with or without workers.
         shared_memory (bool): pass arrays through /dev/shm (default) or
             pickle them through pipes.
         timeout (float): seconds to wait for one batch before raising
             ``TimeoutError`` (default: wait as long as the workers live).
         start_method (str): multiprocessing start method (default ``'fork'``
             where available: the dataset need not be picklable).
+
+    .. note::
+       With workers and shared memory, the first examples of the order are
+       loaded here, at construction, until one loads: its arrays give the
+       layout of the shared memory. If none of the first 16 loads, the
+       constructor raises :class:`DataLoadError` for the first of them.
     """
 
     _pool = None
@@ -108,33 +104,30 @@ class MultiprocessIterator(iterator_module.Iterator):
             raise ValueError('the dataset is empty')
         self.dataset = dataset
         self.batch_size = batch_size
-        self._repeat = repeat
-        self._shuffle = shuffle
         self.n_workers = n_workers
         self.prefetch = prefetch
         self.on_error = on_error
-        self.timeout = timeout
-        self._seed = int(numpy.random.SeedSequence(seed).entropy % 2**63) \
+        self._timeout = timeout
+        seed = int(numpy.random.SeedSequence(seed).entropy % 2**63) \
             if seed is None else int(seed)
+        self._schedule = Schedule(len(dataset), batch_size, shuffle, repeat, seed)
         self.skipped = []       # [{'index', 'path', 'error'}] with on_error='skip'
-        self._orders = {}       # epoch -> order (a loaded snapshot may set one)
         self._pool = None
         self._reset_position()
         if n_workers > 0:
-            self._pool = _Pool(self, shared_memory, start_method)
-            self._pool.fill()
+            sample = self._sample() if shared_memory else None
+            self._pool = WorkerPool(dataset, self._schedule.plan, batch_size, n_workers,
+                                    prefetch, sample, timeout, start_method)
+            self._pool.seek(self.epoch, self.current_position)
 
     # -- chainer.dataset.Iterator --------------------------------------------
 
     def __next__(self):
-        if not self._repeat and self.epoch > 0:
+        if not self.repeat and self.epoch > 0:
             raise StopIteration
-        indices, epoch, position = self._plan(self.epoch, self.current_position)
+        indices, epoch, position = self._schedule.batch(self.epoch, self.current_position)
         if self._pool is not None:
-            if self._pool.closed:
-                raise RuntimeError('fastchain: this MultiprocessIterator was finalized '
-                                   '(its workers are stopped); make a new one')
-            batch = self._pool.take(indices)
+            batch = self._take(indices)
         else:
             batch = self._load_here(indices)
         self._previous_epoch_detail = self.epoch_detail
@@ -156,16 +149,43 @@ class MultiprocessIterator(iterator_module.Iterator):
 
     @property
     def repeat(self):
-        return self._repeat
+        return self._schedule.repeat
+
+    @property
+    def timeout(self):
+        """Seconds to wait for one batch (``None``: as long as the workers live)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value):
+        self._timeout = value
+        if self._pool is not None:
+            self._pool.timeout = value
 
     def reset(self):
         """Back to the start of epoch 0 (what Chainer's Evaluator calls)."""
-        pool = self._live_pool()
-        if pool is not None:
-            pool.drain()
         self._reset_position()
-        if pool is not None:
-            pool.fill()
+        self._restart_loading()
+
+    def seek(self, epoch, current_position, is_new_epoch=False,
+             previous_epoch_detail=None):
+        """Move to ``(epoch, current_position)``: the next batch starts there.
+
+        Batches loaded ahead are dropped (after waiting for those in flight:
+        the workers may be writing into their slots) and loading restarts
+        there. :class:`~fastchain.data.DevicePrefetcher` calls this to give
+        back the batches it fetched but the training loop did not use; the
+        last two arguments restore what :attr:`is_new_epoch` and
+        :attr:`previous_epoch_detail` said at that point.
+        """
+        if not 0 <= current_position < len(self.dataset):
+            raise ValueError('current_position must be in [0, {}), got {!r}'.format(
+                len(self.dataset), current_position))
+        self.epoch, self.current_position = int(epoch), int(current_position)
+        self.is_new_epoch = bool(is_new_epoch)
+        self._previous_epoch_detail = -1.0 if previous_epoch_detail is None \
+            else float(previous_epoch_detail)
+        self._restart_loading()
 
     def serialize(self, serializer):
         """Saves and restores the position, the seed and the epoch's order.
@@ -173,29 +193,25 @@ class MultiprocessIterator(iterator_module.Iterator):
         The keys are SerialIterator's, so a snapshot moves between the two.
         """
         loading = isinstance(serializer, chainer.serializer.Deserializer)
-        pool = self._live_pool()
-        if loading and pool is not None:
-            pool.drain()
-        self.current_position = int(serializer('current_position', self.current_position))
-        self.epoch = int(serializer('epoch', self.epoch))
-        self.is_new_epoch = bool(serializer('is_new_epoch', self.is_new_epoch))
-        self._previous_epoch_detail = float(serializer(
-            'previous_epoch_detail', self._previous_epoch_detail))
+        schedule = self._schedule
         try:
-            self._seed = int(serializer('fastchain_seed', self._seed))
-        except KeyError:
-            pass        # a SerialIterator snapshot: its 'order' below is enough
-        if self._shuffle:
-            order = numpy.array(self._order(self.epoch))
-            serializer('order', order)
-            if loading:
-                self._orders = {self.epoch: order}
-        if loading and pool is not None:
-            pool.fill()
-
-    def _live_pool(self):
-        pool = self._pool
-        return pool if pool is not None and not pool.closed else None
+            self.current_position = int(serializer('current_position', self.current_position))
+            self.epoch = int(serializer('epoch', self.epoch))
+            self.is_new_epoch = bool(serializer('is_new_epoch', self.is_new_epoch))
+            self._previous_epoch_detail = float(serializer(
+                'previous_epoch_detail', self._previous_epoch_detail))
+            try:
+                schedule.seed = int(serializer('fastchain_seed', schedule.seed))
+            except KeyError:
+                pass        # a SerialIterator snapshot: its 'order' below is enough
+            if schedule.shuffle:
+                order = numpy.array(schedule.order(self.epoch))
+                serializer('order', order)
+                if loading:
+                    schedule.set_order(self.epoch, order)
+        finally:
+            if loading:     # what was loaded ahead was for the old position
+                self._restart_loading()
 
     def finalize(self):
         """Stop the workers and free the shared memory (idempotent)."""
@@ -205,47 +221,55 @@ class MultiprocessIterator(iterator_module.Iterator):
     def __del__(self):
         self.finalize()
 
-    # -- order ---------------------------------------------------------------
+    # -- position ------------------------------------------------------------
 
     def _reset_position(self):
         self.epoch = 0
         self.current_position = 0
         self.is_new_epoch = False
         self._previous_epoch_detail = -1.0
-        self._orders = {}
+        self._schedule.forget_orders()
 
-    def _order(self, epoch):
-        order = self._orders.get(epoch)
-        if order is None:
-            n = len(self.dataset)
-            if self._shuffle:
-                order = numpy.random.default_rng([self._seed, epoch]).permutation(n)
-            else:
-                order = numpy.arange(n)
-            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = order
-        return order
-
-    def _plan(self, epoch, position):
-        """The indices of the batch starting at (epoch, position), and the
-        position after it (as SerialIterator would walk)."""
-        n = len(self.dataset)
-        indices = []
-        while len(indices) < self.batch_size:
-            take = self._order(epoch)[position:position + self.batch_size - len(indices)]
-            indices.extend(int(i) for i in take)
-            position += len(take)
-            if position >= n:
-                epoch, position = epoch + 1, 0
-                if not self._repeat:
-                    break
-        return indices, epoch, position
+    def _restart_loading(self):
+        pool = self._pool
+        if pool is not None and not pool.closed:
+            pool.seek(self.epoch, self.current_position)
 
     # -- loading -------------------------------------------------------------
 
+    def _sample(self):
+        """The first example of the order that loads, to lay out the shared
+        memory. A bad one is not reported here but by the batch it is in,
+        as without workers: a run resumed from a snapshot may never load it."""
+        first = None
+        for index in self._schedule.order(0)[:SIZING_TRIES]:
+            try:
+                return self.dataset[int(index)]
+            except Exception as e:
+                first = first or (int(index), e)
+        index, error = first
+        kind, message, path = _workers.describe_error(error)
+        raise DataLoadError(index, self._path_of(index, path), kind, (
+            '{} (and none of the first {} examples of the order loads: the '
+            'shared memory is laid out from one that does. Check the dataset '
+            'or pass shared_memory=False)').format(
+                message, min(SIZING_TRIES, len(self.dataset)))) from error
+
+    def _take(self, indices):
+        pool = self._pool
+        if pool.closed:
+            raise RuntimeError('fastchain: this MultiprocessIterator was finalized '
+                               '(its workers are stopped); make a new one')
+        batch, errors = pool.take(indices)
+        for index, kind, message, path, detail in errors:
+            self._on_bad_example(index, kind, message, path, detail)
+        self._report_skipped()
+        pool.fill()
+        return batch
+
     def _load_here(self, indices):
         batch = []
-        seeds = _seeds(self._seed, self.epoch, self.current_position, len(indices))
+        seeds = self._schedule.seeds(self.epoch, self.current_position, len(indices))
         for index, seed in zip(indices, seeds):
             numpy.random.seed(seed)
             try:
@@ -257,223 +281,21 @@ class MultiprocessIterator(iterator_module.Iterator):
         return batch
 
     def _on_bad_example(self, index, kind, message, path, detail):
-        if path is None and hasattr(self.dataset, 'path'):
-            try:
-                path = self.dataset.path(index)
-            except Exception:
-                path = None
+        path = self._path_of(index, path)
         if self.on_error == 'raise':
             self.finalize()
             raise DataLoadError(index, path, kind, message, detail)
         self.skipped.append({'index': index, 'path': path,
                              'error': '{}: {}'.format(kind, message)})
 
+    def _path_of(self, index, path):
+        if path is None and hasattr(self.dataset, 'path'):
+            try:
+                path = self.dataset.path(index)
+            except Exception:
+                path = None
+        return path
+
     def _report_skipped(self):
         if self.on_error == 'skip':
             chainer.report({'skipped_examples': len(self.skipped)})
-
-
-class _Pool:
-    """The workers, their pipes, the shared slots and the batches in flight."""
-
-    def __init__(self, it, shared_memory, start_method):
-        self.it = it
-        ctx = multiprocessing.get_context(start_method or (
-            'fork' if 'fork' in multiprocessing.get_all_start_methods() else None))
-        first = it.dataset[int(it._order(0)[0])]    # fails early, in this process
-        self.layout = _workers.SlotLayout(first, it.batch_size)
-        self.shm = None
-        if shared_memory and any(self.layout.fields):
-            self.shm = _workers.create_shared_memory(self.layout.slot_bytes * it.prefetch)
-        self.free_slots = list(range(it.prefetch))
-        self.in_flight = {}     # batch id -> (slot, indices, worker, cursor)
-        self.results = {}
-        self.next_id = 0
-        self.next_cursor = (it.epoch, it.current_position)
-        self.workers, self.task_conns, self.result_conns = [], [], []
-        parent = os.getpid()
-        for w in range(it.n_workers):
-            task_r, task_w = ctx.Pipe(duplex=False)
-            result_r, result_w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_workers.worker_main, daemon=True,
-                            name='fastchain-loader-{}'.format(w),
-                            args=(it.dataset, task_r, result_w,
-                                  self.shm.name if self.shm else None,
-                                  self.layout, parent))
-            p.start()
-            task_r.close()
-            result_w.close()
-            self.workers.append(p)
-            self.task_conns.append(task_w)
-            self.result_conns.append(result_r)
-        self._finalizer = weakref.finalize(
-            self, _shutdown, self.workers, self.task_conns, self.result_conns, self.shm)
-
-    def fill(self):
-        """Send tasks for free slots, continuing after the last batch sent
-        (or from the consumer's position after a drain)."""
-        it = self.it
-        if self.next_cursor is None:
-            self.next_cursor = (it.epoch, it.current_position)
-        while self.free_slots:
-            epoch, position = self.next_cursor
-            if not it._repeat and epoch > 0:
-                break
-            indices, epoch2, position2 = it._plan(epoch, position)
-            slot = self.free_slots.pop()
-            seeds = _seeds(it._seed, epoch, position, len(indices))
-            worker = self.next_id % len(self.workers)
-            self._send(worker, (self.next_id, slot, indices, seeds))
-            self.in_flight[self.next_id] = (slot, indices, worker)
-            self.next_id += 1
-            self.next_cursor = (epoch2, position2)
-
-    def take(self, indices):
-        batch_id = min(self.in_flight)
-        slot, planned, worker = self.in_flight[batch_id]
-        assert planned == indices, 'prefetch out of step with the iterator'
-        _, extras, errors = self._wait_for(batch_id)
-        del self.in_flight[batch_id]
-        try:
-            batch = self._assemble(slot, indices, extras, errors)
-        finally:
-            self.free_slots.append(slot)
-        self.fill()
-        return batch
-
-    def _assemble(self, slot, indices, extras, errors):
-        it = self.it
-        for j, index, kind, message, path, detail in errors:
-            it._on_bad_example(index, kind, message, path, detail)
-        views = None
-        if self.shm is not None:
-            # One copy out of the slot, so the slot can be reused at once.
-            views = [None if v is None else v[:len(indices)].copy()
-                     for v in self.layout.views(self.shm.buf, slot)]
-        batch = LoadedBatch()
-        for j in range(len(indices)):
-            if j not in extras:
-                continue        # skipped bad example
-            whole, value = extras[j]
-            if whole:
-                batch.append(value)
-                continue
-            fields = tuple(v[j] if v is not None else x for v, x in zip(views, value))
-            batch.append(fields if self.layout.is_tuple else fields[0])
-        if views is not None and len(batch) == len(indices) and \
-                all(not extras[j][0] for j in extras):
-            # Every example is a row of the copied-out arrays: hand those
-            # over too, so a converter need not stack them again.
-            batch.stacked = tuple(views)
-        it._report_skipped()
-        return batch
-
-    def _wait_for(self, batch_id):
-        it = self.it
-        deadline = None if it.timeout is None else time.monotonic() + it.timeout
-        sentinels = {p.sentinel: w for w, p in enumerate(self.workers)}
-        while batch_id not in self.results:
-            wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-            ready = multiprocessing.connection.wait(
-                self.result_conns + list(sentinels), timeout=wait)
-            for r in ready:
-                if r in sentinels:
-                    continue
-                try:
-                    message = r.recv()
-                except (EOFError, OSError):
-                    continue        # its sentinel will tell what happened
-                self.results[message[0]] = message
-            if batch_id in self.results:
-                break
-            for r in ready:
-                if r in sentinels:
-                    self._worker_died(sentinels[r], batch_id)
-            if deadline is not None and time.monotonic() >= deadline:
-                slot, indices, worker = self.in_flight[batch_id]
-                self.close()
-                raise TimeoutError(
-                    'fastchain loader: batch {} (examples {}) not loaded within {}s '
-                    'by worker {} (pid {}), which is still running: a dataset '
-                    'call may hang. Raise timeout= or check the dataset.'.format(
-                        batch_id, _short(indices), it.timeout, worker,
-                        self.workers[worker].pid))
-        return self.results.pop(batch_id)
-
-    def _worker_died(self, w, batch_id):
-        p = self.workers[w]
-        p.join(0.1)
-        code = p.exitcode
-        lost = [b for b, (_, _, worker) in self.in_flight.items() if worker == w]
-        if code is not None and code < 0:
-            try:
-                how = 'was killed by signal {}'.format(signal.Signals(-code).name)
-            except ValueError:
-                how = 'was killed by signal {}'.format(-code)
-        else:
-            how = 'exited with code {}'.format(code)
-        self.close()
-        raise WorkerDiedError(
-            'fastchain loader: worker {} (pid {}) {} while loading batch(es) {}. '
-            'The OS kills processes that run out of memory (check `dmesg`): '
-            'use fewer workers (n_workers=), a smaller prefetch= or batch size. '
-            'The iterator is closed; build a new one (or resume from a snapshot).'
-            .format(w, p.pid, how, lost or [batch_id]))
-
-    def _send(self, worker, task):
-        try:
-            self.task_conns[worker].send(task)
-        except (BrokenPipeError, OSError):
-            self._worker_died(worker, task[0])
-
-    def drain(self):
-        """Forget the batches in flight (their results are awaited, so the
-        slots are free); the next fill starts from the consumer's position."""
-        for batch_id in sorted(self.in_flight):
-            self._wait_for(batch_id)
-            self.free_slots.append(self.in_flight.pop(batch_id)[0])
-        self.results.clear()
-        self.next_cursor = None
-
-    @property
-    def closed(self):
-        return not self._finalizer.alive
-
-    def close(self):
-        self._finalizer()
-
-
-def _seeds(seed, epoch, position, n):
-    rng = numpy.random.default_rng([seed, epoch, position])
-    return rng.integers(0, 2**32, n, dtype=numpy.uint64).tolist()
-
-
-def _short(indices, n=6):
-    return indices if len(indices) <= n else indices[:n] + ['...']
-
-
-def _shutdown(workers, task_conns, result_conns, shm):
-    """Stop the workers (politely, then firmly) and free the shared memory."""
-    for conn in task_conns:
-        try:
-            conn.send(None)
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 2.0
-    for p in workers:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in workers:
-        if p.is_alive():
-            p.terminate()
-            p.join(1.0)
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
-    for conn in task_conns + result_conns:
-        conn.close()
-    if shm is not None:
-        shm.close()
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass

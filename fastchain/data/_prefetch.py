@@ -55,18 +55,28 @@ class DevicePrefetcher(iterator_module.Iterator):
                                   device=device)
 
     Args:
-        iterator: a :class:`MultiprocessIterator` (its position is what gets
-            saved in snapshots: the prefetched batch is re-fetched on resume).
+        iterator: a :class:`MultiprocessIterator`, or any iterator that
+            :meth:`can_wrap` accepts (its position is what gets saved in
+            snapshots: the prefetched batch is re-fetched on resume).
         converter: the converter to run ahead (default ``concat_examples``).
         device: where the arrays go (default: the current device).
-        depth (int): batches prepared ahead (default 1).
+        depth (int): batches prepared ahead, >= 1 (default 1).
     """
 
     def __init__(self, iterator, converter=convert.concat_examples, device=None,
                  depth=1):
-        if not hasattr(iterator, 'serialize') or not hasattr(iterator, 'reset'):
-            raise TypeError('DevicePrefetcher needs an iterator with serialize() '
-                            'and reset(), e.g. fastchain.data.MultiprocessIterator')
+        if not self.can_wrap(iterator):
+            raise TypeError(
+                'DevicePrefetcher needs an iterator with next(), serialize(), reset() '
+                'and seek() (to give back what it read ahead), e.g. '
+                'fastchain.data.MultiprocessIterator (n_workers=0 loads in this '
+                'process); got {}'.format(type(iterator).__name__))
+        if not callable(converter):
+            raise TypeError('converter must be callable (batch, device) -> arrays, '
+                            'got {!r}'.format(converter))
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError('depth (batches prepared ahead) must be an int >= 1, '
+                             'got {!r}'.format(depth))
         self.iterator = iterator
         self.device = None if device is None else chainer.get_device(device)
         self.converter = _Passthrough(converter)
@@ -76,6 +86,19 @@ class DevicePrefetcher(iterator_module.Iterator):
         self._finalized = False
         self._copy_state()
         self._start()
+
+    @staticmethod
+    def can_wrap(iterator):
+        """Whether a DevicePrefetcher can wrap ``iterator``.
+
+        It reads ahead, so it must be able to give back what the training
+        loop did not use: the iterator needs ``seek(epoch, current_position,
+        is_new_epoch, previous_epoch_detail)`` besides Chainer's ``next()``,
+        ``serialize()`` and ``reset()``. :class:`MultiprocessIterator` has
+        them; Chainer's own iterators have no ``seek``.
+        """
+        return all(callable(getattr(iterator, name, None))
+                   for name in ('next', 'serialize', 'reset', 'seek'))
 
     def _copy_state(self, state=None):
         it = self.iterator
@@ -162,33 +185,22 @@ class DevicePrefetcher(iterator_module.Iterator):
         """The consumer's position is saved; prefetched batches are not."""
         loading = isinstance(serializer, chainer.serializer.Deserializer)
         self._stop_thread()
-        if not loading:
-            # Save what the training loop has seen, not what was fetched.
-            self._rewind()
-            self.iterator.serialize(serializer)
-        else:
+        if loading:
+            # The iterator restarts its loading at the loaded position.
             self.iterator.serialize(serializer)
             self._copy_state()
+        else:
+            # Save what the training loop has seen, not what was fetched.
+            self._give_back()
+            self.iterator.serialize(serializer)
         # Prepared batches are dropped; the restarted thread re-fetches them.
-        self._restart_from_consumer()
-
-    def _rewind(self):
-        it = self.iterator
-        prev = -1.0 if self.previous_epoch_detail is None else self.previous_epoch_detail
-        it.epoch, it.current_position, it.is_new_epoch = (
-            self.epoch, self.current_position, self.is_new_epoch)
-        it._previous_epoch_detail = prev
-
-    def _restart_from_consumer(self):
-        # Position the inner iterator where the consumer is, and refill.
-        it = self.iterator
-        self._rewind()
-        pool = it._live_pool() if hasattr(it, '_live_pool') else None
-        if pool is not None:
-            pool.drain()
-            pool.fill()
         if not self._finalized:
             self._start()
+
+    def _give_back(self):
+        """Move the iterator back to where the training loop is."""
+        self.iterator.seek(self.epoch, self.current_position, self.is_new_epoch,
+                           self.previous_epoch_detail)
 
     def finalize(self):
         self._finalized = True

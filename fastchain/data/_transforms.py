@@ -21,7 +21,6 @@ def _draft(image, width, height):
         return 1.0, 1.0
     full = image.size
     image.draft('RGB', (max(1, int(width)), max(1, int(height))))
-    image.fastchain_drafted = True      # decode through Pillow, at the draft scale
     return image.size[0] / full[0], image.size[1] / full[1]
 
 

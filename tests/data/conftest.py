@@ -52,3 +52,14 @@ def bad_root(tmp_path):
     with open(os.path.join(root, 'bad.txt'), 'w') as f:
         f.write('\n'.join(lines) + '\n')
     return root
+
+
+@pytest.fixture
+def first_bad_list(bad_root):
+    """A list whose first entry is the corrupt JPEG, the others good."""
+    entries = open(os.path.join(bad_root, 'train.txt')).read().split()
+    good = [' '.join(entries[i:i + 2]) for i in range(0, len(entries), 2)]
+    path = os.path.join(bad_root, 'first_bad.txt')
+    with open(path, 'w') as f:
+        f.write('\n'.join(['corrupt.jpg 0'] + good) + '\n')
+    return path

@@ -138,3 +138,22 @@ def test_simplejpeg_is_the_full_size_decoder(tmp_path, monkeypatch):
     assert calls == [1]
     data.CenterCrop(16, resize=20)(_images.open_image(path))     # reduced size: Pillow
     assert calls == [1]
+
+
+@pytest.mark.parametrize('mode,scale', [('RGB', 4), ('L', 1)])
+def test_a_drafted_jpeg_decodes_as_drafted(tmp_path, mode, scale):
+    # Image.draft, called by any transform: the decoder goes by the image's
+    # own size and mode (no marker from fastchain's transforms), so the
+    # result is Pillow's reduced-size or grey decode.
+    from PIL import Image
+    from fastchain.data import _images
+    pixels = numpy.random.RandomState(0).randint(0, 256, (64, 80, 3), dtype=numpy.uint8)
+    path = str(tmp_path / 'x.jpg')
+    Image.fromarray(pixels).save(path, quality=90)
+    reference = Image.open(path)
+    reference.draft(mode, (80 // scale, 64 // scale))
+    image = _images.open_image(path)
+    image.draft(mode, (80 // scale, 64 // scale))
+    got = _images.to_hwc(image)
+    assert got.shape == (64 // scale, 80 // scale, 3)
+    numpy.testing.assert_array_equal(got, numpy.asarray(reference.convert('RGB')))

@@ -320,3 +320,64 @@ def test_full_dev_shm_is_a_clear_error(tmp_path):
 def _has(cmd):
     import shutil
     return shutil.which(cmd) is not None
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_a_bad_first_example_is_skipped_with_or_without_workers(first_bad_list, workers):
+    # With workers, the first examples are loaded here to lay out the shared
+    # memory: a bad one must not stop the iterator from being built.
+    d = data.ImageListDataset(first_bad_list, transform=data.RandomCrop(24))
+    it = data.MultiprocessIterator(d, 4, repeat=False, shuffle=False,
+                                   n_workers=workers, on_error='skip')
+    try:
+        labels = [[int(t) for _, t in batch] for batch in it]
+    finally:
+        it.finalize()
+    expected = [d.label(i) for i in range(1, len(d))]
+    assert labels == [expected[:3]] + [expected[k:k + 4] for k in range(3, len(expected), 4)]
+    assert [(s['index'], os.path.basename(s['path'])) for s in it.skipped] == \
+        [(0, 'corrupt.jpg')]
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_a_bad_first_example_raises_in_next_naming_it(first_bad_list, workers):
+    d = data.ImageListDataset(first_bad_list)
+    it = data.MultiprocessIterator(d, 3, shuffle=False, n_workers=workers)
+    try:
+        with pytest.raises(data.DataLoadError) as e:
+            it.next()
+    finally:
+        it.finalize()
+    assert e.value.index == 0 and e.value.path.endswith('corrupt.jpg')
+    assert str(e.value).startswith('example 0 (') and 'ImageDecodeError' in str(e.value)
+
+
+def test_a_resumed_run_does_not_fail_on_a_bad_example_it_will_not_load(
+        first_bad_list, tmp_path):
+    d = data.ImageListDataset(first_bad_list)
+    first = data.MultiprocessIterator(d, 3, shuffle=False, n_workers=0, on_error='skip')
+    first.next()
+    serializers.save_npz(str(tmp_path / 'it.npz'), first)
+    it = data.MultiprocessIterator(d, 3, shuffle=False, n_workers=2)
+    try:
+        serializers.load_npz(str(tmp_path / 'it.npz'), it)
+        assert [int(t) for _, t in it.next()] == [d.label(i) for i in (3, 4, 5)]
+    finally:
+        it.finalize()
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+def test_seek_goes_back_to_a_position_exactly(images, workers):
+    it = data.MultiprocessIterator(images, 4, seed=5, n_workers=workers)
+    try:
+        batches(it, 3)
+        state = (it.epoch, it.current_position, it.is_new_epoch, it.previous_epoch_detail)
+        expected = batches(it, 4)           # into the next epoch
+        it.seek(*state)
+        assert (it.epoch, it.current_position, it.is_new_epoch,
+                it.previous_epoch_detail) == state
+        assert_same(batches(it, 4), expected)
+        with pytest.raises(ValueError, match=r'current_position must be in \[0, 18\)'):
+            it.seek(0, 18)
+    finally:
+        it.finalize()

@@ -131,8 +131,8 @@ def test_enable_upgrades_a_plain_scripts_serial_iterator(images, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         with fastchain.enable(loader_workers=2) as h:
+            assert h.states['loader'].active and h.states['prefetch_to_device'].active
             updater, log = script(tmp_path / 'on')
-    assert h.states['loader'].active and h.states['prefetch_to_device'].active
     main = updater.get_iterator('main')
     assert isinstance(main, data.DevicePrefetcher)
     assert main.iterator.n_workers == 2
@@ -159,3 +159,19 @@ def test_device_prefetch_on_a_gpu_matches_the_cpu(images):
             numpy.testing.assert_array_equal(cuda.to_cpu(t), expected[1])
     finally:
         it.finalize()
+
+
+def test_bad_arguments_are_refused_before_anything_starts(images):
+    it = data.MultiprocessIterator(images, 4, n_workers=0)
+    for depth in (0, -1, True, 1.5, None):
+        with pytest.raises(ValueError, match=r'depth \(batches prepared ahead\) must be '
+                                             r'an int >= 1, got'):
+            data.DevicePrefetcher(it, depth=depth)
+    with pytest.raises(TypeError, match='converter must be callable'):
+        data.DevicePrefetcher(it, converter='concat_examples')
+    serial = chainer.iterators.SerialIterator(images, 4)
+    assert data.DevicePrefetcher.can_wrap(it)
+    assert not data.DevicePrefetcher.can_wrap(serial)
+    with pytest.raises(TypeError, match=r'seek\(\).*MultiprocessIterator'):
+        data.DevicePrefetcher(serial)
+    assert it.next() is not None and it.current_position == 4   # nothing read ahead
