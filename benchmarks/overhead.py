@@ -61,9 +61,8 @@ def make(static, cpu_conv, fused, batch, size, width, device):
     """One variant: a ResNet-50 classifier and its training step (on ``device``)."""
     import chainer
     import chainer.links as L
-    from fastchain.config._recorder import Recorder
+    import fastchain
     from fastchain.models import ResNet
-    from fastchain.kernels import _conv
     from fastchain.static import cache_static_graph
     from fastchain.kernels._update import fuse
     numpy.random.seed(0)                # the same weights in every variant
@@ -86,12 +85,8 @@ def make(static, cpu_conv, fused, batch, size, width, device):
     @contextlib.contextmanager
     def kernels():
         """This variant's convolution kernels (process-wide) while inside."""
-        recorder = Recorder()
-        (_conv.install if cpu_conv else _conv.remove)(recorder)
-        try:
+        with fastchain.enable(cpu_conv=cpu_conv, fused_update=False, loader_workers=0):
             yield
-        finally:
-            recorder.undo()
     with kernels(), warnings.catch_warnings():
         warnings.simplefilter('error')      # a fallback would void the comparison
         for _ in range(WARM_UP):

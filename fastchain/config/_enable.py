@@ -1,53 +1,148 @@
-"""``fastchain.enable``: one call that turns the accelerators on, and its handle."""
+"""``fastchain.enable``: one call that turns the accelerators on, and its handle.
+
+Handles are layers of options. Each enabled handle gives some options
+explicitly (the keywords it was called with) and the defaults for the rest;
+for each option, the one in force is the newest enabled handle's explicit
+value, else the default. After every ``enable()`` and ``disable()`` the groups
+*plan* what the options in force ask for (layers on Chainer's entry points,
+``chainer.config`` values, ...), and :mod:`fastchain.config._patches` puts
+exactly that in place: nothing is undone by replaying a record, so handles
+can be disabled in any order, and one handle's disable never removes what
+another handle, the data-parallel optimizer, a chain cached with
+``fastchain.static_graph`` or the user put there.
+
+What an option does to objects set up while it is in force (a loss scaler on
+an optimizer, a cached forward on a chain, fused kernels on its rules) belongs
+to the handle whose option it was; it is undone when that handle is disabled,
+unless the same option is still in force from another handle, which then
+takes it over. An inner ``enable(fp16=False)`` thus makes new models fp32 and
+new optimizers plain inside its scope, and leaves an optimizer set up outside
+as it was.
+"""
 
 import threading
 import warnings
 
-from fastchain.config import _options
-from fastchain.config._recorder import Recorder
+from fastchain.config import _options, _patches
 
 _lock = threading.RLock()
-_stack = []     # active handles, oldest first
+_handles = []           # enabled, oldest first
+_applied_wraps = {}     # (owner, name, layer) -> point
+_applied_values = set()
+_in_force = {}          # feature -> handle owning what it does to objects
 
 
 class FastchainWarning(UserWarning):
     """An option was asked for but cannot take effect here."""
 
 
-class Handle:
-    """What ``enable()`` returns: the record of its changes, and their undo.
+class Plan:
+    """What the options in force ask for; filled in by the groups' ``plan``."""
 
-    Use it as a context manager or call :meth:`disable`. Handles nest like
-    scopes: disabling one also disables every handle enabled after it (their
-    changes were made on top of its own), so the settings always return to
-    exactly what they were before the disabled handle's ``enable()``.
+    def __init__(self, providers):
+        self._providers = providers
+        self.wraps = {}         # (owner, name, layer) -> fn
+        self.values = {}        # label -> (get, set, value)
+        self.features = {}      # feature -> handle
+
+    def changes(self, feature, option):
+        """The :class:`~fastchain.config._patches.Changes` that the layer of
+        ``feature`` records its changes to objects in: those of the handle
+        that gave ``option``."""
+        handle = self._providers[option]
+        self.features[feature] = handle
+        return handle._changes_for(feature)
+
+    def handle(self, option):
+        """The handle whose value of ``option`` is in force."""
+        return self._providers[option]
+
+    def wrap(self, owner, name, layer, fn):
+        self.wraps[(owner, name, layer)] = fn
+
+    def value(self, label, get, set_, value):
+        self.values[label] = (get, set_, value)
+
+    def config(self, key, value):
+        """``chainer.global_config.<key>`` (the process-wide default)."""
+        import chainer
+        cfg = chainer.global_config
+
+        def get():
+            return cfg.__dict__.get(key, _patches.MISSING)
+
+        def set_(v):
+            if v is _patches.MISSING:
+                cfg.__dict__.pop(key, None)
+            else:
+                setattr(cfg, key, v)
+        self.value('chainer.config.' + key, get, set_, value)
+
+
+class Handle:
+    """What ``enable()`` returns: one layer of options, and its undo.
+
+    Use it as a context manager or call :meth:`disable`. Handles may be
+    disabled in any order: each removes only its own options, and the options
+    of the handles still enabled stay in force.
     """
 
-    def __init__(self, options, states, recorder):
-        self.options = options      # resolved {name: value}
-        self.states = states        # {accelerator: State}
-        self._recorder = recorder
+    def __init__(self, options, explicit):
+        self.options = options                  # resolved {name: value}
+        self.explicit = frozenset(explicit)     # the names given
         self.active = True
+        self.resources = {}                     # per-handle objects (timeline)
+        self._changes = {}                      # feature -> Changes
+        self._closers = []
 
-    @property
-    def changes(self):
-        """[(setting, old value, new value)] in the order they were made."""
-        return list(self._recorder.changes)
+    def _changes_for(self, feature):
+        changes = self._changes.get(feature)
+        if changes is None:
+            changes = self._changes[feature] = _patches.Changes(feature)
+        return changes
+
+    def on_disable(self, fn, label):
+        """Call ``fn()`` when this handle is disabled (after its options left)."""
+        self._closers.append((label, fn))
 
     def disable(self):
-        """Undo every change this handle (and any handle after it) made."""
+        """Remove this handle's options; undo what they did to objects.
+
+        Everything is attempted even when one part fails; the handle ends
+        disabled either way, and one ``RuntimeError`` names what could not
+        be restored.
+        """
         with _lock:
             if not self.active:
                 return
-            while _stack:
-                handle = _stack.pop()
-                handle.active = False
-                handle._recorder.undo()
-                if handle is self:
-                    break
+            self.active = False
+            _handles.remove(self)
+            errors = _reconcile_collecting()
+            for feature, changes in self._changes.items():
+                heir = _in_force.get(feature)
+                if heir is not None:
+                    heir._changes_for(feature).adopt(changes)
+                else:
+                    errors += changes.undo()
+            self._changes = {}
+            for label, fn in reversed(self._closers):
+                try:
+                    fn()
+                except Exception as e:
+                    errors.append('{}: {}: {}'.format(label, type(e).__name__, e))
+            self._closers = []
+        if errors:
+            raise RuntimeError('fastchain: disable() could not restore everything: '
+                               + '; '.join(errors))
+
+    @property
+    def states(self):
+        """{accelerator: State}: what is in force now (``requested``: this
+        handle asked for it); all inactive once disabled."""
+        return _states(self)
 
     def report(self):
-        """{accelerator: state dict} for this handle."""
+        """{accelerator: state dict}, see :attr:`states`."""
         return {name: s.as_dict() for name, s in self.states.items()}
 
     def __enter__(self):
@@ -69,7 +164,8 @@ def enable(**options):
     Each keyword belongs to one accelerator group; see the README for the
     full table. A keyword left out takes its default, which is "on where
     available" for the safe speed-ups and "off" for those that change
-    numerics (``fp16``) or execution (``static_graph``).
+    numerics (``fp16``) or execution (``static_graph``). Inside the handle's
+    scope its explicit keywords override those of handles enabled before.
 
     An option given explicitly that cannot take effect here (``autotune``
     with no cuDNN, say) gives one :class:`FastchainWarning` saying why and
@@ -77,7 +173,8 @@ def enable(**options):
 
     Raises:
         TypeError: an unknown keyword (the message lists the valid ones).
-        ValueError: a keyword with a value it does not accept.
+        ValueError: a keyword with a value it does not accept, alone or with
+            the others (checked before anything changes).
     """
     known = _options.all_options()
     unknown = sorted(set(options) - set(known))
@@ -87,48 +184,159 @@ def enable(**options):
                                                  ', '.join(known)))
     resolved = {}
     for name, option in known.items():
-        given = options.get(name, option.default)
-        resolved[name] = option.normalize(given)
+        resolved[name] = option.normalize(options.get(name, option.default))
     explicit = {name for name, value in options.items() if value is not None}
+    groups = _options.groups()
+    for group in groups:
+        group.check(_of(group, resolved), explicit)
 
+    handle = Handle(resolved, explicit)
     with _lock:
-        recorder = Recorder()
-        states = {}
         try:
-            for group in _options.groups():
-                values = {o.name: resolved[o.name] for o in group.options}
-                for state in group.apply(values, explicit, recorder):
-                    states[state.name] = state
+            for group in groups:
+                group.open(handle, _of(group, resolved))
+            _handles.append(handle)
+            errors = _reconcile_collecting(raise_plan=True)
         except BaseException:
-            recorder.undo()
+            _abandon(handle)
             raise
-        handle = Handle(resolved, states, recorder)
-        _stack.append(handle)
+        if errors:
+            _abandon(handle)
+            raise RuntimeError('fastchain.enable() could not apply its options: '
+                               + '; '.join(errors))
 
-    for state in states.values():
+    for state in handle.states.values():
         if state.requested and not state.available:
             warnings.warn(
                 'fastchain: {} cannot take effect here: {}. To get it: {}'
                 .format(state.name, state.why, state.fix),
                 FastchainWarning, stacklevel=2)
-        elif state.active and state.note:
+        elif state.requested and state.active and state.note:
             warnings.warn('fastchain: {}: {}'.format(state.name, state.note),
                           FastchainWarning, stacklevel=2)
     return handle
 
 
+def _abandon(handle):
+    """Take a handle that could not be enabled out again, quietly."""
+    if handle in _handles:
+        _handles.remove(handle)
+    handle.active = False
+    _reconcile_collecting()
+    for changes in handle._changes.values():
+        changes.undo()
+    for _, fn in handle._closers:
+        try:
+            fn()
+        except Exception:
+            pass
+
+
+def _of(group, values):
+    return {o.name: values[o.name] for o in group.options}
+
+
+def _effective():
+    """(values in force, the names given explicitly, {name: providing handle})."""
+    values, explicit, providers = {}, set(), {}
+    for name, option in _options.all_options().items():
+        provider = next((h for h in reversed(_handles) if name in h.explicit), None)
+        if provider is not None:
+            explicit.add(name)
+        else:
+            provider = _handles[0] if _handles else None
+        providers[name] = provider
+        values[name] = provider.options[name] if provider is not None else \
+            option.normalize(option.default)
+    return values, explicit, providers
+
+
+def _reconcile_collecting(raise_plan=False):
+    """Put in place what the enabled handles' options ask for; returns the
+    list of what failed (a failing plan raises when ``raise_plan``)."""
+    errors = []
+    try:
+        plan = _plan()
+    except Exception as e:
+        if raise_plan:
+            raise
+        errors.append('planning: {}: {}'.format(type(e).__name__, e))
+        plan = Plan({})         # take everything out
+    for key in list(_applied_wraps):
+        if key not in plan.wraps:
+            point = _applied_wraps.pop(key)
+            try:
+                _patches.unwrap(*key, point=point)
+            except Exception as e:
+                errors.append('{} ({}): {}'.format(point.label, key[2], e))
+    for key, fn in plan.wraps.items():
+        try:
+            _applied_wraps[key] = _patches.wrap(*key, fn)
+        except Exception as e:
+            errors.append('{}.{} ({}): {}'.format(key[0], key[1], key[2], e))
+    for label in sorted(_applied_values - set(plan.values)):
+        _applied_values.discard(label)
+        try:
+            _patches.clear_value(label)
+        except Exception as e:
+            errors.append('{}: {}'.format(label, e))
+    for label, (get, set_, value) in plan.values.items():
+        try:
+            _patches.set_value(label, get, set_, value)
+            _applied_values.add(label)
+        except Exception as e:
+            errors.append('{}: {}'.format(label, e))
+    _in_force.clear()
+    _in_force.update(plan.features)
+    _patches.sweep()
+    return errors
+
+
+def _plan():
+    if not _handles:
+        return Plan({})
+    values, explicit, providers = _effective()
+    plan = Plan(providers)
+    for group in _options.groups():
+        group.plan(_of(group, values), explicit, plan)
+    return plan
+
+
+def _states(handle=None):
+    values, explicit, _ = _effective()
+    states = {}
+    for group in _options.groups():
+        if handle is not None and not handle.active:
+            for state in group.probe():
+                states[state.name] = state
+            continue
+        for state in group.states(_of(group, values), explicit):
+            states[state.name] = state
+    if handle is not None:
+        for name, state in states.items():
+            option = _STATE_OPTION.get(name, name)
+            state.requested = state.requested and option in handle.explicit
+            if not handle.active:
+                state.setting = handle.options.get(option)
+    return states
+
+
+# State names that are not option names.
+_STATE_OPTION = {'loader': 'loader_workers'}
+
+
 def active_handles():
     """The handles currently enabled, oldest first."""
     with _lock:
-        return list(_stack)
+        return list(_handles)
+
+
+def in_force(feature):
+    """The handle whose option put ``feature`` in force, or None."""
+    return _in_force.get(feature)
 
 
 def current_states():
-    """{accelerator: State}: from the newest enabled handle, else probed."""
-    states = {}
-    for group in _options.groups():
-        for state in group.probe():
-            states[state.name] = state
-    for handle in active_handles():
-        states.update(handle.states)
-    return states
+    """{accelerator: State}: what is in force now, read from the real state."""
+    with _lock:
+        return _states()

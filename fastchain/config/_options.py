@@ -11,6 +11,7 @@ GROUP_MODULES = (
     'fastchain.precision._group',
     'fastchain.data._group',
     'fastchain.static._group',
+    'fastchain.kernels._group',
     'fastchain.nvtx._group',
 )
 
@@ -93,17 +94,33 @@ class State:
 class Group(abc.ABC):
     """A set of options that one accelerator module applies together.
 
-    Subclasses set ``name`` and ``options`` and implement :meth:`apply`
-    (make the changes through the recorder, return the states) and
-    :meth:`probe` (states without changing anything).
+    A group never changes Chainer itself: :meth:`plan` declares, for the
+    options in force, the layers and values it wants (through the
+    :class:`~fastchain.config._enable.Plan`), and ``enable()``/``disable()``
+    put exactly those in place through :mod:`fastchain.config._patches`.
+    :meth:`states` reads what is really in force.
+
+    ``values`` are the options in force (for each, the newest enabled handle
+    that gave it, else the default); ``explicit`` the names some handle gave.
     """
 
     name = None
     options = ()
 
+    def check(self, values, explicit):
+        """Validate one handle's own options together, at ``enable()``
+        (raise ``ValueError`` naming the option and the fix)."""
+
+    def open(self, handle, values):
+        """Create what belongs to one handle for its life (a timeline)."""
+
     @abc.abstractmethod
-    def apply(self, values, explicit, recorder):
-        """Make the changes ``values`` ask for; return a list of State."""
+    def plan(self, values, explicit, plan):
+        """Declare the layers and values ``values`` ask for."""
+
+    @abc.abstractmethod
+    def states(self, values, explicit):
+        """A list of State: what is in force now, read from the real state."""
 
     @abc.abstractmethod
     def probe(self):

@@ -4,6 +4,7 @@ from fastchain.backends import cuda
 from fastchain.config._options import Group, Option, State, boolean
 
 _MODES = ('always', 'auto', 'never')
+WORKSPACE = 'chainer.backends.cuda.max_workspace_size'
 
 
 def _workspace(value):
@@ -12,6 +13,12 @@ def _workspace(value):
     if value < 0:
         raise ValueError('must be >= 0 bytes')
     return value
+
+
+def workspace_accessors():
+    """(get, set) of cuDNN's workspace size through Chainer (a no-op without cuDNN)."""
+    import chainer.backends.cuda as chainer_cuda
+    return chainer_cuda.get_max_workspace_size, chainer_cuda.set_max_workspace_size
 
 
 class CudnnGroup(Group):
@@ -40,53 +47,40 @@ class CudnnGroup(Group):
                                      'use a Volta or newer GPU')),
         ]
 
-    def apply(self, values, explicit, recorder):
-        states = {s.name: s for s in self.probe()}
-
-        def settle(name, setting, wants):
-            # `wants`: the setting asks for the accelerator to be on.
-            s = states[name]
-            s.setting = setting
-            s.requested = name in explicit and wants
-            s.active = wants and s.available
-            return s
-
-        mode = values['cudnn']
-        if mode is not None:
-            recorder.set_config('use_cudnn', mode)
-        settle('cudnn', mode, mode != 'never')   # None: Chainer's 'auto'
-
+    def plan(self, values, explicit, plan):
+        if values['cudnn'] is not None:
+            plan.config('use_cudnn', values['cudnn'])
         autotune = values['autotune']
-        if autotune is None and states['autotune'].available:
+        if autotune is None and cuda.cudnn_status().available:
             autotune = True                       # default: on where it works
         if autotune is not None:
-            recorder.set_config('autotune', autotune)
-        settle('autotune', autotune, bool(autotune))
+            plan.config('autotune', autotune)
+        if values['tensor_cores'] is not None:
+            plan.config('use_cudnn_tensor_core', values['tensor_cores'])
+        if values['workspace_size'] is not None:
+            plan.value(WORKSPACE, *workspace_accessors(), values['workspace_size'])
 
-        tc = values['tensor_cores']
-        if tc is not None:
-            recorder.set_config('use_cudnn_tensor_core', tc)
-        settle('tensor_cores', tc, tc != 'never')  # None: Chainer's 'auto'
-
+    def states(self, values, explicit):
+        import chainer
+        cfg = chainer.global_config
+        states = {s.name: s for s in self.probe()}
+        # What Chainer will do now, whoever set it.
+        in_force = {'cudnn': cfg.use_cudnn != 'never', 'autotune': bool(cfg.autotune),
+                    'tensor_cores': cfg.use_cudnn_tensor_core != 'never'}
+        for name, on in in_force.items():
+            s = states[name]
+            s.setting = values[name]
+            s.requested = name in explicit and values[name] not in (False, 'never')
+            s.active = s.available and on
         size = values['workspace_size']
         if size is not None:
-            set_workspace(recorder, size)
             cudnn = states['cudnn']
+            get, _ = workspace_accessors()
             states['workspace_size'] = State(
-                'workspace_size', cudnn.available, cudnn.available,
-                requested=True, why=cudnn.why, fix=cudnn.fix, setting=size)
+                'workspace_size', cudnn.available, cudnn.available and get() == size,
+                requested='workspace_size' in explicit, why=cudnn.why, fix=cudnn.fix,
+                setting=size)
         return list(states.values())
-
-
-def set_workspace(recorder, size):
-    """Set cuDNN's workspace through Chainer, recorded for the handle's undo."""
-    import chainer.backends.cuda as chainer_cuda
-    old = chainer_cuda.get_max_workspace_size()
-    recorder.call('chainer.backends.cuda.max_workspace_size',
-                  lambda: chainer_cuda.set_max_workspace_size(size),
-                  lambda: chainer_cuda.set_max_workspace_size(old),
-                  old=old, new=size)
-    return old
 
 
 GROUP = CudnnGroup()

@@ -1,5 +1,8 @@
 """The input-pipeline group of ``fastchain.enable``."""
 
+import functools
+
+from fastchain.config import _patches
 from fastchain.config._options import Group, Option, State, boolean
 from fastchain.data._iterator import MultiprocessIterator, available_cores
 from fastchain.data._prefetch import DevicePrefetcher
@@ -11,6 +14,14 @@ def _workers(value):
     return value
 
 
+def _resolve(values):
+    workers = values['loader_workers']
+    workers = available_cores() if workers is None else workers
+    prefetch = values['prefetch_to_device']
+    prefetch = workers > 0 if prefetch is None else prefetch
+    return workers, prefetch
+
+
 class LoaderGroup(Group):
     name = 'loader'
     options = (
@@ -18,23 +29,32 @@ class LoaderGroup(Group):
                'SerialIterator (default: the cores available; 0: off)',
                check=_workers),
         boolean('prefetch_to_device', 'convert and copy batch k+1 while batch k '
-                'computes (default: on with the loader)'),
+                'computes (default: on with the loader; with loader_workers=0 the '
+                'examples load in the prefetch thread)'),
     )
 
     def probe(self):
         return [State('loader', True, False), State('prefetch_to_device', True, False)]
 
-    def apply(self, values, explicit, recorder):
-        workers = values['loader_workers']
-        workers = available_cores() if workers is None else workers
-        prefetch = values['prefetch_to_device']
-        prefetch = workers > 0 if prefetch is None else prefetch
-        loader = State('loader', True, workers > 0, requested='loader_workers' in explicit,
-                       setting=workers)
-        device = State('prefetch_to_device', True, prefetch,
-                       requested='prefetch_to_device' in explicit, setting=prefetch)
+    def plan(self, values, explicit, plan):
+        workers, prefetch = _resolve(values)
         if workers > 0 or prefetch:
-            _wrap_updater_init(recorder, workers, prefetch)
+            from chainer.training.updaters import StandardUpdater
+            plan.wrap(StandardUpdater, '__init__', 'loader',
+                      functools.partial(_updater_layer, (workers, prefetch)))
+
+    def states(self, values, explicit):
+        from chainer.training.updaters import StandardUpdater
+        layer = _patches.in_force(StandardUpdater, '__init__', 'loader')
+        workers, prefetch = layer.args[0] if layer is not None else (0, False)
+        loader = State('loader', True, workers > 0,
+                       requested='loader_workers' in explicit and workers > 0,
+                       setting=values['loader_workers'])
+        if not loader.active:
+            loader.why = 'loader_workers=0'
+        device = State('prefetch_to_device', True, prefetch,
+                       requested='prefetch_to_device' in explicit and prefetch,
+                       setting=values['prefetch_to_device'])
         return [loader, device]
 
 
@@ -49,29 +69,23 @@ def upgrade_iterator(iterator, workers):
         seed=int(numpy.random.randint(2**31)), n_workers=workers)
 
 
-def _wrap_updater_init(recorder, workers, prefetch):
-    """While enabled, a StandardUpdater built with a plain SerialIterator
-    gets the multiprocess loader and device prefetch instead."""
+def _updater_layer(setting, next_, updater, *args, **kwargs):
+    """While in force, a StandardUpdater built with a plain SerialIterator
+    gets the multiprocess loader and device prefetch instead. The updater
+    keeps them after the handle is disabled (they hold its position)."""
     from chainer.iterators import SerialIterator, ShuffleOrderSampler
-    from chainer.training.updaters import StandardUpdater
-    init = StandardUpdater.__init__
-
-    def init_with_loader(self, iterator, optimizer, *args, **kwargs):
-        init(self, iterator, optimizer, *args, **kwargs)
-        main = self._iterators['main']
-        if type(main) is not SerialIterator or not isinstance(
-                main.order_sampler, (type(None), ShuffleOrderSampler)):
-            return      # the script chose its iterator or its order: leave it
-        if workers > 0:
-            main = upgrade_iterator(main, workers)
-        if prefetch and hasattr(main, 'reset') and hasattr(main, '_pool'):
-            main = DevicePrefetcher(main, self.converter, self.input_device)
-            self.converter = main.converter
-        self._iterators['main'] = main
-
-    init_with_loader.__wrapped__ = init
-    recorder.set_attr(StandardUpdater, '__init__', init_with_loader,
-                      label='StandardUpdater.__init__')
+    workers, prefetch = setting
+    next_(updater, *args, **kwargs)
+    main = updater._iterators['main']
+    if type(main) is not SerialIterator or not isinstance(
+            main.order_sampler, (type(None), ShuffleOrderSampler)):
+        return      # the script chose its iterator or its order: leave it
+    # workers == 0 with prefetch: the examples load in the prefetch thread.
+    main = upgrade_iterator(main, workers)
+    if prefetch:
+        main = DevicePrefetcher(main, updater.converter, updater.input_device)
+        updater.converter = main.converter
+    updater._iterators['main'] = main
 
 
 GROUP = LoaderGroup()

@@ -1,7 +1,8 @@
 """Makes a Chainer optimizer data-parallel (ChainerMN's multi-node optimizer).
 
 The optimizer keeps its class (``isinstance(opt, MomentumSGD)`` still holds)
-and its serialisation; what changes is set on the instance:
+and its serialisation; what changes are layers named ``distributed`` on the
+instance's methods (:mod:`fastchain.config._patches`), for its whole life:
 
 - at ``setup`` (or at once, if already set up): the ranks check they built
   the same model (names, shapes, dtypes) and rank 0's parameters are
@@ -12,13 +13,30 @@ and its serialisation; what changes is set on the instance:
   parameters that got no gradient) the averaged gradients are in place
   before the loss-scale check and the update;
 - with fastchain's loss scaler, every rank reaches the same skip decision.
+
+Layers of enabled handles (nvtx, fp16) come and go around these without
+touching them.
 """
 
+import functools
 import time
 
 import numpy
 
+from fastchain.config import _patches
 from fastchain.distributed._sync import GradientCapture, GradientSync
+
+COMMUNICATOR = 'communicator'       # attachment key: the optimizer's communicator
+
+
+def communicator_of(optimizer):
+    """The communicator ``optimizer`` averages gradients over, or None."""
+    return _patches.attached(optimizer, COMMUNICATOR)
+
+
+def gradient_sync_of(optimizer):
+    """The :class:`GradientSync` averaging ``optimizer``'s gradients, or None."""
+    return _patches.attached(optimizer, 'gradient_sync')
 
 
 def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduce=False,
@@ -33,38 +51,35 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
         overlap (bool): start each bucket's allreduce during backward
             (default: where the communicator progresses on its own: NCCL).
     """
-    if getattr(optimizer, '_fastchain_comm', None) is not None:
+    if communicator_of(optimizer) is not None:
         raise ValueError('this optimizer is already data-parallel')
     if bucket_cap_mb <= 0:
         raise ValueError('bucket_cap_mb must be > 0, got {!r}'.format(bucket_cap_mb))
-    optimizer._fastchain_comm = comm
-    optimizer._fastchain_dp = dict(cap=int(bucket_cap_mb * 2 ** 20),
-                                   dtype=numpy.float16 if fp16_allreduce else None,
-                                   overlap=overlap)
+    _patches.attach(optimizer, COMMUNICATOR, comm)
+    options = dict(cap=int(bucket_cap_mb * 2 ** 20),
+                   dtype=numpy.float16 if fp16_allreduce else None, overlap=overlap)
     if getattr(optimizer, 'target', None) is not None:
-        _attach_when_initialized(optimizer)
+        _attach_when_initialized(optimizer, comm, options)
     else:
-        setup = optimizer.setup
-
-        def setup_data_parallel(link):
-            result = setup(link)
-            del optimizer.setup
-            _attach_when_initialized(optimizer)
+        def setup_data_parallel(next_, link):
+            result = next_(link)
+            _patches.unwrap(optimizer, 'setup', 'distributed')
+            _attach_when_initialized(optimizer, comm, options)
             return result
-        optimizer.setup = setup_data_parallel
+        _patches.wrap(optimizer, 'setup', 'distributed', setup_data_parallel)
     return optimizer
 
 
-def _attach_when_initialized(optimizer):
+def _attach_when_initialized(optimizer, comm, options):
     """Attach now, or, for a model with lazily shaped parameters
     (``L.Linear(None, n)``), at the first update: one forward pass without
     backprop (in test mode) gives them their shapes, then the ranks check and
     broadcast, then the real step runs on the broadcast weights."""
     if all(p.array is not None for p in optimizer.target.params()):
-        _attach(optimizer)
+        _attach(optimizer, comm, options)
         return
 
-    def first_update(lossfun=None, *args, **kwds):
+    def first_update(next_, lossfun=None, *args, **kwds):
         import chainer
         if lossfun is None:
             raise RuntimeError(
@@ -75,61 +90,61 @@ def _attach_when_initialized(optimizer):
                 'or give the links their input sizes')
         with chainer.no_backprop_mode(), chainer.using_config('train', False):
             lossfun(*args, **kwds)
-        del optimizer.update
-        _attach(optimizer)
+        _attach(optimizer, comm, options)       # replaces this layer
         return optimizer.update(lossfun, *args, **kwds)
-    optimizer.update = first_update
+    _patches.wrap(optimizer, 'update', 'distributed', first_update)
 
 
-def _attach(optimizer):
-    comm = optimizer._fastchain_comm
+def _attach(optimizer, comm, options):
     target = optimizer.target
     check_same_model(comm, target)
     broadcast_parameters(comm, target)
-    options = optimizer._fastchain_dp
     sync = GradientSync(comm, list(target.params()), options['cap'], options['dtype'],
                         options['overlap'])
     capture = GradientCapture(sync)
-    optimizer._fastchain_sync = sync
+    _patches.attach(optimizer, 'gradient_sync', sync)
+    _patches.attach(optimizer, _all_ranks_any_key(),
+                    functools.partial(comm.any, what='loss-scale agreement'))
     state = {'pending': False}
-    update = optimizer.update
-    reallocate = optimizer.reallocate_cleared_grads
 
-    def update_data_parallel(lossfun=None, *args, **kwds):
+    def update_data_parallel(next_, lossfun=None, *args, **kwds):
         if lossfun is None:
             # Gradients were computed by the caller: average them all now.
             state['pending'] = True
             sync.begin_step()
-            return update(None, *args, **kwds)
+            return next_(None, *args, **kwds)
         inner = lossfun
 
         def lossfun_then_capture(*a, **k):
             loss = inner(*a, **k)
-            optimizer.target.cleargrads()   # what update() does next anyway
+            target.cleargrads()             # what update() does next anyway
             sync.begin_step()
             capture.refresh()
             capture.__enter__()             # on for the backward only
             state['pending'] = True
             return loss
         try:
-            return update(lossfun_then_capture, *args, **kwds)
+            return next_(lossfun_then_capture, *args, **kwds)
         finally:
             if capture in _hooks():
                 capture.__exit__(None, None, None)
 
-    def reallocate_then_average():
+    def reallocate_then_average(next_):
         if state['pending'] and capture in _hooks():
             capture.__exit__(None, None, None)
-        reallocate()
+        next_()
         if state['pending']:
             state['pending'] = False
             sync.finish()
 
-    optimizer.update = update_data_parallel
-    optimizer.reallocate_cleared_grads = reallocate_then_average
-    scaler = getattr(optimizer, '_fastchain_scaler', None)
-    if scaler is not None:
-        scaler.set_found_inf_reducer(lambda found: comm.any(found, 'loss-scale agreement'))
+    _patches.wrap(optimizer, 'update', 'distributed', update_data_parallel)
+    _patches.wrap(optimizer, 'reallocate_cleared_grads', 'distributed',
+                  reallocate_then_average)
+
+
+def _all_ranks_any_key():
+    from fastchain.precision._attach import ALL_RANKS_ANY
+    return ALL_RANKS_ANY
 
 
 def _hooks():

@@ -2,7 +2,7 @@
 
 from chainer.training import updaters
 
-from fastchain.distributed._optimizer import create_multi_node_optimizer
+from fastchain.distributed._optimizer import communicator_of, create_multi_node_optimizer
 
 
 class DataParallelUpdater(updaters.StandardUpdater):
@@ -16,9 +16,9 @@ class DataParallelUpdater(updaters.StandardUpdater):
 
     def __init__(self, iterator, optimizer, comm, bucket_cap_mb=25,
                  fp16_allreduce=False, **kwargs):
-        if getattr(optimizer, '_fastchain_comm', None) is None:
+        if communicator_of(optimizer) is None:
             create_multi_node_optimizer(optimizer, comm, bucket_cap_mb, fp16_allreduce)
-        elif optimizer._fastchain_comm is not comm:
+        elif communicator_of(optimizer) is not comm:
             raise ValueError('the optimizer is data-parallel over another communicator')
         self.comm = comm
         super().__init__(iterator, optimizer, **kwargs)

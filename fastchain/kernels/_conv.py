@@ -8,57 +8,27 @@ zero-fills its output before BLAS writes it), and a cached schedule adds
 planning once (its bound kernels). Results stay bitwise equal to Chainer's
 (tested): the same BLAS products of equal operands, the same accumulation.
 
-Only ``_forward_cpu_core`` of the three convolution functions is replaced,
-so Chainer's type checks, layouts and dispatch (GPU, iDeep, grouped) stay
-Chainer's; inside, anything the kernels do not plan for (iDeep, ``cover_all``,
-non-standard layouts, non-NumPy arrays) goes to Chainer's code.
+Only ``_forward_cpu_core`` of the three convolution functions gets a layer
+(``cpu_conv``), so Chainer's type checks, layouts and dispatch (GPU, iDeep,
+grouped) stay Chainer's; inside, anything the kernels do not plan for (iDeep,
+``cover_all``, non-standard layouts, non-NumPy arrays) goes to Chainer's code.
 """
 
 from fastchain.kernels import _bind
 
 
-def _planned(original, planner):
-    """``_forward_cpu_core`` that runs ``planner``'s plan for this call, or
-    Chainer's ``original`` where the planners do not apply."""
-    def _forward_cpu_core(self, *arrays):
-        inputs = tuple(a for a in arrays if a is not None)     # no bias: (x, W)
-        plan = None
-        if _bind._plain_node(self) and _bind._plain(inputs):
-            plan = planner(self, inputs, {})
-        if plan is None:
-            return original(self, *arrays)
-        return plan(inputs)
-    _forward_cpu_core.__wrapped__ = original
-    return _forward_cpu_core
+def planned_layer(planner, next_, node, *arrays):
+    """The ``cpu_conv`` layer of ``_forward_cpu_core``: ``planner``'s plan for
+    this call, or Chainer's code where the planners do not apply."""
+    inputs = tuple(a for a in arrays if a is not None)     # no bias: (x, W)
+    plan = None
+    if _bind._plain_node(node) and _bind._plain(inputs):
+        plan = planner(node, inputs, {})
+    if plan is None:
+        return next_(node, *arrays)
+    return plan(inputs)
 
 
-def _functions():
+def functions():
+    """(function class, planner) for the three convolution functions."""
     return _bind.planners().items()
-
-
-def install(recorder):
-    """Give the three convolution functions fastchain's CPU kernels (and let
-    schedules bind them); undone with ``recorder``."""
-    for cls, planner in _functions():
-        core = cls._forward_cpu_core
-        if getattr(core, 'fastchain_cpu_conv', False):
-            continue            # an enclosing handle installed it already
-        new = _planned(core, planner)
-        new.fastchain_cpu_conv = True
-        recorder.set_attr(cls, '_forward_cpu_core', new,
-                          label='{}._forward_cpu_core (cpu_conv)'.format(cls.__name__))
-    recorder.set_attr(_bind, 'enabled', True, label='static schedules bind kernels (cpu_conv)')
-
-
-def remove(recorder):
-    """``cpu_conv=False``: Chainer's kernels, also where an enclosing handle
-    installed fastchain's, and schedules built from now on replay Chainer's
-    code; undone with ``recorder``."""
-    for cls, _ in _functions():
-        core = cls._forward_cpu_core
-        if getattr(core, 'fastchain_cpu_conv', False):
-            recorder.set_attr(cls, '_forward_cpu_core', core.__wrapped__,
-                              label='{}._forward_cpu_core (cpu_conv=False)'.format(
-                                  cls.__name__))
-    recorder.set_attr(_bind, 'enabled', False,
-                      label='static schedules bind kernels (cpu_conv=False)')

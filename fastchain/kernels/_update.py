@@ -23,6 +23,8 @@ update (one elementwise CUDA kernel) is not touched (not run on a GPU).
 
 import numpy
 
+from fastchain.config import _patches
+
 # Elements per block: 256 KiB of float32 per operand (the best of 2**12 to
 # 2**18 measured on the 2-core development machine).
 BLOCK = 1 << 16
@@ -56,31 +58,29 @@ def _plain_arrays(*arrays):
     return all(type(a) is numpy.ndarray for a in arrays)
 
 
-def fused_update_core_cpu(rule, original):
-    """The replacement for ``rule.update_core_cpu`` (bound to ``rule``)."""
+def fused_layer(rule, momentum, next_, param):
+    """The ``fused_update`` layer of ``rule.update_core_cpu`` (``momentum``:
+    it is a MomentumSGD rule)."""
+    grad = param.grad
+    if grad is None:
+        return
+    p = param.data
+    v = rule.state['v'] if momentum else p
+    if not (_plain_arrays(p, grad, v) and p.dtype == grad.dtype == v.dtype
+            and p.shape == grad.shape == v.shape
+            and p.flags.c_contiguous and v.flags.c_contiguous):
+        return next_(param)
+    hp = rule.hyperparam
+    g = numpy.ascontiguousarray(grad).reshape(-1)     # a copy only if needed
+    if momentum:
+        _momentum_blocks(p.reshape(-1), g, v.reshape(-1), hp.lr, hp.momentum)
+    else:
+        _sgd_blocks(p.reshape(-1), g, hp.lr)
+
+
+def _is_momentum(rule):
     from chainer.optimizers.momentum_sgd import MomentumSGDRule
-
-    momentum_rule = isinstance(rule, MomentumSGDRule)
-
-    def update_core_cpu(param):
-        grad = param.grad
-        if grad is None:
-            return
-        p = param.data
-        v = rule.state['v'] if momentum_rule else p
-        if not (_plain_arrays(p, grad, v) and p.dtype == grad.dtype == v.dtype
-                and p.shape == grad.shape == v.shape
-                and p.flags.c_contiguous and v.flags.c_contiguous):
-            return original(param)
-        hp = rule.hyperparam
-        g = numpy.ascontiguousarray(grad).reshape(-1)     # a copy only if needed
-        if momentum_rule:
-            _momentum_blocks(p.reshape(-1), g, v.reshape(-1), hp.lr, hp.momentum)
-        else:
-            _sgd_blocks(p.reshape(-1), g, hp.lr)
-
-    update_core_cpu.fastchain_fused = True
-    return update_core_cpu
+    return isinstance(rule, MomentumSGDRule)
 
 
 def supported(rule):
@@ -93,22 +93,28 @@ def supported(rule):
     return False
 
 
-def fuse(optimizer):
-    """Give every supported update rule of ``optimizer`` the fused kernel.
+def fuse(optimizer, changes=None):
+    """Give every supported update rule of ``optimizer`` the fused kernel (a
+    ``fused_update`` layer on the rule's ``update_core_cpu``), recorded in
+    ``changes`` (a handle's; default: a new one).
 
     Returns a callable that puts Chainer's kernels back, and the number of
     rules changed.
     """
-    changed = []
+    import functools
+    if changes is None:
+        changes = _patches.Changes('fused_update')
+    changed = 0
     for param in optimizer.target.params():
         rule = param.update_rule
-        if rule is None or 'update_core_cpu' in vars(rule) or not supported(rule):
-            continue
-        rule.update_core_cpu = fused_update_core_cpu(rule, rule.update_core_cpu)
-        changed.append(rule)
+        if rule is None or not supported(rule) or is_fused(rule) \
+                or 'update_core_cpu' in vars(rule):
+            continue        # not Chainer's kernel, fused already, or the user's own
+        changes.wrap(rule, 'update_core_cpu', 'fused_update',
+                     functools.partial(fused_layer, rule, _is_momentum(rule)))
+        changed += 1
+    return changes.undo, changed
 
-    def undo():
-        for rule in changed:
-            if getattr(vars(rule).get('update_core_cpu'), 'fastchain_fused', False):
-                del rule.update_core_cpu
-    return undo, len(changed)
+
+def is_fused(rule):
+    return 'fused_update' in _patches.layers(rule, 'update_core_cpu')

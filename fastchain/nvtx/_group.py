@@ -1,12 +1,27 @@
 """The NVTX group of ``fastchain.enable``."""
 
+import functools
+import os
+
 from fastchain.backends import nvtx as nvtx_backend
+from fastchain.config import _patches
 from fastchain.config._options import Group, Option, State
+
+TIMELINE = 'fastchain timeline (annotator().timeline)'
+LINK_HOOKS = 'chainer link and function hooks (nvtx links)'
 
 
 def _timeline_path(value):
     if not isinstance(value, str) or not value:
         raise ValueError('expected the path of the trace JSON to write')
+    folder = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(folder):
+        raise ValueError('the folder {!r} does not exist (the trace is written there '
+                         'on disable(): create it first)'.format(folder))
+    if not os.access(folder, os.W_OK) or (os.path.exists(value)
+                                          and not os.access(value, os.W_OK)):
+        raise ValueError('{!r} cannot be written (permissions): choose another path'
+                         .format(value))
     return value
 
 
@@ -25,45 +40,71 @@ class NvtxGroup(Group):
         status = nvtx_backend.nvtx_status()
         return [State('nvtx', status.available, False, why=status.why, fix=status.fix)]
 
-    def apply(self, values, explicit, recorder):
-        status = nvtx_backend.nvtx_status()
-        mode, timeline_path = values['nvtx'], values['timeline']
-        attached = nvtx_backend.profiler_attached()
-        on = mode if mode is not None else (attached or timeline_path is not None)
-        if timeline_path is not None and mode is False:
+    def check(self, values, explicit):
+        if values['timeline'] is not None and values['nvtx'] is False:
             raise ValueError('fastchain.enable(timeline=...) records the NVTX ranges: '
                              'it cannot go with nvtx=False')
-        state = State('nvtx', status.available, bool(on) and status.available,
-                      requested='nvtx' in explicit and bool(on), setting=mode)
-        if not on or not status.available:
-            if not on:
-                state.why = 'no profiler attached (set nvtx=True to emit anyway)'
-            return [state]
-        if mode is not None and not attached and timeline_path is None:
+
+    def open(self, handle, values):
+        if values['timeline'] is not None:
+            from fastchain.nvtx._timeline import Timeline
+            timeline = handle.resources['timeline'] = Timeline()
+            path = values['timeline']
+            handle.on_disable(lambda: timeline.save(path), 'fastchain timeline -> ' + path)
+        if values['nvtx'] == 'links':
+            from fastchain.nvtx._hooks import LinkPaths
+            handle.resources['link_paths'] = LinkPaths()
+
+    def plan(self, values, explicit, plan):
+        from fastchain.nvtx import _hooks
+        mode, path = values['nvtx'], values['timeline']
+        if not (_on(mode, path) and nvtx_backend.nvtx_status().available):
+            return
+        from chainer.dataset import convert
+        from chainer.optimizer import GradientMethod
+        from chainer.training import trainer as trainer_module
+        from chainer.training.updaters import StandardUpdater
+        changes = plan.changes('nvtx', 'nvtx')
+        paths = plan.handle('nvtx').resources.get('link_paths') if mode == 'links' else None
+        plan.wrap(convert, '_call_converter', 'nvtx', _hooks.converter_layer)
+        plan.wrap(StandardUpdater, '__init__', 'nvtx', functools.partial(
+            _hooks.updater_layer, (changes, _hooks.capture_window())))
+        plan.wrap(GradientMethod, 'setup', 'nvtx',
+                  functools.partial(_hooks.setup_layer, (changes, paths)))
+        plan.wrap(trainer_module.Trainer, 'run', 'nvtx', _hooks.trainer_run_layer)
+        if paths is not None:
+            plan.value(LINK_HOOKS, _hooks.installed_link_hooks, _hooks.install_link_hooks,
+                       _hooks.link_hooks(paths))
+        if path is not None:
+            from fastchain.nvtx._annotator import annotator
+            ann = annotator()
+            plan.value(TIMELINE, lambda: ann.timeline,
+                       lambda v: setattr(ann, 'timeline', None if v is _patches.MISSING
+                                         else v),
+                       plan.handle('timeline').resources['timeline'])
+
+    def states(self, values, explicit):
+        from chainer.optimizer import GradientMethod
+        status = nvtx_backend.nvtx_status()
+        mode, path = values['nvtx'], values['timeline']
+        on = _patches.in_force(GradientMethod, 'setup', 'nvtx') is not None
+        state = State('nvtx', status.available, on, why=status.why, fix=status.fix,
+                      requested='nvtx' in explicit and bool(mode), setting=mode)
+        if path is not None:
+            state.setting = {'nvtx': mode, 'timeline': path}
+        if status.available and not _on(mode, path):
+            state.why = ('nvtx=False' if mode is False else
+                         'no profiler attached (set nvtx=True to emit anyway)')
+        if on and mode is not None and path is None and not nvtx_backend.profiler_attached():
             state.note = ('no NVTX tool is attached, so the ranges go nowhere: run '
                           'under `nsys profile` or pass timeline="trace.json"')
-        from fastchain.nvtx import _hooks
-        from fastchain.nvtx._annotator import annotator
-        paths = _hooks.LinkPaths() if mode == 'links' else None
-        _hooks.wrap_converter(recorder)
-        _hooks.wrap_updater_init(recorder)
-        _hooks.wrap_optimizer_setup(recorder, paths)
-        _hooks.wrap_trainer_run(recorder)
-        if paths is not None:
-            _hooks.install_link_hooks(recorder, paths)
-        if timeline_path is not None:
-            from fastchain.nvtx._timeline import Timeline
-            ann = annotator()
-            timeline = Timeline()
-            previous = ann.timeline
-
-            def stop_and_save():
-                ann.timeline = previous
-                timeline.save(timeline_path)
-            recorder.call('fastchain timeline -> ' + timeline_path,
-                          lambda: setattr(ann, 'timeline', timeline), stop_and_save)
-            state.setting = {'nvtx': mode, 'timeline': timeline_path}
         return [state]
+
+
+def _on(mode, path):
+    if mode is not None:
+        return bool(mode)
+    return nvtx_backend.profiler_attached() or path is not None
 
 
 GROUP = NvtxGroup()

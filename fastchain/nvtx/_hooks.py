@@ -1,42 +1,33 @@
 """Where the ranges come from: each phase of a Chainer training step.
 
-Everything is installed through the handle's recorder, so disabling removes
-it: scoped wrappers of ``StandardUpdater.__init__`` (the step and the wait
-for data), ``convert._call_converter`` (conversion and copy),
-``GradientMethod.setup`` (forward, backward, loss-scale check and update, on
-the optimizer instance) and ``Trainer.run`` (each extension), plus, in
-per-link mode, a LinkHook and a FunctionHook.
+Everything is a layer named ``nvtx`` (:mod:`fastchain.config._patches`),
+outermost on every point it shares: ``StandardUpdater.__init__`` (then, on
+the updater built, its ``update`` as the step and its iterator's ``next`` as
+the wait for data), ``convert._call_converter`` (conversion and copy),
+``GradientMethod.setup`` (then, on the optimizer set up: forward, backward,
+loss-scale check and update), ``Trainer.run`` (each extension), plus, in
+per-link mode, a LinkHook and a FunctionHook. What is put on an updater or an
+optimizer is recorded in the handle's changes and leaves with it.
 """
 
+import functools
 import os
 import weakref
 
 import chainer
 
+from fastchain.config import _patches
 from fastchain.nvtx._annotator import annotator
 
 
-class _AnnotatedIterator:
-    """The updater's iterator, with ``next()`` inside a 'data' range."""
-
-    def __init__(self, iterator):
-        self._iterator = iterator
-
-    def __next__(self):
-        ann = annotator()
-        ann.push('data', 'data')
-        try:
-            return self._iterator.next()
-        finally:
-            ann.pop()
-
-    next = __next__
-
-    def __iter__(self):
-        return self
-
-    def __getattr__(self, name):
-        return getattr(self._iterator, name)
+def _data_layer(next_):
+    """The iterator's ``next()`` inside a 'data' range."""
+    ann = annotator()
+    ann.push('data', 'data')
+    try:
+        return next_()
+    finally:
+        ann.pop()
 
 
 def capture_window():
@@ -56,68 +47,48 @@ def capture_window():
     return first, last
 
 
-def wrap_updater_init(recorder):
-    from chainer.training.updaters import StandardUpdater
-    init = StandardUpdater.__init__
-    window = capture_window()
-
-    def init_with_ranges(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self._iterators['main'] = _AnnotatedIterator(self._iterators['main'])
-        update = self.update        # bound: the class's (or a subclass's)
-
-        def annotated_update():
-            ann = annotator()
-            iteration = self.iteration + 1
-            if window is not None and iteration == window[0]:
-                ann.push('capture', 'step')
-            ann.push('step', 'step')
-            try:
-                update()
-            finally:
-                ann.pop()
-                if window is not None and iteration == window[1]:
-                    ann.pop()
-            if self.is_new_epoch:
-                ann.mark('epoch {}'.format(self.epoch))
-        self.update = annotated_update
-
-    init_with_ranges.__wrapped__ = init
-    recorder.set_attr(StandardUpdater, '__init__', init_with_ranges,
-                      label='StandardUpdater.__init__ (nvtx)')
+def updater_layer(setting, next_, updater, *args, **kwargs):
+    """Updaters built while in force get 'step' and 'data' ranges."""
+    changes, window = setting
+    next_(updater, *args, **kwargs)
+    changes.wrap(updater._iterators['main'], 'next', 'nvtx', _data_layer)
+    changes.wrap(updater, 'update', 'nvtx',
+                 functools.partial(_step_layer, weakref.ref(updater), window))
 
 
-def wrap_converter(recorder):
-    from chainer.dataset import convert
-    call_converter = convert._call_converter
-
-    def call_converter_in_range(converter, batch, device):
-        with annotator().range('convert', 'convert'):
-            return call_converter(converter, batch, device)
-
-    call_converter_in_range.__wrapped__ = call_converter
-    recorder.set_attr(convert, '_call_converter', call_converter_in_range,
-                      label='chainer.dataset.convert._call_converter (nvtx)')
-
-
-def wrap_optimizer_setup(recorder, link_paths):
-    """Optimizers set up while enabled get forward/backward/update ranges."""
-    from chainer.optimizer import GradientMethod
-    setup = GradientMethod.setup
-
-    def setup_with_ranges(self, link):
-        result = setup(self, link)
-        annotate_optimizer(self, recorder)
-        if link_paths is not None:
-            link_paths.add_model(link)
-        return result
-
-    setup_with_ranges.__wrapped__ = setup
-    recorder.set_attr(GradientMethod, 'setup', setup_with_ranges,
-                      label='GradientMethod.setup (nvtx)')
+def _step_layer(ref, window, next_):
+    updater = ref()
+    ann = annotator()
+    iteration = updater.iteration + 1
+    if window is not None and iteration == window[0]:
+        ann.push('capture', 'step')
+    ann.push('step', 'step')
+    try:
+        return next_()
+    finally:
+        ann.pop()
+        if window is not None and iteration == window[1]:
+            ann.pop()
+        if updater.is_new_epoch:
+            ann.mark('epoch {}'.format(updater.epoch))
 
 
-def annotate_optimizer(optimizer, recorder):
+def converter_layer(next_, converter, batch, device):
+    with annotator().range('convert', 'convert'):
+        return next_(converter, batch, device)
+
+
+def setup_layer(setting, next_, optimizer, link):
+    """Optimizers set up while in force get forward/backward/update ranges."""
+    changes, link_paths = setting
+    result = next_(optimizer, link)
+    annotate_optimizer(optimizer, changes)
+    if link_paths is not None:
+        link_paths.add_model(link)
+    return result
+
+
+def annotate_optimizer(optimizer, changes):
     """Ranges on GradientMethod.update's template steps, on the instance.
 
     update(lossfun): [forward] lossfun -> [backward] loss.backward ->
@@ -125,17 +96,14 @@ def annotate_optimizer(optimizer, recorder):
     [update] call_hooks('pre') ... params ... call_hooks('post') ->
     [loss_scale] update_loss_scale.
     """
-    if getattr(optimizer, '_fastchain_nvtx', False):
+    from fastchain.precision._attach import scaler_of
+    if 'nvtx' in _patches.layers(optimizer, 'update'):
         return
     ann = annotator()
     state = {'backward': False}
-    update = optimizer.update
-    reallocate = optimizer.reallocate_cleared_grads
-    check = optimizer.check_nan_in_grads
-    call_hooks = optimizer.call_hooks
-    update_loss_scale = optimizer.update_loss_scale
+    ref = weakref.ref(optimizer)
 
-    def annotated_update(lossfun=None, *args, **kwds):
+    def annotated_update(next_, lossfun=None, *args, **kwds):
         if lossfun is not None:
             inner = lossfun
 
@@ -149,54 +117,53 @@ def annotate_optimizer(optimizer, recorder):
                 state['backward'] = True
                 return loss
         try:
-            return update(lossfun, *args, **kwds)
+            return next_(lossfun, *args, **kwds)
         finally:
             if state['backward']:       # an exception inside backward
                 state['backward'] = False
                 ann.pop()
 
-    def annotated_reallocate():
+    def annotated_reallocate(next_):
         if state['backward']:
             state['backward'] = False
             ann.pop()
-        return reallocate()
+        return next_()
 
     def scaling():
-        return getattr(optimizer, '_fastchain_scaler', None) is not None or \
-            getattr(optimizer, '_loss_scaling_is_dynamic', False)
+        opt = ref()
+        return scaler_of(opt) is not None or getattr(opt, '_loss_scaling_is_dynamic', False)
 
-    def annotated_check():
+    def annotated_check(next_):
         if not scaling():       # Chainer's no-op: no range to show
-            return check()
+            return next_()
         with ann.range('loss_scale check', 'loss_scale'):
-            check()
-        scaler = getattr(optimizer, '_fastchain_scaler', None)
+            next_()
+        scaler = scaler_of(ref())
         if scaler is not None and scaler.stepped is False:
             ann.mark('skipped step (loss scale {:g})'.format(scaler.scale))
 
-    def annotated_call_hooks(timing='pre'):
+    def annotated_call_hooks(next_, timing='pre'):
         if timing == 'pre':
             ann.push('update', 'update')
-            return call_hooks(timing)
+            return next_(timing)
         try:
-            return call_hooks(timing)
+            return next_(timing)
         finally:
             if timing == 'post':
                 ann.pop()
 
-    def annotated_update_loss_scale():
+    def annotated_update_loss_scale(next_):
         if not scaling():
-            return update_loss_scale()
+            return next_()
         with ann.range('loss_scale update', 'loss_scale'):
-            return update_loss_scale()
+            return next_()
 
-    recorder.set_attr(optimizer, '_fastchain_nvtx', True, label='optimizer._fastchain_nvtx')
     for name, fn in (('update', annotated_update),
                      ('reallocate_cleared_grads', annotated_reallocate),
                      ('check_nan_in_grads', annotated_check),
                      ('call_hooks', annotated_call_hooks),
                      ('update_loss_scale', annotated_update_loss_scale)):
-        recorder.set_attr(optimizer, name, fn, label='optimizer.{} (nvtx)'.format(name))
+        changes.wrap(optimizer, name, 'nvtx', fn)
 
 
 class _AnnotatedExtension:
@@ -214,24 +181,17 @@ class _AnnotatedExtension:
         return getattr(self._extension, name)
 
 
-def wrap_trainer_run(recorder):
-    from chainer.training import trainer as trainer_module
-    Trainer = trainer_module.Trainer
-    run = Trainer.run
-
-    def run_with_ranges(self, *args, **kwargs):
-        entries = list(self._extensions.items())
+def trainer_run_layer(next_, trainer, *args, **kwargs):
+    """Each extension of a run called inside an 'extension' range."""
+    entries = list(trainer._extensions.items())
+    for name, entry in entries:
+        entry.extension = _AnnotatedExtension(entry.extension, name)
+    try:
+        return next_(trainer, *args, **kwargs)
+    finally:
         for name, entry in entries:
-            entry.extension = _AnnotatedExtension(entry.extension, name)
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            for name, entry in entries:
-                if isinstance(entry.extension, _AnnotatedExtension):
-                    entry.extension = entry.extension._extension
-
-    run_with_ranges.__wrapped__ = run
-    recorder.set_attr(Trainer, 'run', run_with_ranges, label='Trainer.run (nvtx)')
+            if isinstance(entry.extension, _AnnotatedExtension):
+                entry.extension = entry.extension._extension
 
 
 class LinkPaths:
@@ -309,9 +269,26 @@ class FunctionLinkRanges(chainer.FunctionHook):
             annotator().pop()
 
 
-def install_link_hooks(recorder, paths):
+def link_hooks(paths):
+    """The (LinkHook, FunctionHook) pair naming ranges after ``paths``."""
     link_hook = LinkRanges(paths)
-    function_hook = FunctionLinkRanges(link_hook)
-    for hook in (link_hook, function_hook):
-        recorder.call('chainer hook ' + hook.name, hook.__enter__,
-                      lambda hook=hook: hook.__exit__(None, None, None))
+    return link_hook, FunctionLinkRanges(link_hook)
+
+
+def installed_link_hooks():
+    """The pair installed in this thread (Chainer's global hooks), or MISSING."""
+    link = chainer._get_link_hooks().get(LinkRanges.name)
+    function = chainer.get_function_hooks().get(FunctionLinkRanges.name)
+    return _patches.MISSING if link is None and function is None else (link, function)
+
+
+def install_link_hooks(hooks):
+    """Install the pair ``hooks`` (MISSING: remove the installed pair)."""
+    installed = installed_link_hooks()
+    if installed is not _patches.MISSING:
+        for hook in installed:
+            if hook is not None:
+                hook.__exit__(None, None, None)
+    if hooks is not _patches.MISSING:
+        for hook in hooks:
+            hook.__enter__()

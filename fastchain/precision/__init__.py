@@ -7,7 +7,8 @@ and a :class:`DynamicLossScaler`, and casts floating batches to fp16 on the
 device after Chainer's converter. Build the model after ``enable``.
 """
 
+from fastchain.precision._attach import scaler_of
 from fastchain.precision._group import cast_floating
 from fastchain.precision._scaler import DynamicLossScaler
 
-__all__ = ['DynamicLossScaler', 'cast_floating']
+__all__ = ['DynamicLossScaler', 'cast_floating', 'scaler_of']

@@ -3,84 +3,119 @@
 ``GradientMethod.update`` is a template: after backward it calls
 ``check_nan_in_grads()``, then applies the update only if
 ``is_safe_to_update()``, then calls ``update_loss_scale()``, and it seeds
-backward with ``self._loss_scale``. Attaching sets those four on the
-optimizer *instance* (the class is untouched) through the handle's recorder,
-so disabling fastchain restores the optimizer exactly.
+backward with ``self._loss_scale``. Attaching puts fp16 layers on those
+methods of the optimizer *instance* (the class is untouched) through the
+owning handle's :class:`~fastchain.config._patches.Changes`, so disabling
+that handle takes exactly them off again.
 """
 
 import warnings
+import weakref
 
 import numpy
 
+from fastchain.config import _patches
+
 SERIAL_KEY = 'fastchain_loss_scaler'
+SCALER = 'loss_scaler'              # attachment key: the optimizer's scaler
+ALL_RANKS_ANY = 'all_ranks_any'     # attachment key: data-parallel agreement
 
 
-def attach(optimizer, scaler, recorder, fp32_update=True):
-    """Attach ``scaler`` (or only fp32 master weights if it is None)."""
-    if getattr(optimizer, '_fastchain_scaler', None) is not None:
+def scaler_of(optimizer):
+    """The :class:`DynamicLossScaler` fastchain attached to ``optimizer``, or None."""
+    return _patches.attached(optimizer, SCALER)
+
+
+def attach(optimizer, scaler, changes, fp32_update=True):
+    """Attach ``scaler`` (or only fp32 master weights if it is None),
+    recording every change in ``changes``."""
+    if scaler_of(optimizer) is not None:
         return      # set up twice: keep the first attachment
     target = optimizer.target
     if fp32_update:
-        _use_fp32_update(optimizer, target, recorder)
+        _use_fp32_update(optimizer, target, changes)
     if scaler is None:
         return
-    recorder.set_attr(optimizer, '_fastchain_scaler', scaler,
-                      label='optimizer._fastchain_scaler')
-    recorder.set_attr(optimizer, '_loss_scale', scaler.scale,
-                      label='optimizer._loss_scale')
+    changes.attach(optimizer, SCALER, scaler)
+    _set_loss_scale(optimizer, scaler, changes)
+    ref = weakref.ref(optimizer)
 
-    def check_nan_in_grads():
-        params = list(target.params())
+    def check_nan_in_grads(next_):
+        opt = ref()
+        params = list(opt.target.params())
         # The update rules unscale each gradient by param._loss_scale, which
         # Variable.backward sets, but Chainer's static_graph backward does not
         # (measured: the updates were loss_scale times too large, then NaN).
         # Say it here for every parameter, whoever ran the backward.
         for p in params:
-            p._loss_scale = optimizer._loss_scale
-        scaler.step(p.grad for p in params)
+            p._loss_scale = opt._loss_scale
+        scaler.step((p.grad for p in params),
+                    reduce=_patches.attached(opt, ALL_RANKS_ANY))
 
-    def is_safe_to_update():
+    def is_safe_to_update(next_):
         return bool(scaler.stepped)
 
-    def update_loss_scale():
-        optimizer._loss_scale = scaler.update()
-        _report({'loss_scale': optimizer._loss_scale,
-                 'skipped_steps': scaler.skipped_steps}, target)
+    def update_loss_scale(next_):
+        opt = ref()
+        opt._loss_scale = scaler.update()
+        _report({'loss_scale': opt._loss_scale,
+                 'skipped_steps': scaler.skipped_steps}, opt.target)
 
-    serialize_optimizer = optimizer.serialize
-
-    def serialize(serializer):
-        serialize_optimizer(serializer)
+    def serialize(next_, serializer):
+        next_(serializer)
         try:
             scaler.serialize(serializer[SERIAL_KEY])
         except KeyError:
             # A snapshot written without fastchain's scaler: keep its state.
             warnings.warn('fastchain: the snapshot has no loss-scaler state; '
-                          'starting from {!r}'.format(scaler), stacklevel=2)
-        optimizer._loss_scale = scaler.scale
+                          'starting from {!r}'.format(scaler),
+                          stacklevel=_patches.user_stacklevel())
+        ref()._loss_scale = scaler.scale
 
     for name, fn in (('check_nan_in_grads', check_nan_in_grads),
                      ('is_safe_to_update', is_safe_to_update),
                      ('update_loss_scale', update_loss_scale),
                      ('serialize', serialize)):
-        recorder.set_attr(optimizer, name, fn, label='optimizer.' + name)
+        changes.wrap(optimizer, name, 'fp16', fn)
 
 
-def _use_fp32_update(optimizer, target, recorder):
+def _set_loss_scale(optimizer, scaler, changes):
+    """``optimizer._loss_scale`` follows the scaler; put back the old value on
+    undo if it still does."""
+    ref = weakref.ref(optimizer)
+    old = vars(optimizer).get('_loss_scale', _patches.MISSING)
+    optimizer._loss_scale = scaler.scale
+
+    def undo():
+        opt = ref()
+        if opt is None or opt.__dict__.get('_loss_scale') != scaler.scale:
+            return
+        if old is _patches.MISSING:
+            del opt._loss_scale
+        else:
+            opt._loss_scale = old
+    changes.call('optimizer._loss_scale', undo)
+
+
+def _use_fp32_update(optimizer, target, changes):
     # GradientMethod.use_fp32_update(False) would still switch every rule on
     # (it calls rule.use_fp32_update() without the flag), so undo by hand.
+    ref = weakref.ref(optimizer)
     old = optimizer.__dict__.get('_use_fp32_update', False)
     rules = [p.update_rule for p in target.params()
              if getattr(p, 'update_rule', None) is not None]
-    old_rules = [r._use_fp32_update for r in rules]
+    old_rules = [(weakref.ref(r), r._use_fp32_update) for r in rules]
+    optimizer.use_fp32_update()
 
     def undo():
-        optimizer._use_fp32_update = old
-        for rule, flag in zip(rules, old_rules):
-            rule.use_fp32_update(flag)
-
-    recorder.call('optimizer.use_fp32_update', optimizer.use_fp32_update, undo,
-                  old=old, new=True)
+        opt = ref()
+        if opt is not None and opt.__dict__.get('_use_fp32_update') is True:
+            opt._use_fp32_update = old
+        for rule_ref, flag in old_rules:
+            rule = rule_ref()
+            if rule is not None and rule._use_fp32_update is True:
+                rule.use_fp32_update(flag)
+    changes.call('optimizer.use_fp32_update', undo)
 
 
 def check_model_dtype(link):
@@ -91,7 +126,7 @@ def check_model_dtype(link):
             'fastchain: fp16 is enabled but {} has no float16 parameters, so it '
             'trains in {}. Build the model after fastchain.enable(fp16=True).'
             .format(type(link).__name__, ', '.join(sorted(d.name for d in dtypes))),
-            stacklevel=4)
+            stacklevel=_patches.user_stacklevel())
 
 
 def _report(values, observer):

@@ -1,6 +1,9 @@
 """The fp16 accelerator group of ``fastchain.enable``."""
 
+import functools
+
 from fastchain.backends import cuda
+from fastchain.config import _patches
 from fastchain.config._options import Group, Option, State
 from fastchain.precision import _attach
 from fastchain.precision._scaler import DynamicLossScaler
@@ -33,61 +36,68 @@ class Fp16Group(Group):
     def probe(self):
         return [State('fp16', True, False)]
 
-    def apply(self, values, explicit, recorder):
-        fp16 = values['fp16']
-        state = State('fp16', True, False, requested='fp16' in explicit and fp16 is True,
-                      setting=fp16)
-        if fp16 == 'auto':
-            fp16 = cuda.tensor_cores_available()
-            if not fp16:
-                state.why = ('auto: no GPU with TensorCores here, and fp16 is '
-                             'slower than fp32 on a CPU')
-        if not fp16:
-            return [state]
+    def plan(self, values, explicit, plan):
+        if not _wanted(values['fp16']):
+            return
         import chainer
-        recorder.set_config('dtype', chainer.mixed16)
-        _wrap_setup(recorder, values['loss_scale'])
-        _wrap_converter(recorder)
+        from chainer.dataset import convert
+        from chainer.optimizer import GradientMethod
+        plan.config('dtype', chainer.mixed16)
+        changes = plan.changes('fp16', 'fp16')
+        plan.wrap(GradientMethod, 'setup', 'fp16', functools.partial(
+            _setup_layer, loss_scale=values['loss_scale'], changes=changes))
+        plan.wrap(convert, '_call_converter', 'fp16', _cast_layer)
         if cuda.cudnn_status().available:
             # TensorCores need fp16 data (now the default dtype) and cuDNN's
             # 'auto' TensorCore mode; give their algorithms workspace.
             if 'tensor_cores' not in explicit:
-                recorder.set_config('use_cudnn_tensor_core', 'auto')
+                plan.config('use_cudnn_tensor_core', 'auto')
             if 'workspace_size' not in explicit:
-                import chainer.backends.cuda as chainer_cuda
-                from fastchain.cudnn._group import set_workspace
-                if chainer_cuda.get_max_workspace_size() < FP16_WORKSPACE:
-                    set_workspace(recorder, FP16_WORKSPACE)
-            state.note = None
-        else:
+                from fastchain.cudnn._group import WORKSPACE, workspace_accessors
+                get, set_ = workspace_accessors()
+                if _patches.original_value(WORKSPACE, get) < FP16_WORKSPACE:
+                    plan.value(WORKSPACE, get, set_, FP16_WORKSPACE)
+
+    def states(self, values, explicit):
+        import chainer
+        from chainer.optimizer import GradientMethod
+        fp16 = values['fp16']
+        state = State('fp16', True, False, requested='fp16' in explicit and fp16 is True,
+                      setting=fp16)
+        if fp16 == 'auto' and not _wanted(fp16):
+            state.why = ('auto: no GPU with TensorCores here, and fp16 is '
+                         'slower than fp32 on a CPU')
+        layer = _patches.in_force(GradientMethod, 'setup', 'fp16')
+        if layer is None:
+            return [state]
+        if chainer.global_config.dtype is not chainer.mixed16:
+            state.why = ('chainer.config.dtype was changed to {} after enable(fp16=True)'
+                         .format(chainer.global_config.dtype))
+            return [state]
+        state.active = True
+        if not cuda.cudnn_status().available:
             state.note = ('fp16 runs on the CPU through NumPy, which is slower '
                           'than fp32 there; it pays off on a GPU with TensorCores')
-        state.active = True
         return [state]
 
 
-def _wrap_setup(recorder, loss_scale):
-    """While enabled, every optimizer set up gets fp32 masters and a scaler."""
-    from chainer.optimizer import GradientMethod
-    setup = GradientMethod.setup
-
-    def setup_with_fp16(self, link):
-        result = setup(self, link)
-        _attach.check_model_dtype(link)
-        if loss_scale is False:
-            scaler = None
-        else:
-            scaler = DynamicLossScaler(**(loss_scale if isinstance(loss_scale, dict) else {}))
-        _attach.attach(self, scaler, recorder)
-        return result
-
-    setup_with_fp16.__wrapped__ = setup
-    setup_with_fp16.__doc__ = setup.__doc__
-    recorder.set_attr(GradientMethod, 'setup', setup_with_fp16,
-                      label='GradientMethod.setup')
+def _wanted(fp16):
+    return cuda.tensor_cores_available() if fp16 == 'auto' else bool(fp16)
 
 
-def _wrap_converter(recorder):
+def _setup_layer(next_, optimizer, link, *, loss_scale, changes):
+    """While fp16 is in force, every optimizer set up gets fp32 masters and a scaler."""
+    result = next_(optimizer, link)
+    _attach.check_model_dtype(link)
+    if loss_scale is False:
+        scaler = None
+    else:
+        scaler = DynamicLossScaler(**(loss_scale if isinstance(loss_scale, dict) else {}))
+    _attach.attach(optimizer, scaler, changes)
+    return result
+
+
+def _cast_layer(next_, converter, batch, device):
     """Cast floating batches to the fp16 compute dtype after the converter.
 
     Chainer's StandardUpdater and Evaluator both turn a batch into arrays
@@ -96,15 +106,7 @@ def _wrap_converter(recorder):
     dataset made (fp32: no NumPy fp16 arithmetic on the host) and are cast
     there. Integer arrays (labels, uint8 images) pass unchanged.
     """
-    from chainer.dataset import convert
-    call_converter = convert._call_converter
-
-    def call_converter_then_cast(converter, batch, device):
-        return cast_floating(call_converter(converter, batch, device))
-
-    call_converter_then_cast.__wrapped__ = call_converter
-    recorder.set_attr(convert, '_call_converter', call_converter_then_cast,
-                      label='chainer.dataset.convert._call_converter')
+    return cast_floating(next_(converter, batch, device))
 
 
 def cast_floating(arrays, dtype=None):

@@ -90,15 +90,17 @@ class DynamicLossScaler:
         """
         self._reduce = reduce
 
-    def step(self, grads):
+    def step(self, grads, reduce=None):
         """Check ``grads`` (an iterable of arrays, ``None`` skipped) once.
 
         Returns True when the update may be applied. Costs one device-to-host
-        synchronisation for all gradients together.
+        synchronisation for all gradients together. ``reduce``: a reducer for
+        this step (default: the one set with :meth:`set_found_inf_reducer`).
         """
         found_inf = _any_nonfinite(grads)
-        if self._reduce is not None:
-            found_inf = bool(self._reduce(found_inf))
+        reduce = reduce or self._reduce
+        if reduce is not None:
+            found_inf = bool(reduce(found_inf))
         self._found_inf = found_inf
         self.stepped = not found_inf
         return self.stepped

@@ -6,6 +6,8 @@ directly. See :mod:`fastchain.static._cache` for what is checked and
 :mod:`fastchain.static._fixes` for what is fixed in Chainer.
 """
 
-from fastchain.static._cache import StaticGraphFallback, cache_static_graph, static_graph
+from fastchain.static._cache import (StaticGraphFallback, cache_state, cache_static_graph,
+                                     is_cached, static_graph)
 
-__all__ = ['StaticGraphFallback', 'cache_static_graph', 'static_graph']
+__all__ = ['StaticGraphFallback', 'cache_state', 'cache_static_graph', 'is_cached',
+           'static_graph']

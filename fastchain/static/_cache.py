@@ -24,10 +24,14 @@ per-function Python work. fastchain uses it with its faults fixed
 
 import functools
 import warnings
+import weakref
 
 import chainer
 
+from fastchain.config import _patches
 from fastchain.static import _fixes
+
+STATE = 'static_cache'      # attachment key: the cache's bookkeeping
 
 
 class StaticGraphFallback(UserWarning):
@@ -69,37 +73,52 @@ def _max_difference(a, b):
     return worst
 
 
-def cache_static_graph(chain, verify_steps=2, verbosity=0):
+def cache_state(chain):
+    """The cache's bookkeeping for ``chain`` (None if it is not cached):
+    ``{'fallback': reason or None, 'sequences': {key: calls}, 'verified': {key: n}}``."""
+    return _patches.attached(chain, STATE)
+
+
+def is_cached(chain):
+    return 'static_graph' in _patches.layers(chain, 'forward')
+
+
+def cache_static_graph(chain, verify_steps=2, verbosity=0, changes=None):
     """Make ``chain``'s forward a cached static subgraph (on this instance).
 
     Returns a callable that undoes it. See the module docstring for what is
     checked. ``verbosity`` > 0 lets Chainer's own static-graph messages out.
+    ``changes``: record the cache there (a handle's), instead of keeping it
+    until the undo is called or the chain is collected.
     """
-    _fixes.install()
-    _fixes.verbose = verbosity > 0
+    if is_cached(chain):
+        raise ValueError('{} is already cached'.format(type(chain).__name__))
     if 'forward' in vars(chain):
-        raise ValueError('{} already has an instance-level forward (already cached?)'
-                         .format(type(chain).__name__))
+        raise ValueError('{} has an instance-level forward of its own, which the cache '
+                         'would not replay'.format(type(chain).__name__))
     from chainer.graph_optimizations.static_graph import static_graph
-    plain = chain.forward                               # bound define-by-run forward
+    release = _fixes.acquire()
+    _fixes.verbose = verbosity > 0
     replay = static_graph(force_test_define_by_run=True, minimize_cache_size=False,
                           verbosity_level=verbosity)(type(chain).forward)
     state = {'fallback': None, 'sequences': {}, 'verified': {}}
+    name = type(chain).__name__
 
     def fall_back(reason):
         state['fallback'] = reason
         warnings.warn('fastchain static_graph: {} runs define-by-run from now on: {}'
-                      .format(type(chain).__name__, reason), StaticGraphFallback,
-                      stacklevel=4)
+                      .format(name, reason), StaticGraphFallback,
+                      stacklevel=_patches.user_stacklevel())
 
-    def cached_forward(*args, **kwargs):
+    def cached_forward(plain, *args, **kwargs):
+        chain = ref()
         if state['fallback'] is not None or not chainer.config.train or kwargs:
             if kwargs and state['fallback'] is None:
                 fall_back('keyword arguments are not supported by the cache')
             return plain(*args, **kwargs)
         key = tuple(getattr(a, 'shape', None) for a in args)
         if key not in state['sequences']:
-            return _build(key, args)
+            return _build(chain, plain, key, args)
         if state['verified'][key] >= verify_steps:
             return replay(chain, *args)
         state['verified'][key] += 1
@@ -107,7 +126,7 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0):
         # The replay re-attaches the schedule's gradient arrays to the params.
         grads = [(p, p.grad_var) for p in chain.params()]
         out = replay(chain, *args)
-        reason = _verify(key, args, out)
+        reason = _verify(chain, plain, key, args, out)
         if reason is None:
             return out
         # This call's replay is wrong: undo what it touched, run it for real.
@@ -117,7 +136,7 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0):
         fall_back(reason)
         return plain(*args)
 
-    def _build(key, args):
+    def _build(chain, plain, key, args):
         recorder = _Sequence()
         try:
             with _fixes.building_statistics(chain), recorder:
@@ -130,7 +149,7 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0):
         state['verified'][key] = 0
         return out
 
-    def _verify(key, args, replayed):
+    def _verify(chain, plain, key, args, replayed):
         """None if define-by-run agrees with the replay, else the reason."""
         saved = _fixes.snapshot_statistics(chain)
         recorder = _Sequence()
@@ -155,13 +174,23 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0):
                     'in Python from the data, e.g. from x.array?)'.format(diff))
         return None
 
+    ref = weakref.ref(chain)
     functools.update_wrapper(cached_forward, type(chain).forward)
-    cached_forward.fastchain_state = state
-    chain.forward = cached_forward
+    if changes is not None:
+        point = changes.wrap(chain, 'forward', 'static_graph', cached_forward)
+        changes.attach(chain, STATE, state)
+        changes.call('static graph lease of ' + name, release)
+    else:
+        point = _patches.wrap(chain, 'forward', 'static_graph', cached_forward)
+        _patches.attach(chain, STATE, state)
+        weakref.finalize(chain, release)
 
     def undo():
-        if vars(chain).get('forward') is cached_forward:
-            del chain.forward
+        obj = ref()
+        if obj is not None:
+            _patches.unwrap(obj, 'forward', 'static_graph', point=point)
+            _patches.detach(obj, STATE, state)
+        release()
     return undo
 
 

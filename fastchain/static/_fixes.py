@@ -15,79 +15,94 @@ arise.
    schedule...'). Fix: the module's prints go through a filter that keeps
    them only when verbosity was asked for.
 
-All three are installed together, once per process, by :func:`install`
-(``enable(static_graph=True)`` or the first cached chain), with the hook that,
-once a schedule is built, binds lean kernels into it
-(:mod:`fastchain.kernels._bind`) and gives it a flat program
-(:mod:`fastchain.static._flat`); :func:`uninstall` takes them out again. None
-changes define-by-run execution.
+All three are layers (:mod:`fastchain.config._patches`, layer
+``static_graph``) on ``BatchNormalization.backward``,
+``StaticScheduleFunction.build_schedule`` and the ``print`` of Chainer's
+static_graph module, held while any chain is cached: each cached chain holds
+a lease (:func:`acquire`), released when the cache is undone or the chain is
+collected, and the layers leave with the last lease. Once a schedule is built
+the same layer binds lean kernels into it (:mod:`fastchain.kernels._bind`,
+unless ``cpu_conv=False`` is in force) and gives it a flat program
+(:mod:`fastchain.static._flat`). None changes define-by-run execution.
 """
 
-import builtins
 import threading
 
-from fastchain.config._recorder import Recorder
+from fastchain.config import _patches
 from fastchain.kernels import _bind
 from fastchain.static import _flat
 
-_recorder = None
-_lock = threading.Lock()
+# Reentrant: a chain collected while the lock is held releases its lease
+# from inside (weakref.finalize runs wherever the collector runs).
+_lock = threading.RLock()
 _local = threading.local()
+_leases = set()
 verbose = False
 
 
 def installed():
-    return _recorder is not None
+    """True while some cached chain holds the fixes."""
+    return bool(_leases)
 
 
-def install():
-    """Install the fixes (idempotent). Returns True if this call did it."""
-    global _recorder
+def _targets():
+    from chainer.functions.normalization import batch_normalization as bn
+    from chainer.graph_optimizations import static_graph as sg
+    return ((bn.BatchNormalization, 'backward', _bn_backward),
+            (sg.StaticScheduleFunction, 'build_schedule', _build_then_fix),
+            (sg, 'print', _quiet_print))
+
+
+def acquire():
+    """Keep the fixes in place until the returned ``release()`` is called
+    (it may be called any number of times; the first counts)."""
+    token = object()
     with _lock:
-        if _recorder is not None:
-            return False
-        from chainer.functions.normalization import batch_normalization as bn
-        from chainer.graph_optimizations import static_graph as sg
-        recorder = Recorder()
-        recorder.set_attr(bn.BatchNormalization, 'backward', _bn_backward,
-                          label='BatchNormalization.backward (static-graph fix)')
-        build = sg.StaticScheduleFunction.build_schedule
+        _leases.add(token)      # first: a release from inside cannot empty the set
+        if len(_leases) == 1:
+            for owner, name, fn in _targets():
+                _patches.wrap(owner, name, 'static_graph', fn)
 
-        def build_then_restore_statistics(self, *args, **kwargs):
-            result = build(self, *args, **kwargs)
-            saved = getattr(_local, 'statistics', None)
-            if saved is not None and not self.pass_depth:   # the forward schedule
-                _restore(saved)
-            _bind.bind_schedule(self)
-            _flat.compile_schedule(self)
-            return result
-
-        build_then_restore_statistics.__wrapped__ = build
-        recorder.set_attr(sg.StaticScheduleFunction, 'build_schedule',
-                          build_then_restore_statistics,
-                          label='StaticScheduleFunction.build_schedule (static-graph fix)')
-        recorder.set_attr(sg, 'print', _quiet_print,
-                          label='chainer static_graph print (static-graph fix)')
-        _recorder = recorder
-        return True
+    def release():
+        with _lock:
+            if token not in _leases:
+                return
+            _leases.discard(token)
+            if not _leases:
+                _remove()
+    return release
 
 
 def uninstall():
-    global _recorder
+    """Take the fixes out whatever holds them (for tests)."""
     with _lock:
-        if _recorder is not None:
-            _recorder.undo()
-            _recorder = None
+        _leases.clear()
+        _remove()
 
 
-def _quiet_print(*args, **kwargs):
+def _remove():
+    for owner, name, _ in _targets():
+        _patches.unwrap(owner, name, 'static_graph')
+
+
+def _build_then_fix(next_, schedule, *args, **kwargs):
+    result = next_(schedule, *args, **kwargs)
+    saved = getattr(_local, 'statistics', None)
+    if saved is not None and not schedule.pass_depth:   # the forward schedule
+        _restore(saved)
+    _bind.bind_schedule(schedule)
+    _flat.compile_schedule(schedule)
+    return result
+
+
+def _quiet_print(next_, *args, **kwargs):
     if verbose:
-        builtins.print(*args, **kwargs)
+        next_(*args, **kwargs)
 
 
 # --- 1. BatchNormalization gradients ------------------------------------------
 
-def _bn_backward(self, indexes, grad_outputs):
+def _bn_backward(next_, self, indexes, grad_outputs):
     x, gamma = self.get_retained_inputs()
     gy, = grad_outputs
     grad = _LiveStatisticsGrad(self)

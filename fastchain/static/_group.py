@@ -1,6 +1,8 @@
-"""The per-iteration host-time group of ``fastchain.enable``: the static-graph
-cache, fastchain's CPU convolution kernels and the fused CPU update."""
+"""The static-graph group of ``fastchain.enable``: the static-subgraph cache."""
 
+import functools
+
+from fastchain.config import _patches
 from fastchain.config._options import Group, State, boolean
 
 
@@ -10,67 +12,36 @@ class StaticGraphGroup(Group):
         boolean('static_graph', "cache the static subgraph of each optimizer's model "
                 '(its predictor, for L.Classifier) to cut per-iteration Python '
                 'overhead (default: off)', default=False),
-        boolean('cpu_conv', "compute CPU convolutions (forward and both gradients) "
-                "with fastchain's kernels, bitwise equal to Chainer's, and bind them "
-                'into cached schedules (default: on; GPU convolutions are left to '
-                'Chainer)'),
-        boolean('fused_update', 'update SGD/MomentumSGD parameters on the CPU with a '
-                "fused, cache-blocked kernel, bitwise equal to Chainer's (default: on; "
-                "Chainer's GPU kernel is left as it is)"),
     )
 
     def probe(self):
-        return [State('static_graph', True, False), State('cpu_conv', True, False),
-                State('fused_update', True, False)]
+        return [State('static_graph', True, False)]
 
-    def apply(self, values, explicit, recorder):
-        static = State('static_graph', True, bool(values['static_graph']),
-                       requested='static_graph' in explicit, setting=values['static_graph'])
-        fused = State('fused_update', True, values['fused_update'] is not False,
-                      requested='fused_update' in explicit, setting=values['fused_update'])
-        conv = State('cpu_conv', True, values['cpu_conv'] is not False,
-                     requested='cpu_conv' in explicit, setting=values['cpu_conv'])
-        from fastchain.kernels import _conv
-        if conv.active:
-            _conv.install(recorder)
-        else:
-            _conv.remove(recorder)
-        if static.active:
-            from fastchain.static import _fixes
-            if _fixes.install():
-                recorder.call('chainer static_graph fixes', lambda: None, _fixes.uninstall)
-        if static.active or fused.active:
-            _wrap_setup(recorder, static.active, fused.active)
-        return [static, conv, fused]
+    def plan(self, values, explicit, plan):
+        if values['static_graph']:
+            from chainer.optimizer import GradientMethod
+            changes = plan.changes('static_graph', 'static_graph')
+            plan.wrap(GradientMethod, 'setup', 'static_graph',
+                      functools.partial(_setup_layer, changes))
+
+    def states(self, values, explicit):
+        from chainer.optimizer import GradientMethod
+        on = _patches.in_force(GradientMethod, 'setup', 'static_graph') is not None
+        return [State('static_graph', True, on, requested='static_graph' in explicit
+                      and bool(values['static_graph']), setting=values['static_graph'])]
 
 
-def _wrap_setup(recorder, static, fused):
+def _setup_layer(changes, next_, optimizer, link):
+    """While in force, the model of every optimizer set up is cached."""
     import chainer
-    from chainer.optimizer import GradientMethod
-    from fastchain.static._cache import cache_static_graph
-    from fastchain.kernels._update import fuse
-    setup = GradientMethod.setup
-
-    def setup_and_apply(self, link):
-        result = setup(self, link)
-        if fused:
-            undo, n = fuse(self)
-            if n:
-                recorder.call('fused update of {} rules of {}'.format(
-                    n, type(self).__name__), lambda: None, undo)
-        if static:
-            chain = getattr(link, 'predictor', None)
-            if not isinstance(chain, chainer.Chain):
-                chain = link
-            if 'forward' not in vars(chain):
-                undo = cache_static_graph(chain)
-                recorder.call('static graph of {}'.format(type(chain).__name__),
-                              lambda: None, undo)
-        return result
-
-    setup_and_apply.__wrapped__ = setup
-    recorder.set_attr(GradientMethod, 'setup', setup_and_apply,
-                      label='GradientMethod.setup (static_graph, fused_update)')
+    from fastchain.static._cache import cache_static_graph, is_cached
+    result = next_(optimizer, link)
+    chain = getattr(link, 'predictor', None)
+    if not isinstance(chain, chainer.Chain):
+        chain = link
+    if not is_cached(chain) and 'forward' not in vars(chain):
+        cache_static_graph(chain, changes=changes)
+    return result
 
 
 GROUP = StaticGraphGroup()

@@ -13,6 +13,7 @@ from chainer.training import extensions
 import fastchain
 from fastchain import data
 from fastchain.models import ResNet
+from fastchain.precision import scaler_of
 
 
 def test_plain_script_with_everything_enabled(tmp_path):
@@ -40,7 +41,7 @@ def test_plain_script_with_everything_enabled(tmp_path):
     trainer.extend(extensions.LogReport(trigger=(5, 'iteration')))
     try:
         trainer.run()
-        assert optimizer._fastchain_scaler.steps == 10, optimizer._fastchain_scaler
+        assert scaler_of(optimizer).steps == 10, scaler_of(optimizer)
         assert 'forward' in vars(model.predictor)        # cached while enabled
     finally:
         handle.disable()

@@ -10,20 +10,27 @@ from hypothesis import given, settings, strategies as st
 import fastchain
 from fastchain.backends import Status, cuda
 from fastchain.config import FastchainWarning
-from fastchain.config import _options
+from fastchain.config import _options, _patches
 
 
 def snapshot():
-    """Every global a handle may touch."""
+    """Every global a handle may touch (see fastchain/config/_patches.py)."""
     from chainer.dataset import convert
+    from chainer.functions.normalization import batch_normalization as bn
+    from chainer.graph_optimizations import static_graph as sg
     from chainer.optimizer import GradientMethod
+    from chainer.training import trainer
     from chainer.training.updaters import StandardUpdater
     from fastchain.kernels import _bind, _conv
+    from fastchain.nvtx import annotator
     return (dict(chainer.global_config.__dict__),
             chainer_cuda.get_max_workspace_size(),
             dict(GradientMethod.__dict__), dict(vars(convert)),
-            dict(StandardUpdater.__dict__),
-            [cls._forward_cpu_core for cls, _ in _conv._functions()], _bind.enabled)
+            dict(StandardUpdater.__dict__), dict(trainer.Trainer.__dict__),
+            dict(bn.BatchNormalization.__dict__), dict(sg.StaticScheduleFunction.__dict__),
+            dict(vars(sg)), [dict(vars(cls)) for cls, _ in _conv.functions()],
+            _bind.enabled, annotator().timeline,
+            dict(chainer._get_link_hooks()), dict(chainer.get_function_hooks()))
 
 
 def chainer_config():
@@ -77,8 +84,9 @@ def test_enable_twice_then_disable_restores_everything(first, second, lifo):
         assert snapshot() == middle
         h1.disable()
     else:
-        h1.disable()            # disables h2 first: they nest like scopes
-        assert not h2.active
+        h1.disable()            # any order: h2 stays enabled, with its options
+        assert h2.active and not h1.active
+        h2.disable()
     assert snapshot() == before
     assert not fastchain.active_handles()
 
@@ -95,10 +103,10 @@ def test_each_option_is_applied_to_chainer_and_restored(device):
             assert chainer.config.use_cudnn_tensor_core == 'never'
             if chainer_cuda.cudnn_enabled:    # a no-op in Chainer without cuDNN
                 assert chainer_cuda.get_max_workspace_size() == 1 << 20
-            labels = [label for label, _, _ in h.changes if 'cpu_conv' not in label]
-            assert labels == ['chainer.config.use_cudnn', 'chainer.config.autotune',
-                              'chainer.config.use_cudnn_tensor_core',
-                              'chainer.backends.cuda.max_workspace_size']
+            assert _patches.value_labels() == [
+                'chainer.backends.cuda.max_workspace_size', 'chainer.config.autotune',
+                'chainer.config.use_cudnn', 'chainer.config.use_cudnn_tensor_core']
+            assert h.states['workspace_size'].setting == 1 << 20
     assert snapshot() == before
 
 
@@ -175,7 +183,10 @@ def test_a_failing_group_undoes_what_was_already_applied(monkeypatch):
         def probe(self):
             return []
 
-        def apply(self, values, explicit, recorder):
+        def states(self, values, explicit):
+            return []
+
+        def plan(self, values, explicit, plan):
             raise RuntimeError('boom')
 
     real_groups = _options.groups
@@ -193,5 +204,5 @@ def test_disable_is_idempotent_and_the_handle_reports():
     finally:
         h.disable()
     h.disable()
-    assert not h.active and h.changes == []
+    assert not h.active and not any(s['active'] for s in h.report().values())
     assert set(h.report()) >= {'cudnn', 'autotune', 'tensor_cores'}

@@ -23,6 +23,8 @@ from chainer.training import extensions
 
 import fastchain
 from fastchain import distributed
+from fastchain.distributed._optimizer import gradient_sync_of
+from fastchain.precision import scaler_of
 
 SCENARIO, OUT = sys.argv[1], sys.argv[2]
 sys.argv += [''] * (4 - len(sys.argv))      # optional third argument
@@ -95,7 +97,7 @@ def equivalence():
     for (name, p), (_, q) in zip(sorted(model.namedparams()), sorted(reference.namedparams())):
         numpy.testing.assert_allclose(p.array, q.array, rtol=rtol, atol=atol, err_msg=name)
     same_everywhere(model)
-    sync = opt._fastchain_sync
+    sync = gradient_sync_of(opt)
     assert len(sync.buckets) > (0 if how == 'fp16' else 2), len(sync.buckets)
     assert all(b.dtype == (numpy.float16 if how == 'fp16' else numpy.float32)
                for b in sync.buckets)
@@ -225,7 +227,7 @@ def loss_scale_agreement():
     model = L.Classifier(net)
     opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm)
     opt.setup(model)
-    scaler = opt._fastchain_scaler
+    scaler = scaler_of(opt)
     shard = distributed.scatter_dataset(data(), comm)
     decisions = []
     for k in range(4):

@@ -11,7 +11,7 @@ import chainer.functions as F
 import chainer.links as L
 
 import fastchain
-from fastchain.config import FastchainWarning
+from fastchain.config import FastchainWarning, _patches
 from fastchain.kernels import _bind, _conv
 
 from tests.helpers import ConvZoo
@@ -75,7 +75,11 @@ def test_define_by_run_is_bitwise_chainers(make, shape, dtype):
 
 
 def cores():
-    return [cls._forward_cpu_core for cls, _ in _conv._functions()]
+    return [cls._forward_cpu_core for cls, _ in _conv.functions()]
+
+
+def layers():
+    return [_patches.layers(cls, '_forward_cpu_core') for cls, _ in _conv.functions()]
 
 
 def test_enable_installs_once_and_cpu_conv_false_restores_chainers_inside_its_scope():
@@ -83,14 +87,15 @@ def test_enable_installs_once_and_cpu_conv_false_restores_chainers_inside_its_sc
     with fastchain.enable(loader_workers=0) as outer:
         assert outer.states['cpu_conv'].active
         installed = cores()
-        assert all(c.fastchain_cpu_conv for c in installed)
+        assert layers() == [['cpu_conv']] * 3
         assert [c.__wrapped__ for c in installed] == chainers
         with fastchain.enable(loader_workers=0):
             assert cores() == installed             # not wrapped twice
         with fastchain.enable(loader_workers=0, cpu_conv=False) as inner:
             assert not inner.states['cpu_conv'].active
             assert cores() == chainers and _bind.enabled is False
-        assert cores() == installed and _bind.enabled is True
+        assert layers() == [['cpu_conv']] * 3 and _bind.enabled is True
+        assert [c.__wrapped__ for c in cores()] == chainers
     assert cores() == chainers and _bind.enabled is True
 
 

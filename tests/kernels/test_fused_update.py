@@ -117,7 +117,7 @@ def test_undo_restores_chainers_kernel():
     opt = optimizers.MomentumSGD().setup(Net())
     undo, n = _update.fuse(opt)
     rule = opt.target.big.W.update_rule
-    assert getattr(rule.update_core_cpu, 'fastchain_fused', False)
+    assert _update.is_fused(rule)
     assert _update.fuse(opt)[1] == 0            # never twice
     undo()
     assert 'update_core_cpu' not in vars(rule)
@@ -126,7 +126,7 @@ def test_undo_restores_chainers_kernel():
 def test_enable_turns_it_on_by_default_and_off_on_request():
     with fastchain.enable(loader_workers=0) as handle:
         opt = optimizers.MomentumSGD().setup(Net())
-        assert getattr(opt.target.big.W.update_rule.update_core_cpu, 'fastchain_fused', False)
+        assert _update.is_fused(opt.target.big.W.update_rule)
         assert handle.states['fused_update'].active
     assert 'update_core_cpu' not in vars(opt.target.big.W.update_rule)
     with fastchain.enable(fused_update=False, loader_workers=0):

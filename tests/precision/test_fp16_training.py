@@ -13,6 +13,7 @@ from chainer.training import extensions
 
 import fastchain
 from fastchain.config import FastchainWarning
+from fastchain.precision import scaler_of
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +141,7 @@ def test_inf_and_nan_gradients_never_change_a_weight():
         net = Poisoned()
         model = L.Classifier(net)
         optimizer = chainer.optimizers.MomentumSGD(lr=0.05).setup(model)
-        scaler = optimizer._fastchain_scaler
+        scaler = scaler_of(optimizer)
         data = dataset(64, 0)
         x, t = chainer.dataset.concat_examples(data[:32])
         x = x.astype(numpy.float16)
@@ -178,15 +179,15 @@ def test_inf_and_nan_gradients_never_change_a_weight():
 def test_snapshot_and_resume_continue_the_scaler(tmp_path):
     with fp16_enable(loss_scale={'init_scale': 256.0, 'growth_interval': 7}):
         model, optimizer, _ = train(tmp_path / 'a', epochs=1)
-        scaler = optimizer._fastchain_scaler
+        scaler = scaler_of(optimizer)
         assert scaler.steps == 19       # 600 / 32 iterations, none skipped
         chainer.serializers.save_npz(str(tmp_path / 'opt.npz'), optimizer)
 
         model2 = L.Classifier(CNN())
         optimizer2 = chainer.optimizers.MomentumSGD(lr=0.05).setup(model2)
-        assert optimizer2._fastchain_scaler.steps == 0
+        assert scaler_of(optimizer2).steps == 0
         chainer.serializers.load_npz(str(tmp_path / 'opt.npz'), optimizer2)
-        s2 = optimizer2._fastchain_scaler
+        s2 = scaler_of(optimizer2)
         assert s2.state_dict() == scaler.state_dict()
         assert s2.scale == 256.0 * 2 ** (19 // 7)
         assert optimizer2._loss_scale == s2.scale     # seeds the next backward
@@ -205,11 +206,11 @@ def test_trainer_snapshot_resume_mid_training(tmp_path):
         trainer = training.Trainer(training.StandardUpdater(it, optimizer2),
                                    (1, 'epoch'), out=str(tmp_path / 'run2'))
         chainer.serializers.load_npz(str(tmp_path / 'run' / 'snap'), trainer)
-        s = optimizer2._fastchain_scaler
+        s = scaler_of(optimizer2)
         assert (s.steps, s.scale) == (10, 64.0 * 2 ** 2)
         trainer.run()
-        assert s.steps == optimizer._fastchain_scaler.steps == 19
-        assert s.scale == optimizer._fastchain_scaler.scale
+        assert s.steps == scaler_of(optimizer).steps == 19
+        assert s.scale == scaler_of(optimizer).scale
 
 
 def test_disable_restores_the_plain_script():
@@ -218,7 +219,7 @@ def test_disable_restores_the_plain_script():
     model = L.Classifier(CNN())
     optimizer = chainer.optimizers.MomentumSGD().setup(model)
     assert model.predictor.conv.W.dtype == numpy.float32
-    assert not hasattr(optimizer, '_fastchain_scaler')
+    assert scaler_of(optimizer) is None
     assert 'check_nan_in_grads' not in vars(optimizer)
     x, t = chainer.dataset.concat_examples(dataset(4, 0)[:4])
     from chainer.dataset import convert
@@ -240,7 +241,7 @@ def test_fp32_masters_only_when_loss_scale_is_false():
     with fp16_enable(loss_scale=False):
         model = L.Classifier(CNN())
         optimizer = chainer.optimizers.MomentumSGD().setup(model)
-        assert not hasattr(optimizer, '_fastchain_scaler')
+        assert scaler_of(optimizer) is None
         assert all(p.update_rule._use_fp32_update for p in model.params())
 
 

@@ -11,7 +11,7 @@ import chainer.links as L
 
 import fastchain
 from fastchain.models import ResNet
-from fastchain.static import StaticGraphFallback, cache_static_graph
+from fastchain.static import StaticGraphFallback, cache_state, cache_static_graph
 
 
 pytestmark = pytest.mark.usefixtures('fresh_fixes')
@@ -68,7 +68,7 @@ def test_resnet_gradients_and_statistics_match_over_many_batches(capsys):
             assert_same(ordinary, cached)
             opt_a.update()
             opt_b.update()
-    state = cached.forward.fastchain_state
+    state = cache_state(cached)
     assert state['fallback'] is None and len(state['sequences']) == 1
     assert capsys.readouterr().out == ''        # no stray output
 
@@ -85,7 +85,7 @@ def test_last_partial_batch_and_train_eval_switches():
             xe, _ = data(rng, 2)
             numpy.testing.assert_allclose(cached(xe).array, ordinary(xe).array,
                                           rtol=1e-5, atol=1e-6)
-    assert len(cached.forward.fastchain_state['sequences']) == 2     # batch 4 and 3
+    assert len(cache_state(cached)['sequences']) == 2     # batch 4 and 3
 
 
 def test_several_models_in_one_process():
@@ -124,7 +124,7 @@ def test_a_model_that_is_not_static_falls_back_and_stays_correct():
             step(ordinary, x, t)
             step(cached, x, t)
             assert_same(ordinary, cached)       # never silently wrong
-    assert cached.forward.fastchain_state['fallback']
+    assert cache_state(cached)['fallback']
 
 
 def test_machinery_errors_fall_back_with_the_reason(monkeypatch):
