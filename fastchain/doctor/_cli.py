@@ -42,6 +42,13 @@ def _print_human(rep, out):
         if not s['available']:
             line += '  ({}; fix: {})'.format(s['why'], s['fix'])
         print(line, file=out)
+    if rep['patch_points'] or rep['settings']:
+        print('\nin force in this process ({} handle(s)):'.format(rep['enabled_handles']),
+              file=out)
+        for point, layers in rep['patch_points'].items():
+            print('  {:52s} {}'.format(point, ', '.join(layers)), file=out)
+        for label in rep['settings']:
+            print('  {}'.format(label), file=out)
 
 
 def main(argv=None):

@@ -63,7 +63,7 @@ def report(mpi=False):
     from fastchain import __version__, _compat
     from fastchain.backends import cuda, nvtx
     from fastchain.backends import mpi as mpi_backend
-    from fastchain.config import _enable
+    from fastchain.config import _enable, _patches
 
     deps = {
         'cupy': cuda.cupy_status().as_dict(),
@@ -87,4 +87,7 @@ def report(mpi=False):
         'accelerators': {name: s.as_dict()
                          for name, s in _enable.current_states().items()},
         'enabled_handles': len(_enable.active_handles()),
+        # Chainer's entry points with fastchain layers on them now, outermost first.
+        'patch_points': _patches.points(),
+        'settings': _patches.value_labels(),
     }
