@@ -17,6 +17,7 @@ import numpy
 from fastchain.config import _patches
 
 SERIAL_KEY = 'fastchain_loss_scaler'
+SERIAL_MASTERS = 'fastchain_fp32_masters'
 SCALER = 'loss_scaler'              # attachment key: the optimizer's scaler
 ALL_RANKS_ANY = 'all_ranks_any'     # attachment key: data-parallel agreement
 
@@ -40,15 +41,18 @@ def attach(optimizer, scaler, changes, fp32_update=True):
     _set_loss_scale(optimizer, scaler, changes)
     ref = weakref.ref(optimizer)
 
+    step = {'fp16_grads': []}
+
     def check_nan_in_grads(next_):
         opt = ref()
-        params = list(opt.target.params())
-        # The update rules unscale each gradient by param._loss_scale, which
-        # Variable.backward sets, but Chainer's static_graph backward does not
-        # (measured: the updates were loss_scale times too large, then NaN).
-        # Say it here for every parameter, whoever ran the backward.
-        for p in params:
-            p._loss_scale = opt._loss_scale
+        params = [p for p in opt.target.params() if p.grad is not None]
+        # Unscale here, before the optimizer's hooks (GradientClipping,
+        # WeightDecay, ...) see the gradients, with the arithmetic Chainer's
+        # UpdateRule would apply later (fp16: astype(float32), then /= scale;
+        # fp32: /= scale in place), and tell the rules it is done
+        # (param._loss_scale = None). The overflow check reads what the hooks
+        # and the update will see.
+        step['fp16_grads'] = _unscale(params, opt._loss_scale)
         scaler.step((p.grad for p in params),
                     reduce=_patches.attached(opt, ALL_RANKS_ANY))
 
@@ -57,26 +61,81 @@ def attach(optimizer, scaler, changes, fp32_update=True):
 
     def update_loss_scale(next_):
         opt = ref()
+        # After the update: the fp16 parameters get their own (scaled)
+        # gradient arrays back, as Chainer leaves them.
+        for param, grad in step['fp16_grads']:
+            param._set_grad_without_check(grad)
+        step['fp16_grads'] = []
         opt._loss_scale = scaler.update()
         _report({'loss_scale': opt._loss_scale,
                  'skipped_steps': scaler.skipped_steps}, opt.target)
 
     def serialize(next_, serializer):
         next_(serializer)
+        opt = ref()
         try:
             scaler.serialize(serializer[SERIAL_KEY])
+            _serialize_masters(opt, serializer[SERIAL_MASTERS])
         except KeyError:
-            # A snapshot written without fastchain's scaler: keep its state.
-            warnings.warn('fastchain: the snapshot has no loss-scaler state; '
-                          'starting from {!r}'.format(scaler),
+            # A snapshot written without fastchain's fp16 state: keep ours.
+            warnings.warn('fastchain: the snapshot has no loss-scaler state or fp32 master '
+                          'weights (written without fastchain\'s fp16); starting from {!r} '
+                          'and masters copied from the fp16 weights'.format(scaler),
                           stacklevel=_patches.user_stacklevel())
-        ref()._loss_scale = scaler.scale
+        opt._loss_scale = scaler.scale
 
     for name, fn in (('check_nan_in_grads', check_nan_in_grads),
                      ('is_safe_to_update', is_safe_to_update),
                      ('update_loss_scale', update_loss_scale),
                      ('serialize', serialize)):
         changes.wrap(optimizer, name, 'fp16', fn)
+
+
+def _unscale(params, scale):
+    """Divide each gradient by ``scale`` as Chainer's UpdateRule would, set
+    ``param._loss_scale = None`` so the rule does not divide again; returns
+    [(fp16 parameter, its original gradient)] for those given an fp32 one."""
+    replaced = []
+    for param in params:
+        param._loss_scale = None
+        if scale is None:
+            continue
+        grad = param.grad
+        rule = getattr(param, 'update_rule', None)
+        if grad.dtype == numpy.float16 and rule is not None and rule._use_fp32_update:
+            # UpdateRule: fp32_param.grad = param.grad.astype(float32); then
+            # fp32_param.grad /= loss_scale. The rule copies this fp32 array
+            # again (exactly) and, with _loss_scale None, divides no more.
+            unscaled = grad.astype(numpy.float32)
+            unscaled /= scale
+            replaced.append((param, grad))
+            param._set_grad_without_check(unscaled)
+        else:
+            grad /= scale
+    return replaced
+
+
+def _serialize_masters(optimizer, serializer):
+    """Save or load the fp32 master weight of every fp16 parameter updated in
+    fp32 (Chainer's UpdateRule.serialize keeps only the rule's state: a
+    resumed run would start its masters from the fp16 weights)."""
+    import chainer
+    loading = isinstance(serializer, chainer.serializer.Deserializer)
+    for name, param in optimizer.target.namedparams():
+        rule = getattr(param, 'update_rule', None)
+        if rule is None or not rule._use_fp32_update or param.array is None \
+                or param.dtype != numpy.float16:
+            continue
+        key = name.lstrip('/').replace('/', '.')
+        if loading:
+            master = param.device.send(serializer(key, None))
+            if master.dtype != numpy.float32:
+                master = master.astype(numpy.float32)
+            rule._fp32_param = chainer.Parameter(master, name=param.name)
+        else:
+            master = rule._fp32_param.array if rule._fp32_param is not None \
+                else param.array.astype(numpy.float32)
+            serializer(key, master)
 
 
 def _set_loss_scale(optimizer, scaler, changes):

@@ -1,0 +1,182 @@
+"""fp16 with loss scaling: optimizer hooks see unscaled gradients, and a run
+resumed from a snapshot continues bit for bit (issue #17, cases 5 and 6)."""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import optimizer_hooks, serializers
+
+import fastchain
+from fastchain.config import FastchainWarning
+from fastchain.precision import scaler_of
+
+from tests.precision.test_fp16_training import CNN
+
+# fp16 has 11 significant bits: two runs whose gradients differ only by
+# rounding in fp16 agree to a few units of 2**-10 relative to the model's
+# largest weight (measured here: at most 2.1 units after 6 steps).
+FP16_ULPS = 4 * 2.0 ** -10
+
+
+def fp16_enable(**kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FastchainWarning)   # "slower on CPU"
+        return fastchain.enable(fp16=True, loader_workers=0, **kwargs)
+
+
+def batches(n, seed=0):
+    rng = numpy.random.RandomState(seed)
+    for _ in range(n):
+        x = rng.normal(0, 1, (8, 1, 8, 8)).astype(numpy.float32)
+        t = rng.randint(0, 3, 8).astype(numpy.int32)
+        yield x, t
+
+
+def step(model, optimizer, x, t):
+    dtype = model.fc.W.dtype
+    optimizer.update(lambda: F.softmax_cross_entropy(model(x.astype(dtype)), t))
+
+
+class Seen:
+    """An optimizer hook that records the gradient norm it is given."""
+
+    name = 'seen'
+    timing = 'pre'
+    call_for_each_param = False
+
+    def __init__(self):
+        self.norms = []
+
+    def __call__(self, optimizer):
+        sq = sum(float(numpy.sum(numpy.square(p.grad.astype(numpy.float64))))
+                 for p in optimizer.target.params())
+        self.norms.append(sq ** 0.5)
+
+
+def reference_fp16(hooks, steps, lr=0.1):
+    """Plain Chainer, the same fp16 model and fp32 masters, no loss scaling:
+    what the hooks should see (gradients in their own scale)."""
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', chainer.mixed16):
+        model = CNN()
+    opt = chainer.optimizers.MomentumSGD(lr).setup(model)
+    opt.use_fp32_update()
+    for hook in hooks:
+        opt.add_hook(hook)
+    for x, t in batches(steps):
+        step(model, opt, x, t)
+    return model, opt
+
+
+@pytest.mark.parametrize('make_hook', [
+    lambda: optimizer_hooks.GradientClipping(0.5),
+    lambda: optimizer_hooks.WeightDecay(1e-2),
+])
+def test_hooks_see_unscaled_gradients_and_training_goes_on(make_hook):
+    seen_ref = Seen()
+    ref, _ = reference_fp16([make_hook(), seen_ref], steps=6)
+    seen = Seen()
+    with fp16_enable():
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        opt.add_hook(make_hook())
+        opt.add_hook(seen)
+        initial = {n: p.array.copy() for n, p in model.namedparams()}
+        for x, t in batches(6):
+            step(model, opt, x, t)
+        scaler = scaler_of(opt)
+    assert scaler.skipped_steps == 0 and scaler.steps == 6
+    # The hook saw the gradients in their own scale, not x2**15 (or inf).
+    numpy.testing.assert_allclose(seen.norms, seen_ref.norms, rtol=0.05)
+    scale = max(float(numpy.abs(q.array).max()) for q in ref.params())
+    for name, p in model.namedparams():
+        assert not numpy.array_equal(p.array, initial[name]), name + ' never moved'
+        q = dict(ref.namedparams())[name]
+        numpy.testing.assert_allclose(p.array.astype(numpy.float32),
+                                      q.array.astype(numpy.float32), rtol=0,
+                                      atol=FP16_ULPS * scale, err_msg=name)
+
+
+def test_without_hooks_the_update_is_bitwise_chainers_own_unscaling():
+    """Unscaling early is the arithmetic Chainer's UpdateRule does later:
+    with the same scale, the weights are the same bits."""
+    def run(early):
+        numpy.random.seed(0)
+        with chainer.using_config('dtype', chainer.mixed16):
+            model = CNN()
+        if early:
+            with fp16_enable(loss_scale={'init_scale': 1024.0, 'growth_interval': 10**6}):
+                opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+                for x, t in batches(5):
+                    step(model, opt, x, t)
+                assert scaler_of(opt).skipped_steps == 0
+        else:
+            opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+            opt.use_fp32_update()
+            opt.set_loss_scale(1024.0)       # Chainer's static loss scaling
+            for x, t in batches(5):
+                step(model, opt, x, t)
+        return {n: (p.array, p.update_rule._fp32_param.array
+                    if p.update_rule._fp32_param is not None else None)
+                for n, p in model.namedparams()}
+    ours, chainers = run(True), run(False)
+    for name in chainers:
+        numpy.testing.assert_array_equal(ours[name][0], chainers[name][0], err_msg=name)
+        if chainers[name][1] is not None:
+            numpy.testing.assert_array_equal(ours[name][1], chainers[name][1],
+                                             err_msg=name + ' (master)')
+
+
+def test_a_resumed_fp16_run_continues_bit_for_bit(tmp_path):
+    def fresh():
+        numpy.random.seed(0)
+        model = CNN()
+        return model, chainer.optimizers.MomentumSGD(0.1).setup(model)
+
+    data = list(batches(8, seed=3))
+    with fp16_enable():
+        model, opt = fresh()
+        for x, t in data:
+            step(model, opt, x, t)
+        straight = {n: p.array.copy() for n, p in model.namedparams()}
+        masters = {n: p.update_rule._fp32_param.array.copy()
+                   for n, p in model.namedparams() if p.update_rule._fp32_param is not None}
+
+        model, opt = fresh()
+        for x, t in data[:4]:
+            step(model, opt, x, t)
+        serializers.save_npz(str(tmp_path / 'model.npz'), model)
+        serializers.save_npz(str(tmp_path / 'opt.npz'), opt)
+
+        model, opt = fresh()
+        serializers.load_npz(str(tmp_path / 'model.npz'), model)
+        serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
+        for x, t in data[4:]:
+            step(model, opt, x, t)
+    assert masters, 'fp16 parameters should have fp32 masters'
+    for name, p in model.namedparams():
+        numpy.testing.assert_array_equal(p.array, straight[name], err_msg=name)
+        if name in masters:
+            numpy.testing.assert_array_equal(p.update_rule._fp32_param.array, masters[name],
+                                             err_msg=name + ' (master)')
+
+
+def test_a_snapshot_without_masters_warns_and_starts_them_from_the_weights(tmp_path):
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', chainer.mixed16):
+        model = CNN()
+    plain = chainer.optimizers.MomentumSGD(0.1).setup(model)
+    plain.use_fp32_update()
+    x, t = next(batches(1))
+    step(model, plain, x, t)
+    serializers.save_npz(str(tmp_path / 'opt.npz'), plain)      # plain Chainer's
+    with fp16_enable():
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        with pytest.warns(UserWarning, match='no loss-scaler state or fp32 master'):
+            serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
