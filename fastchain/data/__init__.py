@@ -10,7 +10,9 @@ A typical training input::
     updater = StandardUpdater(it, optimizer, converter=it.converter, device=device)
 
 ``fastchain.enable()`` does the last three lines for a plain script whose
-StandardUpdater gets a SerialIterator (option ``loader_workers``).
+StandardUpdater gets a SerialIterator (option ``loader_workers``), with
+``rng='global'``: the SerialIterator's batches, in its order, drawn at the
+same points of NumPy's global RNG stream.
 """
 
 from fastchain.data._demo import CLASSES as DEMO_CLASSES, make_demo_dataset

@@ -18,7 +18,9 @@ def _resolve(values):
     workers = values['loader_workers']
     workers = available_cores() if workers is None else workers
     prefetch = values['prefetch_to_device']
-    prefetch = workers > 0 if prefetch is None else prefetch
+    # Without workers nothing can load ahead (see check()); two handles can
+    # still combine loader_workers=0 with prefetch_to_device=True.
+    prefetch = workers > 0 if prefetch is None else prefetch and workers > 0
     return workers, prefetch
 
 
@@ -29,9 +31,17 @@ class LoaderGroup(Group):
                'SerialIterator (default: the cores available; 0: off)',
                check=_workers),
         boolean('prefetch_to_device', 'convert and copy batch k+1 while batch k '
-                'computes (default: on with the loader; with loader_workers=0 the '
-                'examples load in the prefetch thread)'),
+                'computes (default: on with the loader; needs loader_workers >= 1)'),
     )
+
+    def check(self, values, explicit):
+        if values['prefetch_to_device'] is True and values['loader_workers'] == 0:
+            raise ValueError(
+                'fastchain.enable(prefetch_to_device=True, loader_workers=0): with no '
+                'worker processes the examples load in the training loop (as a '
+                "SerialIterator's do, drawing from NumPy's global RNG), so nothing can "
+                'be prepared ahead without changing the training. Give loader_workers '
+                '>= 1, or leave prefetch_to_device unset.')
 
     def probe(self):
         return [State('loader', True, False), State('prefetch_to_device', True, False)]
@@ -55,18 +65,38 @@ class LoaderGroup(Group):
         device = State('prefetch_to_device', True, prefetch,
                        requested='prefetch_to_device' in explicit and prefetch,
                        setting=values['prefetch_to_device'])
+        if not prefetch:
+            device.why = ('no loader workers to load ahead' if workers == 0
+                          else 'prefetch_to_device=False')
         return [loader, device]
 
 
 def upgrade_iterator(iterator, workers):
-    """A MultiprocessIterator equivalent to a SerialIterator (same dataset,
-    batch size, repeat and shuffle; the order's seed is drawn from NumPy's
-    global RNG, so ``numpy.random.seed`` still makes a run repeatable)."""
-    import numpy
-    return MultiprocessIterator(
+    """A MultiprocessIterator that walks the dataset as the SerialIterator
+    ``iterator`` would: its orders come from the same order sampler at the
+    same moments (the current one is taken over, the next ones are drawn
+    when an epoch ends), from where it stands. Nothing is drawn from NumPy's
+    global RNG here: the examples' seed (for datasets that draw random
+    numbers in the workers) is derived from its state, so
+    ``numpy.random.seed`` still makes a run repeatable."""
+    sampler = iterator.order_sampler
+    it = MultiprocessIterator(
         iterator.dataset, iterator.batch_size, repeat=iterator.repeat,
-        shuffle=iterator._shuffle is not False or iterator.order_sampler is not None,
-        seed=int(numpy.random.randint(2**31)), n_workers=workers)
+        shuffle=None if sampler is not None else False, n_workers=workers,
+        rng='global', order_sampler=sampler, order=iterator._state.order)
+    if iterator.epoch or iterator.current_position or \
+            iterator.previous_epoch_detail is not None:
+        _move_position(iterator, it)       # a script that called next() already
+    return it
+
+
+def _move_position(source, target):
+    """``source``'s position, order included, into ``target``, as a snapshot
+    moves them."""
+    from chainer.serializers import DictionarySerializer, NpzDeserializer
+    state = {}
+    source.serialize(DictionarySerializer(state))
+    target.serialize(NpzDeserializer(state))
 
 
 def _updater_layer(setting, next_, updater, *args, **kwargs):
@@ -80,7 +110,6 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     if type(main) is not SerialIterator or not isinstance(
             main.order_sampler, (type(None), ShuffleOrderSampler)):
         return      # the script chose its iterator or its order: leave it
-    # workers == 0 with prefetch: the examples load in the prefetch thread.
     main = upgrade_iterator(main, workers)
     if prefetch:
         main = DevicePrefetcher(main, updater.converter, updater.input_device)

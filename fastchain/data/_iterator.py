@@ -9,7 +9,7 @@ from chainer.dataset import iterator as iterator_module
 
 from fastchain.data import _workers
 from fastchain.data._pool import WorkerPool
-from fastchain.data._schedule import Schedule
+from fastchain.data._schedule import Schedule, order_source, seed_from_global_rng
 
 SIZING_TRIES = 16   # examples tried, in order, for one to lay out the shared memory
 
@@ -38,13 +38,39 @@ def available_cores():
         return os.cpu_count() or 1
 
 
+def _check_args(dataset, batch_size, n_workers, prefetch, on_error):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
+            or batch_size < 1:
+        raise ValueError('batch_size must be a positive int, got {!r}'.format(batch_size))
+    if on_error not in ('raise', 'skip'):
+        raise ValueError("on_error must be 'raise' or 'skip', got {!r}".format(on_error))
+    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 0:
+        raise ValueError('n_workers must be an int >= 0, got {!r}'.format(n_workers))
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError('prefetch must be an int >= 1, got {!r}'.format(prefetch))
+    if len(dataset) == 0:
+        raise ValueError('the dataset is empty')
+
+
 class MultiprocessIterator(iterator_module.Iterator):
     """Loads batches in worker processes, ahead of use, in a fixed order.
 
-    The order of examples (and the seed of ``numpy.random`` for each
-    example's augmentation) depends only on ``seed``, the epoch and the
-    position, never on which worker ran what, so a run is reproducible and a
-    snapshot resumes in the middle of an epoch exactly.
+    Where its random numbers come from (``rng``):
+
+    * ``'seed'`` (the default): the order of examples (and the seed of
+      ``numpy.random`` for each example's augmentation) depends only on
+      ``seed``, the epoch and the position, never on which worker ran what,
+      so a run is reproducible and a snapshot resumes in the middle of an
+      epoch exactly;
+    * ``'global'``: it walks the dataset as Chainer's SerialIterator does,
+      following NumPy's global RNG: the orders come from ``order_sampler``
+      (by default ``ShuffleOrderSampler()``, which draws from that RNG;
+      index order with ``shuffle=False``), drawn at SerialIterator's moments
+      (at construction, in :meth:`reset`, and in the :meth:`next` that
+      reaches the end of an epoch). Under ``numpy.random.seed`` a run gets
+      SerialIterator's batches and leaves the global RNG where it would.
+      The workers cannot load past the end of an epoch before that draw:
+      the batch that crosses it is loaded while :meth:`next` waits.
 
     Array fields of the examples are written by the workers straight into
     shared memory (laid out from the first example of the order that loads),
@@ -52,15 +78,18 @@ class MultiprocessIterator(iterator_module.Iterator):
     pickled.
 
     A :class:`~fastchain.data.DevicePrefetcher` can wrap it: it reads ahead
-    and gives back what the training loop did not use through :meth:`seek`.
+    (where :meth:`may_fetch_ahead`) and gives back what the training loop
+    did not use through :meth:`seek`.
 
     Args:
         dataset: any Chainer dataset (indexable, ``len``).
         batch_size (int): examples per batch.
         repeat (bool): loop over epochs (training) or stop after one.
-        shuffle (bool): a new permutation each epoch.
+        shuffle (bool): a new permutation each epoch (default ``True``; with
+            ``order_sampler``, leave it ``None``).
         seed (int): the order's and the augmentation's seed (default: drawn
-            from the OS, and saved in snapshots).
+            from the OS; with ``rng='global'``, derived from the state of
+            NumPy's global RNG without drawing from it), saved in snapshots.
         n_workers (int): worker processes (default: the cores available to
             this process). ``0`` loads in the calling process.
         prefetch (int): batches in flight (default: ``2 * n_workers``).
@@ -76,44 +105,56 @@ class MultiprocessIterator(iterator_module.Iterator):
             ``TimeoutError`` (default: wait as long as the workers live).
         start_method (str): multiprocessing start method (default ``'fork'``
             where available: the dataset need not be picklable).
+        rng (str): ``'seed'`` or ``'global'``, as above (default ``'global'``
+            with ``order_sampler``, else ``'seed'``).
+        order_sampler (callable): with ``rng='global'``, a Chainer order
+            sampler (``sampler(current_order, current_position)`` returns the
+            next epoch's order), called as SerialIterator calls it.
+        order: with an order sampler, the first epoch's order, already drawn
+            (e.g. a SerialIterator's, to take its place); default: drawn
+            here.
 
     .. note::
        With workers and shared memory, the first examples of the order are
        loaded here, at construction, until one loads: its arrays give the
        layout of the shared memory. If none of the first 16 loads, the
        constructor raises :class:`DataLoadError` for the first of them.
+       Any random numbers they draw leave NumPy's global RNG as it was.
+
+    .. note::
+       With ``rng='global'``, examples loaded here (``n_workers=0``) draw
+       their random numbers from NumPy's global RNG, as SerialIterator's do;
+       those loaded by workers draw from ``numpy.random`` seeded for each
+       example from ``seed``: the same under the same ``numpy.random.seed``,
+       but not the numbers SerialIterator's examples would get.
     """
 
     _pool = None
 
-    def __init__(self, dataset, batch_size, repeat=True, shuffle=True, seed=None,
+    def __init__(self, dataset, batch_size, repeat=True, shuffle=None, seed=None,
                  n_workers=None, prefetch=None, on_error='raise',
-                 shared_memory=True, timeout=None, start_method=None):
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
-                or batch_size < 1:
-            raise ValueError('batch_size must be a positive int, got {!r}'.format(batch_size))
-        if on_error not in ('raise', 'skip'):
-            raise ValueError("on_error must be 'raise' or 'skip', got {!r}".format(on_error))
+                 shared_memory=True, timeout=None, start_method=None,
+                 rng=None, order_sampler=None, order=None):
         n_workers = available_cores() if n_workers is None else n_workers
-        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 0:
-            raise ValueError('n_workers must be an int >= 0, got {!r}'.format(n_workers))
         prefetch = max(2, 2 * n_workers) if prefetch is None else prefetch
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError('prefetch must be an int >= 1, got {!r}'.format(prefetch))
-        if len(dataset) == 0:
-            raise ValueError('the dataset is empty')
+        _check_args(dataset, batch_size, n_workers, prefetch, on_error)
+        rng, sampler = order_source(rng, shuffle, order_sampler, order)
         self.dataset = dataset
         self.batch_size = batch_size
         self.n_workers = n_workers
         self.prefetch = prefetch
         self.on_error = on_error
+        self.rng = rng
         self._timeout = timeout
-        seed = int(numpy.random.SeedSequence(seed).entropy % 2**63) \
-            if seed is None else int(seed)
-        self._schedule = Schedule(len(dataset), batch_size, shuffle, repeat, seed)
+        self._schedule = Schedule(len(dataset), batch_size, shuffle is not False,
+                                  repeat, None, sampler)
         self.skipped = []       # [{'index', 'path', 'error'}] with on_error='skip'
         self._pool = None
-        self._reset_position()
+        self._reset_position(order)     # with a sampler: its first draw
+        if seed is None:
+            seed = seed_from_global_rng() if rng == 'global' \
+                else numpy.random.SeedSequence().entropy % 2**63
+        self._schedule.seed = int(seed)
         if n_workers > 0:
             sample = self._sample() if shared_memory else None
             self._pool = WorkerPool(dataset, self._schedule.plan, batch_size, n_workers,
@@ -125,7 +166,8 @@ class MultiprocessIterator(iterator_module.Iterator):
     def __next__(self):
         if not self.repeat and self.epoch > 0:
             raise StopIteration
-        indices, epoch, position = self._schedule.batch(self.epoch, self.current_position)
+        indices, epoch, position = self._schedule.batch(
+            self.epoch, self.current_position, draw=True)
         if self._pool is not None:
             batch = self._take(indices)
         else:
@@ -162,8 +204,27 @@ class MultiprocessIterator(iterator_module.Iterator):
         if self._pool is not None:
             self._pool.timeout = value
 
+    def may_fetch_ahead(self):
+        """Whether the next batch may be fetched ahead of the training loop,
+        on another thread, without changing the training.
+
+        Not where the examples load in this process (``n_workers=0``: they
+        draw from NumPy's global RNG, or seed it, which the training loop's
+        thread draws from too), nor with ``rng='global'`` where fetching it
+        draws from the order sampler (the batch reaches the end of an epoch):
+        that must happen in the training loop's own ``next()``.
+        """
+        if not self.repeat and self.epoch > 0:
+            return True     # only StopIteration is left
+        if self._pool is None:
+            return False    # loaded here, seeding NumPy's global RNG meanwhile
+        return self.rng == 'seed' or \
+            not self._schedule.draws_in(self.epoch, self.current_position)
+
     def reset(self):
-        """Back to the start of epoch 0 (what Chainer's Evaluator calls)."""
+        """Back to the start of epoch 0 (what Chainer's Evaluator calls).
+        With an order sampler, its first order is drawn again, as
+        SerialIterator's ``reset()`` draws it."""
         self._reset_position()
         self._restart_loading()
 
@@ -181,6 +242,10 @@ class MultiprocessIterator(iterator_module.Iterator):
         if not 0 <= current_position < len(self.dataset):
             raise ValueError('current_position must be in [0, {}), got {!r}'.format(
                 len(self.dataset), current_position))
+        if self._schedule.order(int(epoch)) is None:
+            raise ValueError('epoch {}\'s order is not drawn yet (or forgotten): '
+                             'with an order sampler, seek() goes back within the '
+                             'epochs walked'.format(epoch))
         self.epoch, self.current_position = int(epoch), int(current_position)
         self.is_new_epoch = bool(is_new_epoch)
         self._previous_epoch_detail = -1.0 if previous_epoch_detail is None \
@@ -205,7 +270,9 @@ class MultiprocessIterator(iterator_module.Iterator):
             except KeyError:
                 pass        # a SerialIterator snapshot: its 'order' below is enough
             if schedule.shuffle:
-                order = numpy.array(schedule.order(self.epoch))
+                order = schedule.order(self.epoch)
+                # None: loading where this epoch's order is not drawn (a buffer)
+                order = numpy.array(numpy.arange(schedule.n) if order is None else order)
                 serializer('order', order)
                 if loading:
                     schedule.set_order(self.epoch, order)
@@ -223,12 +290,12 @@ class MultiprocessIterator(iterator_module.Iterator):
 
     # -- position ------------------------------------------------------------
 
-    def _reset_position(self):
+    def _reset_position(self, order=None):
         self.epoch = 0
         self.current_position = 0
         self.is_new_epoch = False
         self._previous_epoch_detail = -1.0
-        self._schedule.forget_orders()
+        self._schedule.restart(order)
 
     def _restart_loading(self):
         pool = self._pool
@@ -242,11 +309,15 @@ class MultiprocessIterator(iterator_module.Iterator):
         memory. A bad one is not reported here but by the batch it is in,
         as without workers: a run resumed from a snapshot may never load it."""
         first = None
-        for index in self._schedule.order(0)[:SIZING_TRIES]:
-            try:
-                return self.dataset[int(index)]
-            except Exception as e:
-                first = first or (int(index), e)
+        state = numpy.random.get_state()    # an example may draw from it
+        try:
+            for index in self._schedule.order(self.epoch)[:SIZING_TRIES]:
+                try:
+                    return self.dataset[int(index)]
+                except Exception as e:
+                    first = first or (int(index), e)
+        finally:
+            numpy.random.set_state(state)
         index, error = first
         kind, message, path = _workers.describe_error(error)
         raise DataLoadError(index, self._path_of(index, path), kind, (
@@ -260,6 +331,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         if pool.closed:
             raise RuntimeError('fastchain: this MultiprocessIterator was finalized '
                                '(its workers are stopped); make a new one')
+        pool.fill()         # the batch after a sampler's draw is not sent yet
         batch, errors = pool.take(indices)
         for index, kind, message, path, detail in errors:
             self._on_bad_example(index, kind, message, path, detail)
@@ -268,10 +340,22 @@ class MultiprocessIterator(iterator_module.Iterator):
         return batch
 
     def _load_here(self, indices):
+        if self.rng == 'global':        # that RNG, as SerialIterator's examples
+            return self._load_examples(indices, [None] * len(indices))
+        # 'seed': each example seeded as in a worker; the global RNG is left
+        # as it was (dropout masks and the rest of the script draw from it).
+        state = numpy.random.get_state()
+        try:
+            return self._load_examples(indices, self._schedule.seeds(
+                self.epoch, self.current_position, len(indices)))
+        finally:
+            numpy.random.set_state(state)
+
+    def _load_examples(self, indices, seeds):
         batch = []
-        seeds = self._schedule.seeds(self.epoch, self.current_position, len(indices))
         for index, seed in zip(indices, seeds):
-            numpy.random.seed(seed)
+            if seed is not None:
+                numpy.random.seed(seed)
             try:
                 batch.append(self.dataset[index])
             except Exception as e:

@@ -6,6 +6,12 @@ training loop gets batches whose arrays are already on the device. On a GPU
 the conversion runs on a side stream and the training stream waits on an
 event before using the arrays (the thin CUDA edge below); on the CPU the
 thread alone gives the overlap.
+
+The thread fetches a batch ahead only where the iterator says that changes
+nothing (``may_fetch_ahead()``): a batch whose ``next()`` draws from NumPy's
+global RNG (the next epoch's order from an order sampler, as SerialIterator
+draws it) is fetched and converted by the training loop's own call, at the
+moment SerialIterator would fetch it; the thread then starts again after it.
 """
 
 import contextlib
@@ -21,6 +27,7 @@ from chainer.dataset import iterator as iterator_module
 from fastchain.data._transforms import Normalize
 
 _END = object()
+_HERE = object()        # the next batch is the training loop's to fetch
 
 
 class PreparedBatch(list):
@@ -61,6 +68,15 @@ class DevicePrefetcher(iterator_module.Iterator):
         converter: the converter to run ahead (default ``concat_examples``).
         device: where the arrays go (default: the current device).
         depth (int): batches prepared ahead, >= 1 (default 1).
+
+    .. note::
+       Over a MultiprocessIterator with ``rng='global'`` (what
+       ``fastchain.enable()`` puts in place of a SerialIterator), the batch
+       that reaches the end of an epoch is not prepared ahead where fetching
+       it draws the next order from the order sampler (NumPy's global RNG):
+       that happens in the training loop's ``next()``, where SerialIterator
+       draws it, and costs that batch's overlap. With ``n_workers=0`` there,
+       no batch is prepared ahead (loading one may draw from that RNG too).
     """
 
     def __init__(self, iterator, converter=convert.concat_examples, device=None,
@@ -95,30 +111,41 @@ class DevicePrefetcher(iterator_module.Iterator):
         loop did not use: the iterator needs ``seek(epoch, current_position,
         is_new_epoch, previous_epoch_detail)`` besides Chainer's ``next()``,
         ``serialize()`` and ``reset()``. :class:`MultiprocessIterator` has
-        them; Chainer's own iterators have no ``seek``.
+        them; Chainer's own iterators have no ``seek``. An optional
+        ``may_fetch_ahead()`` says when the next batch must be fetched by
+        the training loop itself.
         """
         return all(callable(getattr(iterator, name, None))
                    for name in ('next', 'serialize', 'reset', 'seek'))
 
     def _copy_state(self, state=None):
-        it = self.iterator
-        state = state or (it.epoch, it.current_position, it.is_new_epoch,
-                          it.epoch_detail, it.previous_epoch_detail)
+        state = state or _state_of(self.iterator)
         (self.epoch, self.current_position, self.is_new_epoch,
          self.epoch_detail, self.previous_epoch_detail) = state
 
     def _start(self):
+        """Start fetching ahead, unless the next batch is the consumer's."""
         self._queue = queue.Queue(maxsize=self.depth)
         self._stop = threading.Event()
+        self._thread = None
+        if not self._may_fetch_ahead():
+            return
         self._thread = threading.Thread(target=self._run, name='fastchain-prefetch',
                                         daemon=True)
         self._thread.start()
+
+    def _may_fetch_ahead(self):
+        ahead = getattr(self.iterator, 'may_fetch_ahead', None)
+        return ahead is None or ahead()
 
     def _run(self):
         it = self.iterator
         edge = _cuda_edge(self.device)
         try:
             while not self._stop.is_set():
+                if not self._may_fetch_ahead():
+                    self._put(_HERE)
+                    return
                 try:
                     batch = PreparedBatch(it.next())
                 except StopIteration:
@@ -128,12 +155,23 @@ class DevicePrefetcher(iterator_module.Iterator):
                     batch.arrays = convert._call_converter(self._convert, batch,
                                                            self.device)
                 batch.event = done.event
-                state = (it.epoch, it.current_position, it.is_new_epoch,
-                         it.epoch_detail, it.previous_epoch_detail)
-                if not self._put((batch, state)):
+                if not self._put((batch, _state_of(it))):
                     return
         except BaseException as e:      # hand it to the training loop
             self._put(e)
+
+    def _fetch_here(self):
+        """The next batch, fetched and converted in the consumer's thread;
+        then fetching ahead starts again where it may."""
+        it = self.iterator
+        try:
+            batch = PreparedBatch(it.next())
+        except StopIteration:
+            return _END         # (and again at the next call)
+        batch.arrays = convert._call_converter(self._convert, batch, self.device)
+        item = batch, _state_of(it)
+        self._start()
+        return item
 
     def _put(self, item):
         while not self._stop.is_set():
@@ -148,16 +186,15 @@ class DevicePrefetcher(iterator_module.Iterator):
         if self._finalized:
             raise RuntimeError('fastchain: this DevicePrefetcher was finalized; '
                                'make a new one')
-        while True:
-            try:
-                item = self._queue.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive():
-                    raise RuntimeError('fastchain: the prefetch thread ended '
-                                       'without a batch or an error') from None
+        item = _HERE if self._thread is None else self._get()
+        if item is _HERE:
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            item = self._fetch_here()
         if item is _END:
-            self._put(_END)         # keep answering StopIteration
+            if self._thread is not None:
+                self._put(_END)     # keep answering StopIteration
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
@@ -167,13 +204,23 @@ class DevicePrefetcher(iterator_module.Iterator):
 
     next = __next__
 
+    def _get(self):
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError('fastchain: the prefetch thread ended '
+                                       'without a batch or an error') from None
+
     @property
     def repeat(self):
         return self.iterator.repeat
 
     def _stop_thread(self):
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def reset(self):
         self._stop_thread()
@@ -209,6 +256,11 @@ class DevicePrefetcher(iterator_module.Iterator):
             self._stop_thread()
         if hasattr(self, 'iterator'):
             self.iterator.finalize()
+
+
+def _state_of(it):
+    return (it.epoch, it.current_position, it.is_new_epoch, it.epoch_detail,
+            it.previous_epoch_detail)
 
 
 @contextlib.contextmanager

@@ -124,21 +124,19 @@ def test_an_outer_optimizer_keeps_what_it_got_inside_an_inner_scope():
     assert scaler_of(opt) is None
 
 
-def test_prefetch_without_workers_is_applied(tmp_path):
-    x = numpy.random.RandomState(0).randn(12, 3).astype(numpy.float32)
-    t = numpy.zeros(12, numpy.int32)
-    with fastchain.enable(prefetch_to_device=True, loader_workers=0) as h:
-        assert h.states['prefetch_to_device'].active and not h.states['loader'].active
-        model = L.Classifier(L.Linear(3, 2))
-        opt = chainer.optimizers.SGD().setup(model)
-        it = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(x, t), 4)
-        updater = chainer.training.StandardUpdater(it, opt)
-        main = updater.get_iterator('main')
-        assert isinstance(main, DevicePrefetcher)
-        assert isinstance(main.iterator, MultiprocessIterator)
-        assert main.iterator.n_workers == 0     # loads in the prefetch thread
-        updater.update()
-        main.finalize()
+def test_prefetch_without_workers_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match='loader_workers >= 1'):
+        fastchain.enable(prefetch_to_device=True, loader_workers=0)
+    assert not fastchain.active_handles()
+
+
+def test_prefetch_and_no_workers_from_two_handles_reports_the_truth():
+    with fastchain.enable(prefetch_to_device=True, loader_workers=2):
+        with fastchain.enable(loader_workers=0) as inner:
+            state = inner.states['prefetch_to_device']
+            assert not state.active and 'no loader workers' in state.why
+            from chainer.training.updaters import StandardUpdater
+            assert 'loader' not in _patches.layers(StandardUpdater, '__init__')
 
 
 def test_a_timeline_path_that_cannot_be_written_fails_at_enable(tmp_path):
@@ -319,6 +317,10 @@ def test_any_sequence_leaves_the_truth_in_the_report_and_chainer_as_it_was(steps
                     options['timeline'] = str(tmp_path / 'trace{}.json'.format(i))
                     if options.get('nvtx') is False:
                         del options['nvtx']
+                if options.get('prefetch_to_device') and options.get('loader_workers') == 0:
+                    with pytest.raises(ValueError, match='prefetch_to_device'):
+                        fastchain.enable(**options)
+                    continue
                 with quiet():
                     handles.append(fastchain.enable(**options))
             elif kind == 'disable' and handles:

@@ -381,3 +381,81 @@ def test_seek_goes_back_to_a_position_exactly(images, workers):
             it.seek(0, 18)
     finally:
         it.finalize()
+
+
+class Indexed(chainer.dataset.DatasetMixin):
+    def __len__(self):
+        return 12
+
+    def get_example(self, i):
+        return numpy.full(3, i, numpy.float32), numpy.int32(i)
+
+
+class Noisy(Indexed):
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        return x + numpy.random.rand(3).astype(numpy.float32), t
+
+
+@pytest.mark.parametrize('rng', ['seed', 'global'])
+def test_building_one_draws_what_serial_iterator_draws_from_the_global_rng(rng):
+    # With workers, an example is loaded here to lay out the shared memory:
+    # whatever it draws must not show.
+    numpy.random.seed(3)
+    if rng == 'global':
+        chainer.iterators.SerialIterator(Noisy(), 4)    # draws the first order
+    expected = numpy.random.rand()
+    numpy.random.seed(3)
+    it = data.MultiprocessIterator(Noisy(), 4, n_workers=2, rng=rng)
+    try:
+        assert numpy.random.rand() == expected
+    finally:
+        it.finalize()
+
+
+def test_with_the_global_rng_only_batches_that_draw_nothing_may_be_fetched_ahead():
+    seeded = data.MultiprocessIterator(Indexed(), 5, n_workers=0)
+    here = data.MultiprocessIterator(Indexed(), 5, n_workers=0, rng='global')
+    ahead = data.MultiprocessIterator(Indexed(), 5, n_workers=1, rng='global')
+    once = data.MultiprocessIterator(Indexed(), 5, repeat=False, n_workers=1, rng='global')
+    try:
+        got = []
+        for _ in range(5):          # positions 0, 5, 10 (ends epoch 0), 3, 8 (ends 1)
+            got.append((seeded.may_fetch_ahead(), here.may_fetch_ahead(),
+                        ahead.may_fetch_ahead()))
+            for it in (seeded, here, ahead):
+                it.next()
+        assert got == [(True, False, True), (True, False, True), (True, False, False),
+                       (True, False, True), (True, False, False)]
+        got = [once.may_fetch_ahead()]
+        for _ in once:
+            got.append(once.may_fetch_ahead())
+        assert got == [True, True, False, True]     # the end: nothing left to draw
+    finally:
+        ahead.finalize()
+        once.finalize()
+
+
+def test_seek_refuses_an_epoch_whose_order_is_not_drawn():
+    it = data.MultiprocessIterator(Indexed(), 5, n_workers=0, rng='global')
+    it.seek(0, 7)
+    with pytest.raises(ValueError, match="epoch 1's order is not drawn yet"):
+        it.seek(1, 0)
+
+
+def test_rng_and_order_arguments():
+    sampler = chainer.iterators.ShuffleOrderSampler()
+    with pytest.raises(ValueError, match="rng must be 'seed' or 'global'"):
+        data.MultiprocessIterator([1], 1, rng='os')
+    for kwargs in ({'shuffle': True}, {'shuffle': False}, {'rng': 'seed'}):
+        with pytest.raises(ValueError, match="order_sampler gives the orders with "
+                                             "rng='global' and shuffle=None"):
+            data.MultiprocessIterator([1], 1, order_sampler=sampler, **kwargs)
+    with pytest.raises(ValueError, match=r"order \(the first epoch's\) needs"):
+        data.MultiprocessIterator([1], 1, order=[0])
+    with pytest.raises(ValueError, match=r'one index per example \(3\)'):
+        data.MultiprocessIterator([1, 2, 3], 1, n_workers=0, rng='global', order=[0, 1])
+    it = data.MultiprocessIterator([1, 2, 3], 3, n_workers=0, order_sampler=sampler)
+    assert it.rng == 'global' and sorted(it.next()) == [1, 2, 3]
+    it = data.MultiprocessIterator([1, 2, 3], 3, n_workers=0, rng='global', shuffle=False)
+    assert it.next() == [1, 2, 3]

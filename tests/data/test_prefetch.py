@@ -1,6 +1,7 @@
 """DevicePrefetcher and the loader options of enable() on a Trainer."""
 
 import os
+import time
 import warnings
 
 import numpy
@@ -175,3 +176,45 @@ def test_bad_arguments_are_refused_before_anything_starts(images):
     with pytest.raises(TypeError, match=r'seek\(\).*MultiprocessIterator'):
         data.DevicePrefetcher(serial)
     assert it.next() is not None and it.current_position == 4   # nothing read ahead
+
+
+def settle(prefetcher, seconds=10):
+    """Wait until the prefetch thread has fetched all it may."""
+    deadline = time.monotonic() + seconds
+    while prefetcher._thread is not None and prefetcher._thread.is_alive() \
+            and prefetcher._queue.qsize() < prefetcher.depth \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_the_batch_that_ends_an_epoch_is_left_to_the_training_loop():
+    # With rng='global', fetching it draws the next order from NumPy's
+    # global RNG: that must happen in the training loop's next().
+    examples = [numpy.full(2, i, numpy.float32) for i in range(12)]
+    it = data.DevicePrefetcher(data.MultiprocessIterator(
+        examples, 5, n_workers=1, rng='global'), depth=3)
+    try:
+        settle(it)
+        assert not it._thread.is_alive()
+        assert (it.iterator.epoch, it.iterator.current_position) == (0, 10)
+        it.next()
+        it.next()
+        assert (it.epoch, it.current_position) == (0, 10)
+        it.next()                               # fetched here, not ahead
+        assert (it.epoch, it.current_position) == (1, 3)
+        settle(it)
+        assert (it.iterator.epoch, it.iterator.current_position) == (1, 8)
+    finally:
+        it.finalize()
+
+
+def test_nothing_is_fetched_ahead_where_loading_may_draw_from_the_global_rng():
+    examples = [numpy.full(2, i, numpy.float32) for i in range(12)]
+    it = data.DevicePrefetcher(data.MultiprocessIterator(
+        examples, 5, n_workers=0, rng='global'))
+    time.sleep(0.2)
+    assert it._thread is None and it.iterator.current_position == 0
+    batches = [it.next() for _ in range(4)]
+    assert it.iterator.current_position == it.current_position == 8
+    assert all(isinstance(b, data.PreparedBatch) and b.arrays.shape == (5, 2)
+               for b in batches)

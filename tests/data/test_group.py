@@ -1,0 +1,268 @@
+"""The loader of enable() in a SerialIterator's place: the same batches, in
+the same order, drawn at the same points of NumPy's global RNG stream."""
+
+import threading
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import serializers
+
+import fastchain
+from fastchain import data
+from fastchain.data._group import upgrade_iterator
+
+N = 12      # examples
+
+
+class Indexed(chainer.dataset.DatasetMixin):
+    """Deterministic: example i is (an array of i, i)."""
+
+    def __len__(self):
+        return N
+
+    def get_example(self, i):
+        return numpy.full(3, i, numpy.float32), numpy.int32(i)
+
+
+class Noisy(Indexed):
+    """Draws from NumPy's global RNG, as an augmentation does."""
+
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        return x + numpy.random.rand(3).astype(numpy.float32), t
+
+
+def walk(it, n):
+    """``n`` batches and the iterator's state after each; between batches the
+    global RNG is drawn from, as a training step does (dropout)."""
+    out = []
+    for _ in range(n):
+        batch = it.next()
+        out.append(([int(t) for _, t in batch], [x.tolist() for x, _ in batch],
+                    it.epoch, it.current_position, it.is_new_epoch, it.epoch_detail,
+                    it.previous_epoch_detail, numpy.random.rand()))
+    return out + [numpy.random.rand()]
+
+
+def walk_to_the_end(it):
+    out = []
+    while True:
+        try:
+            out.append([int(t) for _, t in it.next()])
+        except StopIteration:
+            return out + [(it.epoch, it.is_new_epoch), numpy.random.rand()]
+
+
+def serial(dataset, batch_size, shuffle=None, repeat=True):
+    return chainer.iterators.SerialIterator(dataset, batch_size, repeat=repeat,
+                                            shuffle=shuffle)
+
+
+def upgraded(dataset, batch_size, workers, prefetch, shuffle=None, repeat=True):
+    it = upgrade_iterator(serial(dataset, batch_size, shuffle, repeat), workers)
+    return data.DevicePrefetcher(it) if prefetch else it
+
+
+def batches_for(batch_size, epochs=3.5):
+    return max(3, -(-int(epochs * N) // batch_size))
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
+@pytest.mark.parametrize('workers', [0, 2])
+@pytest.mark.parametrize('batch_size', [4, 5, 25])     # divides N, does not, > 2N
+@pytest.mark.parametrize('shuffle', [None, False])
+def test_same_batches_and_global_rng_as_serial_iterator(shuffle, batch_size, workers,
+                                                        prefetch):
+    n = batches_for(batch_size)
+    numpy.random.seed(0)
+    expected = walk(serial(Indexed(), batch_size, shuffle), n)
+    numpy.random.seed(0)
+    it = upgraded(Indexed(), batch_size, workers, prefetch, shuffle)
+    try:
+        assert walk(it, n) == expected
+    finally:
+        it.finalize()
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
+@pytest.mark.parametrize('workers', [0, 2])
+def test_without_repeat_the_end_and_reset_are_serial_iterators(workers, prefetch):
+    # SerialIterator draws an order at the end of the only epoch too, and
+    # again in reset().
+    numpy.random.seed(4)
+    it = serial(Indexed(), 5, repeat=False)
+    expected = walk_to_the_end(it)
+    it.reset()
+    expected += walk_to_the_end(it)
+    numpy.random.seed(4)
+    it = upgraded(Indexed(), 5, workers, prefetch, repeat=False)
+    try:
+        got = walk_to_the_end(it)
+        it.reset()
+        assert got + walk_to_the_end(it) == expected
+    finally:
+        it.finalize()
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
+def test_a_random_dataset_loaded_here_is_serial_iterators_exactly(prefetch):
+    numpy.random.seed(5)
+    expected = walk(serial(Noisy(), 5), 8)
+    numpy.random.seed(5)
+    it = upgraded(Noisy(), 5, 0, prefetch)
+    try:
+        assert walk(it, 8) == expected
+    finally:
+        it.finalize()
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
+def test_a_random_dataset_in_workers_is_repeatable_under_numpy_seed(prefetch):
+    # Workers draw from per-example seeds, derived from the global RNG's
+    # state: not SerialIterator's numbers, but the same for the same seed,
+    # whatever the number of workers. The global RNG is left alone, so the
+    # orders and the training's draws are those of a dataset that draws
+    # nothing (SerialIterator's examples would have advanced it).
+    def run(seed, workers):
+        numpy.random.seed(seed)
+        it = upgraded(Noisy(), 5, workers, prefetch)
+        try:
+            return walk(it, 8)
+        finally:
+            it.finalize()
+
+    first = run(5, 2)
+    assert run(5, 2) == first and run(5, 1) == first
+    assert run(6, 2)[0][1] != first[0][1]
+    numpy.random.seed(5)
+    deterministic = walk(serial(Indexed(), 5), 8)
+    assert [b[0] for b in first[:-1]] == [b[0] for b in deterministic[:-1]]
+    assert [b[2:] for b in first[:-1]] == [b[2:] for b in deterministic[:-1]]
+    assert first[-1] == deterministic[-1]
+    numpy.random.seed(5)
+    plain = walk(serial(Noisy(), 5), 8)
+    assert first[0][0] == plain[0][0] and first[0][1] != plain[0][1]    # other noise
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
+@pytest.mark.parametrize('workers', [0, 2])
+def test_snapshots_move_both_ways_and_later_epochs_agree(tmp_path, workers, prefetch):
+    path = str(tmp_path / 'it.npz')
+    # SerialIterator -> fastchain, into the second epoch
+    numpy.random.seed(1)
+    it = serial(Indexed(), 5)
+    walk(it, 3)
+    serializers.save_npz(path, it)
+    state = numpy.random.get_state()
+    expected = walk(it, 8)                  # crosses two more epoch ends
+    numpy.random.seed(2)
+    ours = upgraded(Indexed(), 5, workers, prefetch)
+    try:
+        walk(ours, 2)                       # somewhere else first
+        serializers.load_npz(path, ours)
+        numpy.random.set_state(state)
+        assert walk(ours, 8) == expected
+        # fastchain -> SerialIterator, mid-epoch
+        serializers.save_npz(path, ours)
+        state = numpy.random.get_state()
+        expected = walk(ours, 8)
+    finally:
+        ours.finalize()
+    it = serial(Indexed(), 5)
+    serializers.load_npz(path, it)
+    numpy.random.set_state(state)
+    assert walk(it, 8) == expected
+
+
+class ThreadsOfDraws(chainer.iterators.ShuffleOrderSampler):
+    """Remembers the thread each order is drawn in."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads = []
+
+    def __call__(self, order, position):
+        self.threads.append(threading.current_thread())
+        return super().__call__(order, position)
+
+
+@pytest.mark.parametrize('depth', [1, 3])
+def test_orders_are_drawn_by_the_training_loop_not_the_prefetch_thread(depth):
+    sampler = ThreadsOfDraws()
+    numpy.random.seed(7)
+    expected = walk(chainer.iterators.SerialIterator(Indexed(), 4, order_sampler=sampler), 13)
+    assert len(sampler.threads) == 5        # construction and four epoch ends
+    sampler = ThreadsOfDraws()
+    numpy.random.seed(7)
+    it = upgrade_iterator(chainer.iterators.SerialIterator(Indexed(), 4, order_sampler=sampler), 2)
+    it = data.DevicePrefetcher(it, depth=depth)
+    try:
+        assert walk(it, 13) == expected
+    finally:
+        it.finalize()
+    assert sampler.threads == [threading.main_thread()] * 5
+
+
+def test_a_serial_iterator_already_under_way_is_taken_over_where_it_stands():
+    numpy.random.seed(8)
+    it = serial(Indexed(), 5)
+    walk(it, 3)
+    state = numpy.random.get_state()
+    expected = walk(it, 8)
+    numpy.random.seed(8)
+    it = serial(Indexed(), 5)
+    walk(it, 3)
+    assert numpy.random.get_state()[1].tolist() == state[1].tolist()
+    ours = upgrade_iterator(it, 2)
+    try:
+        assert walk(ours, 8) == expected
+    finally:
+        ours.finalize()
+
+
+class Dropper(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 8)
+            self.l2 = L.Linear(None, 2)     # initialised at the first step
+
+    def forward(self, x):
+        return self.l2(F.dropout(F.relu(self.l1(x)), 0.5))
+
+
+def plain_script(steps=9):
+    """A plain Chainer script: SerialIterator, dropout, numpy.random.seed."""
+    rs = numpy.random.RandomState(1)
+    train = chainer.datasets.TupleDataset(rs.randn(N, 3).astype(numpy.float32),
+                                          rs.randint(0, 2, N).astype(numpy.int32))
+    numpy.random.seed(0)
+    model = L.Classifier(Dropper())
+    optimizer = chainer.optimizers.MomentumSGD(0.1).setup(model)
+    updater = chainer.training.StandardUpdater(
+        chainer.iterators.SerialIterator(train, 5), optimizer)
+    main = updater.get_iterator('main')
+    for _ in range(steps):                  # 45 examples: into the fourth epoch
+        updater.update()
+    updater.finalize()
+    return main, {n: p.array.copy() for n, p in model.namedparams()}, numpy.random.rand()
+
+
+@pytest.mark.parametrize('options', [
+    {'loader_workers': 2},
+    {'loader_workers': 2, 'prefetch_to_device': False},
+    {'loader_workers': 1},
+])
+def test_enable_trains_a_plain_script_bit_for_bit_as_chainer(options):
+    _, expected, rand = plain_script()
+    with fastchain.enable(**options):
+        main, params, rand_after = plain_script()
+    assert isinstance(main, (data.DevicePrefetcher, data.MultiprocessIterator))
+    assert sorted(params) == sorted(expected)
+    for name, value in params.items():
+        assert value.tobytes() == expected[name].tobytes(), name
+    assert rand_after == rand
