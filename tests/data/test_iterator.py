@@ -425,8 +425,10 @@ def test_with_the_global_rng_only_batches_that_draw_nothing_may_be_fetched_ahead
                         ahead.may_fetch_ahead()))
             for it in (seeded, here, ahead):
                 it.next()
-        assert got == [(True, False, True), (True, False, True), (True, False, False),
-                       (True, False, True), (True, False, False)]
+        # No workers: loaded in the training loop, whatever the mode (loading
+        # seeds or draws from NumPy's global RNG, which that thread uses).
+        assert got == [(False, False, True), (False, False, True), (False, False, False),
+                       (False, False, True), (False, False, False)]
         got = [once.may_fetch_ahead()]
         for _ in once:
             got.append(once.may_fetch_ahead())
@@ -434,6 +436,27 @@ def test_with_the_global_rng_only_batches_that_draw_nothing_may_be_fetched_ahead
     finally:
         ahead.finalize()
         once.finalize()
+
+
+class Noisy(chainer.dataset.DatasetMixin):
+    """Draws from NumPy's global RNG in every example, as augmentation does."""
+
+    def __len__(self):
+        return 12
+
+    def get_example(self, i):
+        return numpy.float32(i + numpy.random.rand())
+
+
+def test_seeded_loading_without_workers_leaves_the_global_rng_as_it_was():
+    it = data.MultiprocessIterator(Noisy(), 5, n_workers=0, seed=3)
+    numpy.random.seed(7)
+    first = [it.next() for _ in range(3)]
+    after = numpy.random.rand()
+    numpy.random.seed(7)
+    assert numpy.random.rand() == after     # the batches drew nothing from it
+    again = data.MultiprocessIterator(Noisy(), 5, n_workers=0, seed=3)
+    assert [again.next() for _ in range(3)] == first    # per-example seeds: repeatable
 
 
 def test_seek_refuses_an_epoch_whose_order_is_not_drawn():
