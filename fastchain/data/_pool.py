@@ -244,8 +244,13 @@ def _shutdown(workers, task_conns, result_conns, shm):
     for conn in task_conns + result_conns:
         conn.close()
     if shm is not None:
-        shm.close()
+        # Unlink first: the name must go even if views of the slots are still
+        # alive (a traceback holding a batch), which makes close() refuse.
         try:
             shm.unlink()
         except FileNotFoundError:
             pass
+        try:
+            shm.close()
+        except BufferError:
+            pass        # the mapping goes with the last view, or the process

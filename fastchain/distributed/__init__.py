@@ -14,10 +14,11 @@ The seven changes of a ChainerMN script, in fastchain form::
     $ mpiexec -n 4 python train.py    (or: fastchain-run -n 4 train.py)  # 7. launch
 """
 
-from fastchain.distributed._communicator import (CollectiveTimeout, CommunicatorBase,
-                                                 MpiCommunicator, create_communicator)
+from fastchain.distributed._base import CollectiveTimeout, CommunicatorBase
 from fastchain.distributed._dataset import scatter_dataset
 from fastchain.distributed._evaluator import create_multi_node_evaluator
+from fastchain.distributed._factory import create_communicator
+from fastchain.distributed._mpi import MpiCommunicator
 from fastchain.distributed._optimizer import create_multi_node_optimizer
 from fastchain.distributed._sync import GradientSync
 from fastchain.distributed._updater import DataParallelUpdater

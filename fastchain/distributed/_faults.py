@@ -1,28 +1,149 @@
-"""One failing rank ends the whole job, with its error shown once.
+"""How a data-parallel job ends when a rank fails or is interrupted, and the
+process-wide hooks that make it so.
 
-An uncaught exception in any rank prints its traceback (prefixed with the
-rank) and calls MPI_Abort, which makes mpiexec end every other rank; without
-it the others would wait in their next collective until the timeout. A rank
-killed by the OS is seen by mpiexec itself, which ends the job.
+The hooks are held while a communicator of more than one process is alive:
+installed by the first one :func:`create_communicator` makes, given back
+when the last one is finalised (``comm.finalize()``, or the end of its
+``with`` block). Each is given back only if it is still fastchain's: one
+replaced since (by the user, or another library) is left alone. A
+communicator never finalised keeps them until the interpreter exits, where
+an atexit hook gives them back (by then an uncaught exception has been
+handled).
+
+- ``sys.excepthook`` and ``threading.excepthook``: an uncaught error in any
+  rank prints its traceback once, prefixed with the rank, and calls
+  MPI_Abort, which makes mpiexec end every other rank (without it they would
+  wait in their next collective until the timeout). A rank killed by the OS
+  is seen by mpiexec itself, which ends the job.
+- a signal wakeup fd (``signal.set_wakeup_fd``, where no one else holds it),
+  so that a rank blocked in a collective learns of Ctrl-C.
+
+Ctrl-C: mpiexec forwards SIGINT to every rank. A rank whose main thread
+takes the KeyboardInterrupt prints one line and exits with status 130
+through Python's normal exit: atexit and ``weakref.finalize`` run (the
+loader stops its workers and frees its shared memory), then MPI is
+finalised. A rank blocked in MPI's blocking Allreduce cannot raise: the
+call returns only when every peer joins, and a peer that took the interrupt
+never will. Its watchdog sees the SIGINT and, if the call is still blocked
+``INTERRUPT_GRACE`` (1 s) later, runs the exit handlers and ends the process
+with 130 itself (:func:`leave_blocked`). mpiexec then exits with 130, and
+no rank prints a traceback.
+
+.. note:: This relies on the launcher delivering SIGINT to every rank
+   (MPICH's mpiexec does: "Sending Ctrl-C to processes as requested"). A
+   rank that never gets it goes on to its next collective, where the
+   collective timeout ends the job. A rank that leaves a blocked Allreduce
+   cannot finalise MPI, so MPICH leaves its own shared-memory file
+   (``/dev/shm/mpich_shm_*``, 2 MiB for two ranks), as after any aborted job.
 """
 
+import atexit
+import os
+import signal
+import socket
 import sys
 import threading
+import time
 import traceback
 
-_installed = []
+INTERRUPTED = 130       # a shell's status for a job ended by Ctrl-C
+
+_holders = []           # communicators holding the hooks, oldest first
+_hooks = None           # the _Hooks in place, or None
+_at_exit_registered = False
 
 
-def install_abort_on_error(comm):
-    """Install (once per process) the hooks that abort the job on an error."""
-    if _installed or comm.size == 1:
+def hold(comm):
+    """Make ``comm`` a holder of the job's hooks (installing them if it is
+    the first). A world of one has nothing to abort: it holds nothing."""
+    global _hooks, _at_exit_registered
+    if comm.size == 1:
         return
-    _installed.append(comm)
-    previous = sys.excepthook
+    if _hooks is None:
+        _hooks = _Hooks()
+        if not _at_exit_registered:
+            atexit.register(_release_all)
+            _at_exit_registered = True
+    _holders.append(comm)
 
-    def excepthook(kind, value, tb):
-        if issubclass(kind, KeyboardInterrupt) and comm.size == 1:
-            return previous(kind, value, tb)
+
+def release(comm):
+    """``comm`` no longer holds the hooks; the last holder gives them back."""
+    if comm in _holders:
+        _holders.remove(comm)
+    if not _holders:
+        _give_back()
+
+
+def _release_all():
+    # At exit: the hooks go back; the communicators free nothing (the process
+    # ends, and waiting for NCCL work in flight could outlast a peer).
+    del _holders[:]
+    _give_back()
+
+
+def _give_back():
+    global _hooks
+    if _hooks is not None:
+        _hooks.uninstall()
+        _hooks = None
+
+
+def interrupted_at():
+    """``time.monotonic()`` when a SIGINT was last noticed, or None."""
+    hooks = _hooks
+    return None if hooks is None else hooks.interrupted_at()
+
+
+class _Hooks:
+    """The hooks in place and what they replaced."""
+
+    def __init__(self):
+        self.previous_sys = sys.excepthook
+        self.previous_thread = threading.excepthook
+        self.sys_hook = lambda kind, value, tb: self._uncaught(kind, value, tb)
+        self.thread_hook = lambda args: self._uncaught(
+            args.exc_type, args.exc_value, args.exc_traceback, args)
+        sys.excepthook = self.sys_hook
+        threading.excepthook = self.thread_hook
+        self.lock = threading.Lock()
+        self.last_sigint = None
+        self.leaving = False        # this rank is ending after Ctrl-C
+        self.wakeup = _take_wakeup_fd()
+
+    def uninstall(self):
+        if sys.excepthook is self.sys_hook:
+            sys.excepthook = self.previous_sys
+        if threading.excepthook is self.thread_hook:
+            threading.excepthook = self.previous_thread
+        if self.wakeup is not None and \
+                threading.current_thread() is threading.main_thread():
+            current = signal.set_wakeup_fd(-1)
+            if current != self.wakeup[1].fileno():
+                signal.set_wakeup_fd(current)       # someone else's since
+            for s in self.wakeup:
+                s.close()
+            self.wakeup = None
+
+    def _uncaught(self, kind, value, tb, thread_args=None):
+        if _hooks is not self or not _holders or self.leaving:
+            # A stale layer (someone installed a hook over it, and it was
+            # given back), or an error in an exit handler after Ctrl-C (an
+            # abort now would cut the other ranks' own exit short): pass
+            # through.
+            if thread_args is None:
+                return self.previous_sys(kind, value, tb)
+            return self.previous_thread(thread_args)
+        comm = _holders[0]
+        if thread_args is None and issubclass(kind, KeyboardInterrupt):
+            sys.stderr.write('[rank {}] fastchain: interrupted\n'.format(comm.rank))
+            sys.stderr.flush()
+            self.leaving = True
+            _clear_frames(tb)
+            # Raised from sys.excepthook, SystemExit ends Python normally with
+            # this status (otherwise Python ends itself by SIGINT after its
+            # exit, which mpiexec reports as a crash of the job).
+            raise SystemExit(INTERRUPTED)
         text = ''.join(traceback.format_exception(kind, value, tb))
         sys.stderr.write(''.join('[rank {}] {}\n'.format(comm.rank, line)
                                  for line in text.rstrip('\n').split('\n')))
@@ -31,8 +152,75 @@ def install_abort_on_error(comm):
         sys.stderr.flush()
         comm.abort(1)
 
-    def thread_excepthook(args):
-        excepthook(args.exc_type, args.exc_value, args.exc_traceback)
+    def interrupted_at(self):
+        if self.wakeup is not None:
+            with self.lock:
+                while True:
+                    try:
+                        data = self.wakeup[0].recv(256)
+                    except (BlockingIOError, OSError):
+                        break
+                    if not data:
+                        break
+                    if signal.SIGINT in data:
+                        self.last_sigint = time.monotonic()
+        return self.last_sigint
 
-    sys.excepthook = excepthook
-    threading.excepthook = thread_excepthook
+
+def _clear_frames(tb):
+    """Clear the locals of a traceback's frames, innermost first.
+
+    Python keeps the traceback of an uncaught exception until the process
+    ends, and a batch being assembled holds views of the loader's shared
+    memory, which its exit handler could then not close (BufferError, and
+    the segment left behind). Innermost first: clearing an outer frame can
+    free the iterator, whose finaliser then needs the views gone already.
+    """
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        try:
+            frame.clear()
+        except RuntimeError:
+            pass        # still executing: not a frame an uncaught exception left
+
+
+def _take_wakeup_fd():
+    """A socket pair whose write end receives a byte per signal (written by
+    the C handler, so even while the main thread is blocked in MPI), or None
+    where not possible: not the main thread, or someone (asyncio) holds it."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    pair = socket.socketpair()
+    for s in pair:
+        s.setblocking(False)
+    previous = signal.set_wakeup_fd(pair[1].fileno(), warn_on_full_buffer=False)
+    if previous != -1:
+        signal.set_wakeup_fd(previous)      # theirs again (warn_on_full_buffer reset)
+        for s in pair:
+            s.close()
+        return None
+    return pair
+
+
+def leave_blocked(comm, what):
+    """End this process from a side thread while its main thread is blocked
+    in ``what`` after Ctrl-C: the exit handlers (atexit, ``weakref.finalize``:
+    the loader's workers and shared memory) run here, then the process ends
+    with status 130 without finalising MPI, which the blocked call holds."""
+    sys.stderr.write('[rank {}] fastchain: interrupted while blocked in {} (a peer has '
+                     'already stopped); leaving\n'.format(comm.rank, what))
+    sys.stderr.flush()
+    try:
+        # The interpreter's exit handlers, run from here: the main thread
+        # cannot unwind to run them itself.
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(INTERRUPTED)

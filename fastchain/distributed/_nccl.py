@@ -14,7 +14,7 @@ communicator's tests run.
 
 import time
 
-from fastchain.distributed._communicator import CommunicatorBase
+from fastchain.distributed._base import CommunicatorBase
 
 
 class NcclCommunicator(CommunicatorBase):
@@ -43,6 +43,12 @@ class NcclCommunicator(CommunicatorBase):
     def device(self):
         import chainer
         return chainer.get_device('@cupy:{}'.format(self.intra_rank))
+
+    def _finalize_core(self):
+        if self._nccl is not None:
+            self._poll(self._stream.record(), 'collectives in flight at finalize')
+            self._nccl.destroy()
+            self._nccl = None
 
     def _setup(self):
         if self._nccl is None:

@@ -66,3 +66,16 @@ def test_no_example_to_lay_out_the_shared_memory_is_a_clear_error(bad_root):
         it.finalize()
 
 
+
+
+def test_the_shared_memory_is_unlinked_even_while_a_view_of_it_lives():
+    """A traceback can keep a view of a slot alive at shutdown (Ctrl-C inside
+    a batch's assembly): the name must still leave /dev/shm."""
+    examples = [numpy.full((3, 4, 4), i, numpy.float32) for i in range(8)]
+    schedule = Schedule(len(examples), 2, shuffle=False, repeat=True, seed=0)
+    pool = WorkerPool(examples, schedule.plan, 2, n_workers=1, slots=2, sample=examples[0])
+    name = pool.shm.name
+    view = numpy.frombuffer(pool.shm.buf, numpy.uint8)     # what the traceback holds
+    pool.close()
+    assert not os.path.exists('/dev/shm/' + name.lstrip('/'))
+    del view

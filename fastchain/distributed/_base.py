@@ -1,37 +1,61 @@
-"""Communicators: one interface, an MPI strategy for CPU arrays and a NCCL one
-for GPU arrays.
+"""What every communicator does: pickled objects over MPI, waiting against a
+deadline, aborting the job, and its lifetime.
 
-===========  ================================  ===================================
-name         arrays                            use it for
-===========  ================================  ===================================
-``mpi``      NumPy (MPI through mpi4py)        CPU training, the tests, debugging
-``nccl``     CuPy (NCCL through CuPy; the      GPUs: one process per GPU, within a
-             unique id broadcast over MPI)     node and across nodes
-``auto``     ``nccl`` when a GPU is usable,
-             else ``mpi``
-===========  ================================  ===================================
+The collective timeout: every collective waits at most ``timeout`` seconds
+(``create_communicator(timeout=...)``, else the environment variable
+``FASTCHAIN_COLLECTIVE_TIMEOUT``, else 300). Past that, the process prints
+which rank and which operation did not complete and calls MPI_Abort, which
+ends the whole job: a peer that crashed or hangs never leaves the others
+waiting for ever. Raise it when one step (or one evaluation, or the first
+step's set-up) can legitimately take longer than 5 minutes::
 
-Processes are started by MPI (``mpiexec -n N python train.py``, or
-``fastchain-run -n N train.py``). Every collective waits at most ``timeout``
-seconds: past that, the process says which rank and which operation did not
-complete, and aborts the whole job rather than hang.
+    FASTCHAIN_COLLECTIVE_TIMEOUT=900 mpiexec -n 4 python train.py
+
+Lifetime: a communicator from :func:`create_communicator` holds the job's
+process-wide hooks (see ``_faults``) until :meth:`CommunicatorBase.finalize`,
+or the end of its ``with`` block::
+
+    with distributed.create_communicator() as comm:
+        ...   # train
 """
 
 import abc
-import contextlib
 import os
 import pickle
 import sys
-import threading
 import time
 
 import numpy
 
-DEFAULT_TIMEOUT = float(os.environ.get('FASTCHAIN_COLLECTIVE_TIMEOUT', 300))
+from fastchain.distributed import _faults
+
+TIMEOUT_VARIABLE = 'FASTCHAIN_COLLECTIVE_TIMEOUT'
+
+
+def default_timeout():
+    """Seconds a collective may take: ``FASTCHAIN_COLLECTIVE_TIMEOUT`` or 300."""
+    text = os.environ.get(TIMEOUT_VARIABLE, '300')
+    try:
+        value = float(text)
+    except ValueError:
+        value = float('nan')
+    if not value > 0:
+        raise ValueError('{}={!r} is not a positive number of seconds. Fix: set it to '
+                         'the longest a collective may take, e.g. {}=900'.format(
+                             TIMEOUT_VARIABLE, text, TIMEOUT_VARIABLE))
+    return value
 
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time (a peer crashed or hangs)."""
+
+
+class _Finalized:
+    """Stands in for the MPI communicator of a finalised communicator."""
+
+    def __getattr__(self, name):
+        raise RuntimeError('fastchain: this communicator was finalized; make a new one '
+                           'with distributed.create_communicator()')
 
 
 class CommunicatorBase(abc.ABC):
@@ -60,6 +84,37 @@ class CommunicatorBase(abc.ABC):
         self.intra_size = node.size
         node.Free()
         self.timeout = timeout
+        self.finalized = False
+
+    # -- lifetime ------------------------------------------------------------
+
+    def finalize(self):
+        """Give back what this communicator holds (idempotent).
+
+        The excepthooks and the signal wakeup fd go back when the last
+        communicator holding them is finalised (each only if it is still
+        fastchain's). Collectives after this raise ``RuntimeError``. The MPI
+        communicator passed in is left as it is (MPI itself is finalised at
+        interpreter exit).
+        """
+        if self.finalized:
+            return
+        self.finalized = True
+        self._finalize_core()
+        self.mpi_comm = _Finalized()
+        _faults.release(self)
+
+    def _finalize_core(self):
+        """What a strategy frees at :meth:`finalize` (its watchdog, NCCL)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        # Leaving by an exception, the hooks stay until it is handled: an
+        # uncaught one must still end the job (abort, or exit 130 on Ctrl-C).
+        if kind is None:
+            self.finalize()
 
     # -- objects (pickled; small: shapes, metrics, seeds) --------------------
 
@@ -160,7 +215,8 @@ class CommunicatorBase(abc.ABC):
         Polls without sleeping: MPI moves a non-blocking collective forward
         only inside MPI calls, so every Test is progress (a blocking MPI wait
         spins the same way). After a second it backs off to 1 ms naps, which
-        a stuck peer cannot tell from a blocking wait.
+        a stuck peer cannot tell from a blocking wait. Ctrl-C interrupts it
+        (the loop returns to Python between Tests).
         """
         start = time.monotonic()
         deadline = start + self.timeout
@@ -173,9 +229,9 @@ class CommunicatorBase(abc.ABC):
 
     def abort_timeout(self, what):
         message = ('fastchain: rank {} of {}: {} did not complete within {:g} s: another '
-                   'rank has crashed or hangs. Aborting the job (raise '
-                   'FASTCHAIN_COLLECTIVE_TIMEOUT if steps are this slow).'.format(
-                       self.rank, self.size, what, self.timeout))
+                   'rank has crashed or hangs. Aborting the job (raise {} if steps are '
+                   'this slow).'.format(self.rank, self.size, what, self.timeout,
+                                        TIMEOUT_VARIABLE))
         print(message, file=sys.stderr, flush=True)
         self.abort(1)
         raise CollectiveTimeout(message)     # reached only if abort returned
@@ -191,112 +247,3 @@ class CommunicatorBase(abc.ABC):
         sys.stderr.flush()
         time.sleep(0.5)
         self.mpi_comm.Abort(code)
-
-
-class _Watchdog:
-    """Bounds blocking MPI calls: a thread that aborts the job when a guarded
-    call outlives the timeout (MPI_Abort may be called from any thread:
-    mpi4py initialises MPI with MPI_THREAD_MULTIPLE)."""
-
-    def __init__(self, comm):
-        self.comm = comm
-        self.deadline = None
-        self.what = None
-        self.thread = None
-
-    @contextlib.contextmanager
-    def guard(self, what):
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._watch, daemon=True,
-                                           name='fastchain-collective-watchdog')
-            self.thread.start()
-        self.what = what
-        self.deadline = time.monotonic() + self.comm.timeout
-        try:
-            yield
-        finally:
-            self.deadline = None
-
-    def _watch(self):
-        while True:
-            time.sleep(min(0.25, self.comm.timeout / 4))
-            deadline = self.deadline
-            if deadline is not None and time.monotonic() > deadline:
-                self.comm.abort_timeout(self.what)
-
-
-class MpiCommunicator(CommunicatorBase):
-    """Sums NumPy arrays with MPI.
-
-    MPI on the CPU makes progress only inside MPI calls, so starting a
-    bucket during backward gains nothing; gradients are averaged after
-    backward, each array in place (no packing: on shared memory, per-array
-    allreduces run at the speed of one large buffer), with MPI's blocking
-    Allreduce (its shared-memory algorithms are faster than the
-    non-blocking schedule), bounded by a watchdog thread.
-    """
-
-    name = 'mpi'
-    progresses_in_background = False
-    prefers_buckets = False
-
-    def __init__(self, mpi_comm, timeout):
-        super().__init__(mpi_comm, timeout)
-        self._watchdog = _Watchdog(self)
-
-    def bcast(self, array, root=0, what='bcast'):
-        self._wait(self.mpi_comm.Ibcast(_contiguous(array), root=root), what)
-        return array
-
-    def allreduce_start(self, array, what):
-        from mpi4py import MPI
-        if self.size > 1:
-            with self._watchdog.guard(what):
-                self.mpi_comm.Allreduce(MPI.IN_PLACE, _contiguous(array), op=MPI.SUM)
-        return None
-
-    def allreduce_wait(self, handle):
-        pass        # allreduce_start completed it
-
-    def device(self):
-        import chainer
-        return chainer.get_device('@numpy')
-
-
-def _contiguous(array):
-    if not isinstance(array, numpy.ndarray) or not array.flags.c_contiguous:
-        raise TypeError('the mpi communicator needs C-contiguous NumPy arrays '
-                        '(use the nccl communicator for GPU arrays)')
-    return array
-
-
-def create_communicator(name='auto', mpi_comm=None, timeout=None):
-    """Make a communicator over ``mpi_comm`` (default: MPI.COMM_WORLD).
-
-    Args:
-        name (str): ``'auto'``, ``'mpi'`` or ``'nccl'`` (see the table above).
-        timeout (float): seconds a collective may take before the job is
-            aborted (default: ``FASTCHAIN_COLLECTIVE_TIMEOUT`` or 300).
-    """
-    from fastchain.backends import mpi as mpi_backend
-    status = mpi_backend.mpi_status()
-    if not status.available:
-        raise RuntimeError('fastchain.distributed needs MPI: {}. Fix: {}'.format(
-            status.why, status.fix))
-    from mpi4py import MPI
-    mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-    if name == 'auto':
-        from fastchain.backends import cuda
-        name = 'nccl' if cuda.available() else 'mpi'
-    if name == 'mpi':
-        comm = MpiCommunicator(mpi_comm, timeout)
-    elif name == 'nccl':
-        from fastchain.distributed._nccl import NcclCommunicator
-        comm = NcclCommunicator(mpi_comm, timeout)
-    else:
-        raise ValueError("communicator name must be 'auto', 'mpi' or 'nccl', got {!r}"
-                         .format(name))
-    from fastchain.distributed import _faults
-    _faults.install_abort_on_error(comm)
-    return comm

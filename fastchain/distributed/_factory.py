@@ -1,0 +1,60 @@
+"""Choosing a communicator: the only module that knows every strategy.
+
+===========  ================================  ===================================
+name         arrays                            use it for
+===========  ================================  ===================================
+``mpi``      NumPy (MPI through mpi4py)        CPU training, the tests, debugging
+``nccl``     CuPy (NCCL through CuPy; the      GPUs: one process per GPU, within a
+             unique id broadcast over MPI)     node and across nodes
+``auto``     ``nccl`` when a GPU is usable,
+             else ``mpi``
+===========  ================================  ===================================
+
+Processes are started by MPI (``mpiexec -n N python train.py``, or
+``fastchain-run -n N train.py``). Every collective waits at most ``timeout``
+seconds (``FASTCHAIN_COLLECTIVE_TIMEOUT``, default 300; see ``_base``):
+past that, the process says which rank and which operation did not
+complete, and aborts the whole job rather than hang.
+"""
+
+from fastchain.distributed import _base, _faults
+
+NAMES = ('auto', 'mpi', 'nccl')
+
+
+def create_communicator(name='auto', mpi_comm=None, timeout=None):
+    """Make a communicator over ``mpi_comm`` (default: MPI.COMM_WORLD).
+
+    With more than one process, the communicator holds the job's
+    process-wide hooks (an uncaught error aborts the job; Ctrl-C ends every
+    rank quietly with status 130) until ``comm.finalize()`` or the end of a
+    ``with create_communicator() as comm:`` block.
+
+    Args:
+        name (str): ``'auto'``, ``'mpi'`` or ``'nccl'`` (see the table above).
+        mpi_comm: an mpi4py communicator.
+        timeout (float): seconds a collective may take before the job is
+            aborted (default: ``FASTCHAIN_COLLECTIVE_TIMEOUT`` or 300).
+    """
+    if name not in NAMES:
+        raise ValueError('communicator name must be one of {}, got {!r}'.format(
+            ', '.join(repr(n) for n in NAMES), name))
+    timeout = _base.default_timeout() if timeout is None else float(timeout)
+    from fastchain.backends import mpi as mpi_backend
+    status = mpi_backend.mpi_status()
+    if not status.available:
+        raise RuntimeError('fastchain.distributed needs MPI: {}. Fix: {}'.format(
+            status.why, status.fix))
+    from mpi4py import MPI
+    mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    if name == 'auto':
+        from fastchain.backends import cuda
+        name = 'nccl' if cuda.available() else 'mpi'
+    if name == 'mpi':
+        from fastchain.distributed._mpi import MpiCommunicator
+        comm = MpiCommunicator(mpi_comm, timeout)
+    else:
+        from fastchain.distributed._nccl import NcclCommunicator
+        comm = NcclCommunicator(mpi_comm, timeout)
+    _faults.hold(comm)
+    return comm

@@ -1,0 +1,110 @@
+"""The CPU strategy: NumPy arrays summed with MPI, blocking calls bounded by a
+watchdog thread."""
+
+import contextlib
+import threading
+import time
+
+import numpy
+
+from fastchain.distributed import _faults
+from fastchain.distributed._base import CommunicatorBase
+
+# Seconds a blocking collective may go on after Ctrl-C before this rank
+# leaves it: peers inside the same collective complete it within
+# milliseconds; a peer that took the interrupt never joins.
+INTERRUPT_GRACE = 1.0
+
+
+class MpiCommunicator(CommunicatorBase):
+    """Sums NumPy arrays with MPI.
+
+    MPI on the CPU makes progress only inside MPI calls, so starting a
+    bucket during backward gains nothing; gradients are averaged after
+    backward, each array in place (no packing: on shared memory, per-array
+    allreduces run at the speed of one large buffer), with MPI's blocking
+    Allreduce (its shared-memory algorithms are faster than the
+    non-blocking schedule), bounded by a watchdog thread.
+    """
+
+    name = 'mpi'
+    progresses_in_background = False
+    prefers_buckets = False
+
+    def __init__(self, mpi_comm, timeout):
+        super().__init__(mpi_comm, timeout)
+        self._watchdog = _Watchdog(self)
+        if self.size > 1:
+            self._watchdog.start()
+
+    def bcast(self, array, root=0, what='bcast'):
+        self._wait(self.mpi_comm.Ibcast(_contiguous(array), root=root), what)
+        return array
+
+    def allreduce_start(self, array, what):
+        from mpi4py import MPI
+        if self.size > 1:
+            with self._watchdog.guard(what):
+                self.mpi_comm.Allreduce(MPI.IN_PLACE, _contiguous(array), op=MPI.SUM)
+        return None
+
+    def allreduce_wait(self, handle):
+        pass        # allreduce_start completed it
+
+    def device(self):
+        import chainer
+        return chainer.get_device('@numpy')
+
+    def _finalize_core(self):
+        self._watchdog.stop()
+
+
+def _contiguous(array):
+    if not isinstance(array, numpy.ndarray) or not array.flags.c_contiguous:
+        raise TypeError('the mpi communicator needs C-contiguous NumPy arrays '
+                        '(use the nccl communicator for GPU arrays)')
+    return array
+
+
+class _Watchdog:
+    """Bounds blocking MPI calls: a thread that aborts the job when a guarded
+    call outlives the timeout (MPI_Abort may be called from any thread:
+    mpi4py initialises MPI with MPI_THREAD_MULTIPLE), and ends this process
+    when Ctrl-C came while the call is blocked (see ``_faults``)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.current = None         # (what, started, deadline) of the guarded call
+        self.stopped = threading.Event()
+
+    def start(self):
+        # From the start, so that it notices a Ctrl-C when it comes, not at
+        # the first guarded call.
+        threading.Thread(target=self._watch, daemon=True,
+                         name='fastchain-collective-watchdog').start()
+
+    @contextlib.contextmanager
+    def guard(self, what):
+        now = time.monotonic()
+        self.current = (what, now, now + self.comm.timeout)
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def stop(self):
+        self.stopped.set()
+
+    def _watch(self):
+        while not self.stopped.wait(min(0.25, self.comm.timeout / 4)):
+            interrupted = _faults.interrupted_at()     # read every tick: stays current
+            current = self.current
+            if current is None:
+                continue
+            what, started, deadline = current
+            now = time.monotonic()
+            if now > deadline:
+                self.comm.abort_timeout(what)
+            if interrupted is not None and interrupted >= started and \
+                    now - interrupted > INTERRUPT_GRACE:
+                _faults.leave_blocked(self.comm, what)

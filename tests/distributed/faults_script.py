@@ -1,0 +1,128 @@
+"""Run under `mpiexec -n 2`: how a job's process-wide hooks live and end.
+
+    mpiexec -n 2 python faults_script.py SCENARIO OUTDIR
+
+`hooks` checks its assertions on every rank and writes `OUTDIR/ok.<rank>`.
+`ctrl_c_in_python` and `ctrl_c_in_allreduce` train until interrupted; each
+rank prints `ready <pid> <loader pids,> <loader segments,> <MPICH segments,>`
+once it is in the loop.
+"""
+
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+
+import numpy
+
+from fastchain import data, distributed
+
+SCENARIO, OUT = sys.argv[1], sys.argv[2]
+
+
+def done(rank):
+    with open(os.path.join(OUT, 'ok.{}'.format(rank)), 'w') as f:
+        f.write('ok')
+
+
+def hooks():
+    calls = []
+
+    def original(kind, value, tb):
+        calls.append(('sys', kind))
+
+    def original_thread(args):
+        calls.append(('thread', args.exc_type))
+
+    sys.excepthook, threading.excepthook = original, original_thread
+    a = distributed.create_communicator('mpi')
+    assert sys.excepthook is not original and threading.excepthook is not original_thread
+    ours = sys.excepthook, threading.excepthook, wakeup_fd()
+    assert ours[2] != -1
+    b = distributed.create_communicator('mpi')
+    a.finalize()
+    a.finalize()                                    # idempotent
+    assert (sys.excepthook, threading.excepthook, wakeup_fd()) == ours   # b holds them
+    b.finalize()
+    assert (sys.excepthook, threading.excepthook) == (original, original_thread)
+    assert wakeup_fd() == -1
+
+    # Given back in the other order too.
+    a, b = (distributed.create_communicator('mpi') for _ in range(2))
+    b.finalize()
+    a.finalize()
+    assert (sys.excepthook, threading.excepthook, wakeup_fd()) == (
+        original, original_thread, -1)
+
+    # A user's hook installed over fastchain's stays; the other is restored.
+    with distributed.create_communicator('mpi') as comm:
+        theirs = sys.excepthook
+
+        def user(kind, value, tb):      # chains to the hook it replaced
+            calls.append(('user', kind))
+            theirs(kind, value, tb)
+        sys.excepthook = user
+    assert (sys.excepthook, threading.excepthook) == (user, original_thread)
+    user(ValueError, ValueError('x'), None)         # fastchain's layer passes through
+    assert calls == [('user', ValueError), ('sys', ValueError)], calls
+    sys.excepthook = original
+
+    try:
+        comm.allreduce(numpy.zeros(2, 'f'), 'after finalize')
+    except RuntimeError as e:
+        assert 'finalized' in str(e) and 'create_communicator()' in str(e), e
+    else:
+        raise AssertionError('a finalized communicator still reduces')
+    distributed.create_communicator('mpi')      # never finalised: given back at exit
+    done(comm.rank)
+
+
+def wakeup_fd():
+    fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    return fd
+
+
+def ctrl_c(in_allreduce):
+    """A few steps (a batch and an allreduce each), then wait for Ctrl-C: both
+    ranks loading batches (the interrupt meets Python), or, ``in_allreduce``,
+    rank 0 blocked in MPI's Allreduce, which rank 1, loading, has not joined.
+    """
+    comm = distributed.create_communicator('mpi')
+    x = numpy.random.RandomState(0).rand(64, 3, 8, 8).astype(numpy.float32)
+    t = numpy.arange(64, dtype=numpy.int32) % 3
+    it = data.MultiprocessIterator(list(zip(x, t)), 4, n_workers=2)
+    buf = numpy.zeros(4, numpy.float32)
+    for step in range(3):
+        it.next()
+        comm.allreduce(buf, 'allreduce of step {}'.format(step))
+    if in_allreduce and comm.rank == 0:
+        ready()
+        comm.send_obj('entering', 1, what='marker')
+        comm.allreduce(buf, 'allreduce of step 3')
+    if in_allreduce and comm.rank == 1:
+        comm.recv_obj(0, what='marker')     # rank 0 is in the allreduce now
+    ready()
+    while True:
+        it.next()
+
+
+def ready():
+    # One write: mpiexec merges the ranks' output, and print() may write
+    # its pieces apart (unbuffered, as under PYTHONUNBUFFERED).
+    sys.stdout.write('ready {} {} {} {}\n'.format(
+        os.getpid(), ','.join(str(p.pid) for p in multiprocessing.active_children()),
+        ','.join(mapped('/dev/shm/psm_')), ','.join(mapped('/dev/shm/mpich_shm_'))))
+    sys.stdout.flush()
+
+
+def mapped(prefix):
+    """The files under ``prefix`` this process has mapped: the loader's slots
+    (psm_*), MPICH's shared memory (mpich_shm_*)."""
+    with open('/proc/self/maps') as f:
+        return sorted({line.split()[-1] for line in f if prefix in line})
+
+
+{'hooks': hooks, 'ctrl_c_in_python': lambda: ctrl_c(False),
+ 'ctrl_c_in_allreduce': lambda: ctrl_c(True)}[SCENARIO]()

@@ -1,0 +1,18 @@
+"""create_communicator's checks, made before MPI is touched."""
+
+import pytest
+
+from fastchain import distributed
+
+
+def test_an_unknown_name_is_refused():
+    with pytest.raises(ValueError, match="one of 'auto', 'mpi', 'nccl', got 'gloo'"):
+        distributed.create_communicator('gloo')
+
+
+@pytest.mark.parametrize('value', ['abc', '0', '-5', 'nan'])
+def test_a_bad_collective_timeout_names_the_variable_and_the_fix(value, monkeypatch):
+    monkeypatch.setenv('FASTCHAIN_COLLECTIVE_TIMEOUT', value)
+    with pytest.raises(ValueError, match='FASTCHAIN_COLLECTIVE_TIMEOUT=.* is not a positive '
+                                         'number of seconds. Fix: .*=900'):
+        distributed.create_communicator('mpi')

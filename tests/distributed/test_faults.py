@@ -1,0 +1,126 @@
+"""A job's process-wide hooks, and Ctrl-C under mpiexec, with real MPI processes
+(2 ranks on the CPU)."""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastchain.backends import mpi
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'faults_script.py')
+pytestmark = pytest.mark.mpi
+
+
+def test_finalize_gives_back_the_hooks_and_leaves_a_users_own(tmp_path):
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, SCRIPT, 'hooks',
+                        str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['ok.0', 'ok.1'], r.stderr
+    assert r.stderr == ''       # nothing said at exit by the communicator left alive
+
+
+def _ctrl_c_as_in_a_terminal():
+    # A job started in the background by a non-interactive shell inherits
+    # SIGINT ignored, and Python then keeps it ignored (see
+    # tests/data/test_iterator.py): give mpiexec, and through it the ranks,
+    # a terminal's default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _read_lines(stream, n, timeout):
+    """The first ``n`` lines of a pipe, waiting at most ``timeout`` seconds."""
+    text, deadline = b'', time.monotonic() + timeout
+    while text.count(b'\n') < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([stream], [], [], left)[0]:
+            break
+        chunk = os.read(stream.fileno(), 4096)
+        if not chunk:
+            break
+        text += chunk
+    return text.decode().splitlines()
+
+
+def _kill_if_ours(pid):
+    try:
+        with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
+            if b'faults_script.py' in f.read():
+                os.kill(pid, signal.SIGKILL)
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+
+
+def _alive(pid):
+    try:
+        with open('/proc/{}/stat'.format(pid)) as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize('scenario', [
+    'ctrl_c_in_python',     # every rank takes the interrupt in Python (the loader)
+    'ctrl_c_in_allreduce',  # rank 0 sits in MPI's blocking Allreduce when it comes
+])
+def test_ctrl_c_ends_every_rank_quietly_and_frees_the_loaders_memory(scenario, tmp_path):
+    err_path = tmp_path / 'stderr.txt'
+    pids, mpich = [], []
+    with open(err_path, 'w') as err:
+        # mpiexec leads its own process group, as a job in a terminal does;
+        # stderr goes to a file, so waiting never depends on descendants
+        # closing a pipe.
+        proc = subprocess.Popen([mpi.mpiexec_path(), '-n', '2', sys.executable, SCRIPT,
+                                 scenario, str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=err, start_new_session=True,
+                                preexec_fn=_ctrl_c_as_in_a_terminal)
+    try:
+        lines = _read_lines(proc.stdout, 2, 60)
+        ready = [line.split()[1:] for line in lines if line.startswith('ready ')]
+        assert len(ready) == 2, '{}\n{}'.format(lines, err_path.read_text()[-6000:])
+        pids = [int(p) for pid, workers, _, _ in ready for p in [pid] + workers.split(',')]
+        loader = [s for _, _, shm, _ in ready for s in shm.split(',')]
+        mpich = sorted({s for _, _, _, shm in ready for s in shm.split(',')})
+        assert len(pids) == 6 and len(loader) == 2, ready      # 2 ranks, 2 workers each
+        assert all(os.path.exists(s) for s in loader)
+
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)          # what Ctrl-C in the terminal does
+        proc.wait(timeout=60)
+        seconds = time.monotonic() - start
+        alive = [p for p in pids if _alive(p)]          # loader workers included
+        left = [s for s in loader if os.path.exists(s)]
+        err = err_path.read_text()
+        out = '\n'.join(_read_lines(proc.stdout, 1000, 5))
+
+        assert proc.returncode == 130, 'exit status {}\n{}\n{}'.format(
+            proc.returncode, out[-2000:], err[-6000:])
+        assert 'Traceback' not in err + out, err[-4000:]
+        assert err.count('fastchain: interrupted') == 2, err
+        assert alive == [] and left == []
+        assert seconds < 10, seconds     # a second's grace at most, not the timeout
+        if scenario == 'ctrl_c_in_python':
+            assert [s for s in mpich if os.path.exists(s)] == []    # MPI finalised
+        else:
+            assert '[rank 0] fastchain: interrupted while blocked in allreduce of step' \
+                in err, err
+    finally:
+        if proc.poll() is None:     # a failure above: end the job, gently first
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()     # hydra's proxy then kills the ranks
+                proc.wait(10)
+        for pid in pids:
+            _kill_if_ours(pid)
+        proc.stdout.close()
+        # MPICH removes its segment in MPI_Finalize, which a rank that leaves
+        # a blocked Allreduce cannot call (nor an aborted job): remove ours.
+        for path in mpich:
+            if os.path.exists(path):
+                os.unlink(path)
