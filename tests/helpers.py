@@ -46,10 +46,9 @@ def copies(make, n=2):
     for _ in range(n - 1):
         m = make()
         m.copyparams(first)
-        for a, b in zip(first.links(), m.links()):
-            if isinstance(a, L.BatchNormalization):
-                b.avg_mean[...] = a.avg_mean
-                b.avg_var[...] = a.avg_var
+        for (_, a), (_, b) in zip(persistents(first), persistents(m)):
+            if isinstance(a, numpy.ndarray):
+                b[...] = a
         models.append(m)
     return models
 
@@ -72,3 +71,45 @@ def train(model, optimizer, x, t):
     loss = F.softmax_cross_entropy(model(x), t)
     loss.backward()
     optimizer.update()
+
+
+def persistents(model):
+    """[(path, value)] of every persistent value of every link in ``model``."""
+    return [(path.rstrip('/') + '/' + name, link.__dict__[name])
+            for path, link in model.namedlinks() for name in sorted(link._persistent)]
+
+
+def side_by_side(ordinary, cached, batches, step=None, lr=0.05):
+    """Train ``ordinary`` (define-by-run) and ``cached`` on the same batches
+    with MomentumSGD and assert, after each step, that the losses, gradients,
+    parameters, persistent values and NumPy's random state are exactly equal.
+    ``step(model, *batch)`` returns the loss variable (default: softmax cross
+    entropy). Returns the messages of the fallback warnings."""
+    import warnings
+    from fastchain.static import StaticGraphFallback
+    step = step or (lambda model, x, t: F.softmax_cross_entropy(model(x), t))
+    optimizers = [chainer.optimizers.MomentumSGD(lr).setup(m) for m in (ordinary, cached)]
+    caught = []
+    for i, batch in enumerate(batches):
+        seen = []
+        for model, optimizer in zip((ordinary, cached), optimizers):
+            numpy.random.seed(i)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter('always')
+                optimizer.update(lambda *b: step(model, *b), *batch)
+            caught += [str(m.message) for m in w if m.category is StaticGraphFallback]
+            seen.append(numpy.random.get_state()[1].copy())
+        numpy.testing.assert_array_equal(seen[1], seen[0], err_msg='random state')
+        assert_same(ordinary, cached, 'step {}'.format(i))
+    return caught
+
+
+def assert_same(ordinary, cached, where=''):
+    """Gradients, parameters and persistent values exactly equal."""
+    for (name, p), (_, q) in zip(sorted(ordinary.namedparams()),
+                                 sorted(cached.namedparams())):
+        numpy.testing.assert_array_equal(q.grad, p.grad, err_msg='grad {} {}'.format(
+            name, where))
+        numpy.testing.assert_array_equal(q.array, p.array, err_msg='{} {}'.format(name, where))
+    for (name, a), (_, b) in zip(persistents(ordinary), persistents(cached)):
+        numpy.testing.assert_array_equal(b, a, err_msg='{} {}'.format(name, where))

@@ -34,7 +34,8 @@ whether schedules are bound).
 
 Bound kernels keep no array that escapes: every output is freshly allocated,
 and the padded buffers are shared by the entries of one schedule that pad the
-same shape (the schedule runs its entries one at a time).
+same shape and dtype with the same padding, i.e. write the same interior and
+leave the same zero border (the schedule runs its entries one at a time).
 """
 
 import numpy
@@ -125,8 +126,12 @@ class _Lazy:
         return self.original(func, inputs=inputs)
 
 
-def _buffer(buffers, shape, dtype):
-    key = (shape, numpy.dtype(dtype))
+def _buffer(buffers, shape, dtype, interior):
+    """A zero-bordered buffer whose ``interior`` (the region each call
+    overwrites) is the only part ever written: entries share one only if
+    everything its contents depend on is the same (shape, dtype and interior;
+    a same-shaped buffer padded differently has non-zero border cells)."""
+    key = (shape, numpy.dtype(dtype), interior)
     buf = buffers.get(key)
     if buf is None:
         buf = buffers[key] = numpy.zeros(shape, dtype)
@@ -154,7 +159,8 @@ def _columns(node, x, kh, kw, buffers):
 
     if ph == 0 and pw == 0:
         return view, (oh, ow)
-    padded = _buffer(buffers, (n, c, h + 2 * ph + sy - 1, w + 2 * pw + sx - 1), x.dtype)
+    padded = _buffer(buffers, (n, c, h + 2 * ph + sy - 1, w + 2 * pw + sx - 1), x.dtype,
+                     ((ph, ph + h), (pw, pw + w)))
     interior = padded[:, :, ph:ph + h, pw:pw + w]
     padded_view = view(padded)
 

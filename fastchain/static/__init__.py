@@ -1,8 +1,10 @@
-"""Static-subgraph caching with Chainer's BatchNormalization fault fixed.
+"""Static-subgraph caching with Chainer's static_graph faults fixed.
 
 ``fastchain.enable(static_graph=True)`` caches the model of every optimizer
-set up while enabled; :func:`static_graph` marks a chain class or instance
-directly. See :mod:`fastchain.static._cache` for what is checked and
+set up while enabled; :func:`static_graph` marks a chain class, instance or
+forward method directly. See :mod:`fastchain.static._cache` for what is
+checked (:mod:`fastchain.static._verify`), :mod:`fastchain.static._functions`
+for what each Chainer function does under the cache and
 :mod:`fastchain.static._fixes` for what is fixed in Chainer.
 """
 

@@ -5,82 +5,269 @@ the first call and replays them afterwards, skipping most of Chainer's
 per-function Python work. fastchain uses it with its faults fixed
 (:mod:`fastchain.static._fixes`) and adds what a user needs around it:
 
-- **verification**: on the first ``verify_steps`` replays the chain also runs
-  define-by-run (without backprop, its statistics put back after) and the
-  sequence of functions is compared with the recorded one; a model whose
-  Python control flow depends on its data shows up here and falls back to
-  ordinary execution, with a warning naming the first difference;
-- **fallback** on any error of the caching machinery, with the reason;
-- evaluation (``chainer.config.train == False``) runs define-by-run, and a
-  new batch size or mode gets its own schedule (the last partial batch).
+- **verification** (:mod:`fastchain.static._verify`): the step that builds a
+  schedule and the first ``verify_steps`` replays of each key also run the
+  chain define-by-run on the same batch, leaving no trace (persistent values,
+  gradients and NumPy's random state put back), and compare the functions
+  applied, the outputs, the persistent values and, in the replay's backward,
+  every parameter's and input's gradient. On a difference the step's result
+  is define-by-run's (the forward is redone, or the backward's gradients are
+  replaced before anything is updated) and the chain runs define-by-run from
+  then on, with a warning that names the cause: a function the cache refuses,
+  a model that is not static, or a defect of the cache itself;
+- **refusal** of functions the replay cannot reproduce, at the step that
+  builds the schedule (:mod:`fastchain.static._functions`: ``F.dropout`` and
+  the other random functions, functions whose backward keeps forward state);
+- **keys**: one Chainer schedule manager per key, so a schedule is reused
+  only for the same structure, types, shapes, dtypes and devices of the
+  inputs and the same configuration (``chainer.config`` ``train``, ``dtype``,
+  ``use_cudnn``, ``cudnn_deterministic``, ``use_ideep``,
+  ``cudnn_fast_batch_normalization``, ``lazy_grad_sum``);
+- define-by-run wherever the replay does not apply: evaluation
+  (``train == False``), ``no_backprop_mode``, inside another cached chain's
+  recording, ``use_static_graph == False``, and keyword arguments.
 
-.. note:: Checking is by sampling and sees the forward only: a model whose
-   control flow changes after the verified steps is not caught, nor is a
-   value computed in Python from the data (``float(h.array.max())``): its
-   forward replays right but its backward keeps the first value (measured).
-   Do not read ``.array`` inside a cached chain; mark only models you know
-   are static (ResNet-style networks are).
+.. note:: Checking is by sampling: a model whose control flow or Python
+   constants change after the verified steps is not caught, nor are random
+   numbers drawn through CuPy. Mark only models you know are static
+   (ResNet-style networks are).
 """
 
+import contextlib
 import functools
 import warnings
 import weakref
 
 import chainer
+import numpy
 
 from fastchain.config import _patches
-from fastchain.static import _fixes
+from fastchain.static import _fixes, _functions, _keys, _reads, _verify
 
-STATE = 'static_cache'      # attachment key: the cache's bookkeeping
+STATE = 'static_cache'      # attachment key: the chain's cache
+_CHAINER_ATTRIBUTES = ('schedule_manager', 'static_schedule', '_out_vars_unflatten_inds')
 
 
 class StaticGraphFallback(UserWarning):
     """A chain marked static runs define-by-run instead, for the reason given."""
 
 
-class _Sequence(chainer.FunctionHook):
-    """Records the functions a forward pass applies (name and output shapes)."""
-
-    name = 'fastchain_static_sequence'
-
-    def __init__(self):
-        self.calls = []
-
-    def forward_postprocess(self, function, in_data):
-        if type(function).__name__ == 'StaticScheduleFunction':
-            return      # the replay node itself, not the model's own function
-        self.calls.append('{}{}'.format(type(function).__name__,
-                                        tuple(tuple(x.shape) for x in in_data)))
-
-
-_RANDOM_FUNCTIONS = ('Dropout', 'Zoneout', 'Gaussian', 'SimplifiedDropconnect')
-
-
-def _max_difference(a, b):
-    import numpy
-    from chainer import backend
-    xs = a if isinstance(a, (tuple, list)) else (a,)
-    ys = b if isinstance(b, (tuple, list)) else (b,)
-    worst = 0.0
-    for x, y in zip(xs, ys):
-        x = getattr(x, 'array', x)
-        y = getattr(y, 'array', y)
-        if not hasattr(x, 'shape') or x.shape != y.shape:
-            return float('inf')
-        x, y = backend.CpuDevice().send(x), backend.CpuDevice().send(y)
-        scale = max(1.0, float(numpy.abs(y).max())) if y.size else 1.0
-        worst = max(worst, float(numpy.abs(x - y).max()) / scale if x.size else 0.0)
-    return worst
-
-
 def cache_state(chain):
     """The cache's bookkeeping for ``chain`` (None if it is not cached):
-    ``{'fallback': reason or None, 'sequences': {key: calls}, 'verified': {key: n}}``."""
-    return _patches.attached(chain, STATE)
+    ``{'fallback': reason or None, 'cause': None or 'refused' (a function
+    the cache refuses), 'not static' (the model), 'defect' (fastchain or
+    Chainer's replay), 'unsupported' (a use the cache does not support),
+    'sequences': {key: functions recorded}, 'verified': {key: replays
+    verified}, 'names': {key: functions applied}}``."""
+    cache = _patches.attached(chain, STATE)
+    return None if cache is None else cache.state
 
 
 def is_cached(chain):
-    return 'static_graph' in _patches.layers(chain, 'forward')
+    return _patches.attached(chain, STATE) is not None
+
+
+class _Cache:
+    """The cache of one chain's define-by-run function ``forward``."""
+
+    def __init__(self, chain, forward, verify_steps, verbosity):
+        from chainer.graph_optimizations.static_graph import static_graph
+        self.ref = weakref.ref(chain)
+        self.name = type(chain).__name__
+        self.verify_steps = verify_steps
+        self.verbosity = verbosity
+        self.replay = static_graph(force_test_define_by_run=True, minimize_cache_size=False,
+                                   verbosity_level=verbosity)(forward)
+        self.token = object()       # marks the schedule managers of this cache
+        self.method = False         # a decorated method's cache (else the instance's)
+        self.state = {'fallback': None, 'cause': None, 'sequences': {}, 'verified': {},
+                      'names': {}}
+
+    def __call__(self, plain, args, kwargs):
+        config = chainer.config
+        if (self.state['fallback'] is not None or not config.train
+                or not config.enable_backprop or config.schedule_func is not None
+                or not config.use_static_graph or _verify.in_reference()):
+            # Chainer keys a train-mode call without backprop as 'test' and
+            # records it outside fastchain's fixes; a call inside another
+            # cached chain's recording (or check) belongs to that one.
+            return plain(*args, **kwargs)
+        key = _keys.key(args) if not kwargs else None
+        if key is None:
+            self.fall_back('unsupported', 'the cache replays calls whose arguments are '
+                           'arrays or variables (nested in lists or tuples), without '
+                           'keyword arguments; this call has {}'.format(
+                               'keyword arguments' if kwargs else 'another argument'))
+            return plain(*args, **kwargs)
+        chain = self.ref()
+        managers = chain.__dict__.get('schedule_manager')
+        if getattr(managers, 'owner', None) is not self.token:
+            # Chainer's own attribute; one left by an earlier cache is not reused.
+            managers = chain.__dict__['schedule_manager'] = _keys.Managers(self.token,
+                                                                           self.verbosity)
+        building = _keys.will_build(managers.select(key))
+        if not building and self.state['verified'].get(key, 0) >= self.verify_steps:
+            return self.replay(chain, *args)
+        return self._verified(chain, plain, key, args, building)
+
+    def _verified(self, chain, plain, key, args, building):
+        before = _verify.Snapshot(chain)
+        recorder = _functions.Recorder() if building else contextlib.nullcontext()
+        statistics = _fixes.building_statistics(chain) if building else \
+            contextlib.nullcontext()
+        watch = _reads.watching() if building else contextlib.nullcontext([])
+        try:
+            with statistics, recorder, watch as reads:
+                out = self.replay(chain, *args)
+        except Exception as e:      # the caching machinery could not handle it
+            before.restore()
+            refused = _functions.refusal(recorder.names) if building else None
+            if refused is not None:
+                return self._redo(plain, args, 'refused', refused)
+            where = 'replayed'
+            if building:
+                last = getattr(recorder, 'last', None)
+                where = 'built' + (' (at {})'.format(_functions.short(last)) if last else '')
+            return self._redo(plain, args, 'defect', 'the schedule could not be {} ({}: {}): '
+                              "Chainer's static graph cannot record or replay this graph "
+                              '(a limit of the cache, not a verified difference; the step '
+                              'ran define-by-run)'.format(where, type(e).__name__, e))
+        if building:
+            recorder.resolve(chain)
+            refused = _functions.refusal(recorder.names)
+            if refused is not None:
+                before.restore()
+                return self._redo(plain, args, 'refused', refused)
+            if reads:
+                before.restore()
+                return self._redo(plain, args, 'not static', _reads.reason(reads))
+            self.state['names'][key] = set(recorder.names)
+            recorded = self.state['sequences'].setdefault(key, recorder.calls)
+            if recorder.calls != recorded:      # a second schedule for the key
+                before.restore()
+                return self._redo(plain, args, *self._sequence_reason(recorder.calls,
+                                                                      recorded))
+        schedule = chain.static_schedule
+        after = _verify.Snapshot(chain, grads=False)
+        before.restore_persistents()
+        numpy.random.set_state(before.random)
+        reference = _verify.Reference(chain, plain, args)
+        reached = _verify.Snapshot(chain, grads=False)
+        after.restore_persistents()
+        numpy.random.set_state(after.random)
+        found = self._compare_forward(key, building, out, after, reference, reached)
+        if found is not None:
+            before.restore()
+            return self._redo(plain, args, *found)
+        report = functools.partial(self._backward_result, key, building)
+        _patches.attach(schedule, _fixes.CHECK,
+                        _verify.BackwardCheck(reference, before.grads, report))
+        return out
+
+    def _compare_forward(self, key, building, out, after, reference, reached):
+        calls, recorded = reference.recorder.calls, self.state['sequences'][key]
+        if calls != recorded:
+            return self._sequence_reason(calls, recorded)
+        if not after.same_random_state(reached):
+            return ('not static', 'NumPy\'s random state advanced differently in the replay '
+                    'than in define-by-run: the model draws random numbers (in Python, e.g. '
+                    'F.gumbel_softmax or a sampler, or in a function the cache does not know) '
+                    "and the replay keeps the first step's draw")
+        pairs = [('output #{}'.format(i + 1), y, e) for i, (y, e) in
+                 enumerate(zip(_verify.flatten(out), reference.outputs))]
+        found = _verify.first_difference(pairs) or after.compare_persistents(reached)
+        if found is None and len(_verify.flatten(out)) != len(reference.outputs):
+            found = ('the outputs', 'a different number of outputs')
+        return None if found is None else self._value_reason(key, building, *found)
+
+    def _backward_result(self, key, building, found):
+        if found is None:
+            if not building:
+                self.state['verified'][key] = self.state['verified'].get(key, 0) + 1
+            return
+        self.fall_back(*self._value_reason(key, building, *found, backward=True))
+
+    def _sequence_reason(self, calls, recorded):
+        k = next((i for i, (a, b) in enumerate(zip(calls, recorded)) if a != b),
+                 min(len(calls), len(recorded)))
+        got = calls[k] if k < len(calls) else None
+        had = recorded[k] if k < len(recorded) else None
+        if got is not None and had is not None and got[:2] == had[:2] and got[2] != had[2]:
+            new, old = dict(got[2]), dict(had[2])
+            name = next(n for n in sorted(set(new) | set(old)) if new.get(n) != old.get(n))
+            return ('not static', 'the model is not static: {} (function #{}) got {} = {} '
+                    'where the recorded graph has {}: a value computed in Python from '
+                    'the data, which the replay would keep from the first step'.format(
+                        got[0], k + 1, name, new.get(name), old.get(name)))
+        return ('not static', 'the model is not static: on a later call its forward applied '
+                '{} where the recorded graph has {} (function #{}); Python control flow '
+                'that depends on the data?'.format(_call(got), _call(had), k + 1))
+
+    def _value_reason(self, key, building, what, how, backward=False):
+        if what == _verify.RAISED:
+            return ('defect', "Chainer's replay of the backward raised {}: Chainer's static "
+                    'graph cannot replay this graph (a limit of the cache, not a verified '
+                    "difference; the step's gradients are define-by-run's)".format(how))
+        if what == _verify.ACCUMULATED:
+            return ('unsupported', '{}: define-by-run adds the new gradients to it, '
+                    "Chainer's replay overwrites it. Gradient accumulation over several "
+                    'forward/backward passes is not supported by the cache (clear the '
+                    'gradients before each pass, as optimizer.update(lossfun) does)'
+                    .format(how))
+        if building:
+            return ('defect', 'on the step that recorded it, the replay and define-by-run '
+                    'differ in {} ({}): a defect of the static cache (fastchain or '
+                    "Chainer's replay), not of the model; the step's result is define-by-run's. "
+                    'Please report it'.format(what, how))
+        suspects = _functions.unknown(self.state['names'].get(key, ()))
+        named = (': possibly ' + ', '.join(suspects) + ', which fastchain has not measured '
+                 'under the cache') if suspects else ''
+        if backward:
+            # A value the model computes in Python from the data shows in the
+            # forward or among the constants; these agreed.
+            return ('defect', 'on a later batch the gradients differ ({}: {}) although the '
+                    'forward, the functions applied and their constants agree: a function '
+                    "keeps forward state that Chainer's replay does not refresh{}. A defect "
+                    "of the static cache, not of the model; the step's gradients are "
+                    "define-by-run's".format(what, how, named))
+        return ('not static', 'on a later batch the replay and define-by-run differ in {} ({}) '
+                'although the functions applied and their constants are the same: something '
+                'was kept from the batch the graph was recorded on. Most likely the model is '
+                'not static (an array computed in Python from the data, e.g. from x.array); '
+                "else a function keeps state that Chainer's replay does not refresh{}"
+                .format(what, how, named))
+
+    def fall_back(self, cause, reason):
+        self.state['fallback'] = reason
+        self.state['cause'] = cause
+        self.forget()
+        warnings.warn('fastchain static_graph: {} runs define-by-run from now on: {}'
+                      .format(self.name, reason), StaticGraphFallback,
+                      stacklevel=_patches.user_stacklevel())
+
+    def _redo(self, plain, args, cause, reason):
+        self.fall_back(cause, reason)
+        return plain(*args)
+
+    def forget(self):
+        """Drop the schedules: Chainer's attributes on the chain, if they are ours."""
+        chain = self.ref()
+        managers = None if chain is None else chain.__dict__.get('schedule_manager')
+        if getattr(managers, 'owner', None) is self.token:
+            for name in _CHAINER_ATTRIBUTES:
+                chain.__dict__.pop(name, None)
+
+
+def _call(call):
+    if call is None:
+        return 'nothing'
+    params = [p for p in call[3] if p is not None]
+    return '{}{}{}'.format(call[0], call[1], ' to ' + ', '.join(params) if params else '')
+
+
+def _forward_of(cls):
+    forward = cls.forward
+    return getattr(forward, '__fastchain_static__', forward)
 
 
 def cache_static_graph(chain, verify_steps=2, verbosity=0, changes=None):
@@ -96,121 +283,83 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0, changes=None):
     if 'forward' in vars(chain):
         raise ValueError('{} has an instance-level forward of its own, which the cache '
                          'would not replay'.format(type(chain).__name__))
-    from chainer.graph_optimizations.static_graph import static_graph
-    release = _fixes.acquire()
-    _fixes.verbose = verbosity > 0
-    replay = static_graph(force_test_define_by_run=True, minimize_cache_size=False,
-                          verbosity_level=verbosity)(type(chain).forward)
-    state = {'fallback': None, 'sequences': {}, 'verified': {}}
-    name = type(chain).__name__
-
-    def fall_back(reason):
-        state['fallback'] = reason
-        warnings.warn('fastchain static_graph: {} runs define-by-run from now on: {}'
-                      .format(name, reason), StaticGraphFallback,
-                      stacklevel=_patches.user_stacklevel())
+    cache, release = _new_cache(chain, _forward_of(type(chain)), verify_steps, verbosity)
 
     def cached_forward(plain, *args, **kwargs):
-        chain = ref()
-        if state['fallback'] is not None or not chainer.config.train or kwargs:
-            if kwargs and state['fallback'] is None:
-                fall_back('keyword arguments are not supported by the cache')
-            return plain(*args, **kwargs)
-        key = tuple(getattr(a, 'shape', None) for a in args)
-        if key not in state['sequences']:
-            return _build(chain, plain, key, args)
-        if state['verified'][key] >= verify_steps:
-            return replay(chain, *args)
-        state['verified'][key] += 1
-        saved = _fixes.snapshot_statistics(chain)
-        # The replay re-attaches the schedule's gradient arrays to the params.
-        grads = [(p, p.grad_var) for p in chain.params()]
-        out = replay(chain, *args)
-        reason = _verify(chain, plain, key, args, out)
-        if reason is None:
-            return out
-        # This call's replay is wrong: undo what it touched, run it for real.
-        _fixes._restore(saved)
-        for p, g in grads:
-            p.grad_var = g
-        fall_back(reason)
-        return plain(*args)
-
-    def _build(chain, plain, key, args):
-        recorder = _Sequence()
-        try:
-            with _fixes.building_statistics(chain), recorder:
-                out = replay(chain, *args)
-        except Exception as e:      # the caching machinery could not handle it
-            fall_back('the schedule could not be built ({}: {})'.format(
-                type(e).__name__, e))
-            return plain(*args)
-        state['sequences'][key] = recorder.calls
-        state['verified'][key] = 0
-        return out
-
-    def _verify(chain, plain, key, args, replayed):
-        """None if define-by-run agrees with the replay, else the reason."""
-        saved = _fixes.snapshot_statistics(chain)
-        recorder = _Sequence()
-        with chainer.no_backprop_mode(), recorder:
-            expected_out = plain(*args)
-        _fixes._restore(saved)
-        expected = state['sequences'][key]
-        if recorder.calls != expected:
-            k = next((i for i, (a, b) in enumerate(zip(recorder.calls, expected)) if a != b),
-                     min(len(recorder.calls), len(expected)))
-            got = recorder.calls[k] if k < len(recorder.calls) else 'nothing'
-            had = expected[k] if k < len(expected) else 'nothing'
-            return ('the model is not static: on a later call its forward applied {} where '
-                    'the recorded graph has {} (function #{}); Python control flow that '
-                    'depends on the data?'.format(got, had, k + 1))
-        if any(_RANDOM in call for call in expected for _RANDOM in _RANDOM_FUNCTIONS):
-            return None     # outputs of random functions cannot be compared
-        diff = _max_difference(replayed, expected_out)
-        if diff is not None and diff > 1e-4:
-            return ('the model is not static: the cached graph and define-by-run give '
-                    'outputs that differ by {:.3g} on the same input (a value computed '
-                    'in Python from the data, e.g. from x.array?)'.format(diff))
-        return None
-
-    ref = weakref.ref(chain)
+        return cache(plain, args, kwargs)
     functools.update_wrapper(cached_forward, type(chain).forward)
+    name = type(chain).__name__
     if changes is not None:
         point = changes.wrap(chain, 'forward', 'static_graph', cached_forward)
-        changes.attach(chain, STATE, state)
+        changes.attach(chain, STATE, cache)
         changes.call('static graph lease of ' + name, release)
+        changes.call('static graph schedules of ' + name, cache.forget)
     else:
         point = _patches.wrap(chain, 'forward', 'static_graph', cached_forward)
-        _patches.attach(chain, STATE, state)
-        weakref.finalize(chain, release)
+        _patches.attach(chain, STATE, cache)
+    ref = weakref.ref(chain)
 
     def undo():
         obj = ref()
         if obj is not None:
             _patches.unwrap(obj, 'forward', 'static_graph', point=point)
-            _patches.detach(obj, STATE, state)
+            _patches.detach(obj, STATE, cache)
+        cache.forget()
         release()
     return undo
 
 
-def static_graph(cls_or_chain=None, verify_steps=2):
+def _new_cache(chain, forward, verify_steps, verbosity):
+    release = _fixes.acquire()
+    _fixes.verbose = verbosity > 0
+    cache = _Cache(chain, forward, verify_steps, verbosity)
+    weakref.finalize(chain, release)
+    return cache, release
+
+
+def _cached_method(func, verify_steps):
+    """``func`` (a chain's forward) cached per instance on its first call."""
+
+    @functools.wraps(func)
+    def forward(self, *args, **kwargs):
+        cache = _patches.attached(self, STATE)
+        if cache is None:       # the cache lives as long as the instance
+            cache, _ = _new_cache(self, func, verify_steps, 0)
+            cache.method = True
+            _patches.attach(self, STATE, cache)
+        if not cache.method:
+            # The instance's forward is cached as a whole: this call comes from
+            # inside that cache.
+            return func(self, *args, **kwargs)
+        return cache(functools.partial(func, self), args, kwargs)
+    forward.__fastchain_static__ = func
+    return forward
+
+
+def static_graph(target=None, verify_steps=2):
     """Mark a model for static-subgraph caching.
 
-    As a class decorator (every instance is cached when first called)::
+    On a chain's forward method, the way Chainer's ``@static_graph`` is used
+    (each instance is cached on its first call)::
+
+        class Net(chainer.Chain):
+            @fastchain.static_graph          # or @fastchain.static_graph(verify_steps=3)
+            def forward(self, x): ...
+
+    As a class decorator (every instance is cached when made)::
 
         @fastchain.static_graph
         class Net(chainer.Chain): ...
 
     or on an instance: ``fastchain.static_graph(model)`` (returns the model).
     """
-    if cls_or_chain is None:
+    if target is None:
         return functools.partial(static_graph, verify_steps=verify_steps)
-    if isinstance(cls_or_chain, chainer.Chain):
-        cache_static_graph(cls_or_chain, verify_steps)
-        return cls_or_chain
-    if isinstance(cls_or_chain, type) and issubclass(cls_or_chain, chainer.Chain):
-        cls = cls_or_chain
+    if isinstance(target, chainer.Chain):
+        cache_static_graph(target, verify_steps)
+        return target
+    if isinstance(target, type) and issubclass(target, chainer.Chain):
+        cls = target
         init = cls.__init__
 
         @functools.wraps(init)
@@ -220,5 +369,7 @@ def static_graph(cls_or_chain=None, verify_steps=2):
                 cache_static_graph(self, verify_steps)
         cls.__init__ = init_and_cache
         return cls
-    raise TypeError('fastchain.static_graph marks a chainer.Chain class or instance, '
-                    'got {!r}'.format(cls_or_chain))
+    if callable(target) and not isinstance(target, type):
+        return _cached_method(target, verify_steps)
+    raise TypeError('fastchain.static_graph marks a chainer.Chain class or instance, or '
+                    "a chain's forward method, got {!r}".format(target))

@@ -1,36 +1,49 @@
-"""Three measured faults of Chainer 7.8.1's ``static_graph``, fixed where they
-arise.
+"""Faults of Chainer 7.8.1's ``static_graph``, fixed where they arise, and
+the hook the cache's backward verification runs in.
 
 1. Wrong BatchNormalization gradients from the second batch on: the cached
    backward keeps the ``BatchNormalizationGrad`` node made on the first
    iteration, which holds that batch's mean and inverse std; replaying the
    forward recomputes them on the forward node only. Fix: the grad node reads
    them from its forward node when it runs (the same arrays in define-by-run,
-   so nothing changes there).
-2. Running statistics updated twice on the iteration that builds a schedule:
-   the define-by-run pass updates them, then the new schedule is run once
-   more. Fix: the statistics are put back as they were before that pass once
-   the schedule is built, so the schedule's own run is the one update.
+   so nothing changes there). The same for ``FixedBatchNormalization`` (train
+   mode with statistics that change, e.g. trained), whose grad node keeps the
+   first step's inverse std (:mod:`fastchain.static._live`).
+2. Persistent values (running statistics) updated twice on the iteration
+   that builds a schedule: the define-by-run pass updates them, then the new
+   schedule is run once more. Fix: every persistent array of the chain's
+   links is put back as it was before that pass once the schedule is built,
+   so the schedule's own run is the one update.
 3. Output on stdout whatever the verbosity ('Creating new backward
    schedule...'). Fix: the module's prints go through a filter that keeps
    them only when verbosity was asked for.
+4. Wrong gradients when the last function of a cached chain retains its
+   inputs or outputs for backward (``F.relu``, ``F.softmax``, ``F.elu``...):
+   Chainer marks a function's retained arrays, so that the replay copies new
+   values into them instead of rebinding, only when it appends the *next*
+   function, so the last function's retained arrays keep the first step's
+   values in its backward node. Fix: they are marked when the forward
+   schedule is built.
 
-All three are layers (:mod:`fastchain.config._patches`, layer
-``static_graph``) on ``BatchNormalization.backward``,
-``StaticScheduleFunction.build_schedule`` and the ``print`` of Chainer's
-static_graph module, held while any chain is cached: each cached chain holds
-a lease (:func:`acquire`), released when the cache is undone or the chain is
-collected, and the layers leave with the last lease. Once a schedule is built
-the same layer binds lean kernels into it (:mod:`fastchain.kernels._bind`,
-unless ``cpu_conv=False`` is in force) and gives it a flat program
-(:mod:`fastchain.static._flat`). None changes define-by-run execution.
+The layers (:mod:`fastchain.config._patches`, layer ``static_graph``) are on
+``BatchNormalization.backward``, ``FixedBatchNormalization.backward``,
+``StaticScheduleFunction.build_schedule``,
+``StaticScheduleFunction.backward`` (a schedule with a pending check attached
+under :data:`CHECK` runs it: :class:`fastchain.static._verify.BackwardCheck`)
+and the ``print`` of Chainer's static_graph module, held while any chain is
+cached: each cached chain holds a lease (:func:`acquire`), released when the
+cache is undone or the chain is collected, and the layers leave with the last
+lease. Once a schedule is built the same layer binds lean kernels into it
+(:mod:`fastchain.kernels._bind`, unless ``cpu_conv=False`` is in force) and
+gives it a flat program (:mod:`fastchain.static._flat`). None changes
+define-by-run execution.
 """
 
 import threading
 
 from fastchain.config import _patches
 from fastchain.kernels import _bind
-from fastchain.static import _flat
+from fastchain.static import _flat, _live
 
 # Reentrant: a chain collected while the lock is held releases its lease
 # from inside (weakref.finalize runs wherever the collector runs).
@@ -38,6 +51,7 @@ _lock = threading.RLock()
 _local = threading.local()
 _leases = set()
 verbose = False
+CHECK = 'static_backward_check'     # attachment key on a schedule: a pending check
 
 
 def installed():
@@ -48,8 +62,10 @@ def installed():
 def _targets():
     from chainer.functions.normalization import batch_normalization as bn
     from chainer.graph_optimizations import static_graph as sg
-    return ((bn.BatchNormalization, 'backward', _bn_backward),
+    return ((bn.BatchNormalization, 'backward', _live.batch_normalization_backward),
+            (bn.FixedBatchNormalization, 'backward', _live.fixed_batch_normalization_backward),
             (sg.StaticScheduleFunction, 'build_schedule', _build_then_fix),
+            (sg.StaticScheduleFunction, 'backward', _backward_then_check),
             (sg, 'print', _quiet_print))
 
 
@@ -86,6 +102,8 @@ def _remove():
 
 
 def _build_then_fix(next_, schedule, *args, **kwargs):
+    if not schedule.pass_depth:
+        _retain_last(schedule)
     result = next_(schedule, *args, **kwargs)
     saved = getattr(_local, 'statistics', None)
     if saved is not None and not schedule.pass_depth:   # the forward schedule
@@ -95,84 +113,59 @@ def _build_then_fix(next_, schedule, *args, **kwargs):
     return result
 
 
+def _backward_then_check(next_, schedule, indexes, grad_outputs):
+    check = _patches.attached(schedule, CHECK)
+    if check is None:
+        return next_(schedule, indexes, grad_outputs)
+    _patches.detach(schedule, CHECK, check)
+    return check(next_, schedule, indexes, grad_outputs)
+
+
 def _quiet_print(next_, *args, **kwargs):
     if verbose:
         next_(*args, **kwargs)
 
 
-# --- 1. BatchNormalization gradients ------------------------------------------
-
-def _bn_backward(next_, self, indexes, grad_outputs):
-    x, gamma = self.get_retained_inputs()
-    gy, = grad_outputs
-    grad = _LiveStatisticsGrad(self)
-    return grad.apply((x, gamma, gy))
-
-
-def _make_live_grad_class():
-    from chainer.functions.normalization import batch_normalization as bn
-
-    class LiveStatisticsGrad(bn.BatchNormalizationGrad):
-        """BatchNormalizationGrad that takes the batch statistics from its
-        forward node at the time it runs, not when it was made."""
-
-        def __init__(self, forward_node):
-            self._forward = forward_node
-            self.eps = forward_node.eps
-            self.expander = forward_node.expander
-            self.axis = forward_node.axis
-            self.key_axis = forward_node.key_axis
-            self._impl = forward_node._impl
-
-        # Chainer's __init__ sets these as attributes; here they are live.
-        mean = property(lambda self: self._forward.mean, lambda self, v: None)
-        inv_std = property(lambda self: self._forward.inv_std, lambda self, v: None)
-        forward_data = property(lambda self: self._forward.forward_data,
-                                lambda self, v: None)
-
-        @property
-        def var(self):
-            # Only iDeep's implementation keeps var (as Chainer's backward).
-            if isinstance(self._forward._impl, bn._IDeepBatchNormalizationImpl):
-                return self._forward.var
-            return None
-
-        @var.setter
-        def var(self, value):
-            pass
-
-    return LiveStatisticsGrad
-
-
-class _LazyGradClass:
-    cls = None
-
-    def __call__(self, forward_node):
-        if self.cls is None:
-            self.cls = _make_live_grad_class()
-        return self.cls(forward_node)
-
-
-_LiveStatisticsGrad = _LazyGradClass()
-
-
-# --- 2. running statistics on the building iteration -----------------------------
+# --- 2. persistent values on the building iteration -----------------------------
 
 def snapshot_statistics(chain):
-    """Copies of every BatchNormalization's running statistics in ``chain``."""
-    import chainer.links as L
+    """Copies of the persistent arrays of every link in ``chain`` (running
+    statistics); scalars such as BatchNormalization's ``N`` are left alone: the
+    schedule does not replay the Python code that updates them."""
     saved = []
     for link in chain.links():
-        if isinstance(link, L.BatchNormalization) and link.avg_mean is not None:
-            saved.append((link, link.avg_mean.copy(), link.avg_var.copy(), link.N))
+        for name in sorted(link._persistent):
+            value = link.__dict__.get(name)
+            if hasattr(value, 'shape') and hasattr(value, 'copy'):
+                saved.append((value, value.copy()))
     return saved
 
 
 def _restore(saved):
-    for link, mean, var, n in saved:
-        link.avg_mean[...] = mean
-        link.avg_var[...] = var
-        link.N = n
+    for array, copy in saved:
+        array[...] = copy
+
+
+# --- 4. the last function's retained arrays ----------------------------------------
+
+def _retain_last(schedule):
+    """Mark the retained arrays of the schedule's last function, as Chainer's
+    ``append_function`` does for every other function when the next is added."""
+    if not schedule.schedule_info_list:
+        return
+    node = schedule.schedule_info_list[-1].function_node
+    if node is None:
+        return
+    retained = (node.get_retained_inputs() or ()) + (node.get_retained_outputs() or ())
+    for var in retained:
+        array = var.data
+        index = schedule.array_id_to_unique_index.get(id(array))
+        # Only arrays with data of their own: the replay copies new values into
+        # a retained array, which a view (a broadcast, a reshape) cannot take
+        # or would pass on to the array it views (measured: F.broadcast_to).
+        if (index is not None and array.flags.owndata and array.flags.writeable
+                and not schedule.unique_array_infos[index].was_deleted()):
+            schedule.unique_array_infos[index].retain = True
 
 
 class building_statistics:

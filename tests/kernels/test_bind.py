@@ -114,3 +114,21 @@ def test_an_input_unlike_the_plans_runs_chainers_code():
     y3, = lazy(node, inputs=[x * 2, W])                      # the plan again
     assert len(calls) == 1
     numpy.testing.assert_array_equal(y3, F.convolution_2d(x * 2, W, pad=1).array)
+
+
+def test_padded_buffers_are_shared_only_by_convolutions_padded_alike():
+    """3x3 pad 1 on 16 px and 5x5 pad 2 on 14 px both pad to 18 px: one
+    buffer would leave the first one's interior in the second one's border."""
+    from chainer.functions.connection.convolution_2d import Convolution2DFunction
+    rng = numpy.random.RandomState(5)
+    x16, x14 = (rng.randn(2, 4, n, n).astype(numpy.float32) for n in (16, 14))
+    W3, W5 = (rng.randn(4, 4, k, k).astype(numpy.float32) for k in (3, 5))
+    buffers = {}
+    calls = [(1, x16, W3), (2, x14, W5), (1, x16 * 2, W3)]
+    plans = [_bind._convolution(Convolution2DFunction(pad=pad), (x, W), buffers)
+             for pad, x, W in calls]
+    assert len(buffers) == 2        # the third shares the first one's buffer
+    for _ in range(2):
+        for plan, (pad, x, W) in zip(plans, calls):
+            y, = plan((x, W))
+            numpy.testing.assert_array_equal(y, F.convolution_2d(x, W, pad=pad).array)

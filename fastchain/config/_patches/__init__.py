@@ -46,8 +46,12 @@ point                                      layers
 ``Trainer.run``                            nvtx
 ``<Convolution/Deconvolution>._forward_cpu_core``  cpu_conv
 ``BatchNormalization.backward``,           static_graph (held while a chain is cached)
+``FixedBatchNormalization.backward``,
 ``StaticScheduleFunction.build_schedule``,
+``StaticScheduleFunction.backward``,
 ``static_graph.print``
+``Variable.array``, ``Variable.data``      static_graph (while a key is recorded)
+(getters)
 optimizer instance: ``update``,            nvtx, distributed, fp16
 ``reallocate_cleared_grads``,
 ``check_nan_in_grads``, ``call_hooks``,

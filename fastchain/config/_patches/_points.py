@@ -25,10 +25,11 @@ def _label(owner, name):
 
 
 class Point:
-    """One function attribute fastchain dispatches through."""
+    """One function attribute (or a class's property: its getter) fastchain
+    dispatches through."""
 
-    __slots__ = ('_owner', 'name', 'label', 'is_object', 'had_own', 'original', 'layers',
-                 'composed', 'dispatch', 'successor', '__weakref__')
+    __slots__ = ('_owner', 'name', 'label', 'is_object', 'had_own', 'own', 'original',
+                 'layers', 'composed', 'dispatch', 'value', 'successor', '__weakref__')
 
     def __init__(self, owner, name):
         self.is_object = _is_object(owner)
@@ -37,7 +38,14 @@ class Point:
         self.label = _label(owner if not self.is_object else type(owner), name)
         own = vars(owner).get(name, _MISSING)
         self.had_own = own is not _MISSING
-        if self.had_own:
+        self.own = own
+        prop = None
+        if not self.is_object:
+            found = own if self.had_own else getattr(owner, name, None)
+            prop = found if isinstance(found, property) else None
+        if prop is not None:
+            self.original = prop.fget               # the layers wrap the getter
+        elif self.had_own:
             self.original = own
         elif self.is_object:
             # Looked up on the class at call time, bound to the object.
@@ -65,6 +73,8 @@ class Point:
             functools.update_wrapper(dispatch, target)
         dispatch.__wrapped__ = self.original
         self.dispatch = dispatch
+        self.value = dispatch if prop is None else \
+            property(dispatch, prop.fset, prop.fdel, prop.__doc__)
 
     @property
     def owner(self):
@@ -76,16 +86,19 @@ class Point:
 
     def installed(self):
         """The attribute holds this point's dispatcher."""
-        return self.current() is self.dispatch
+        return self.current() is self.value
 
     def reachable(self):
         """A call of the attribute reaches the dispatcher: it is the
         dispatcher, or a patch that leads to it (see :func:`_leads_to`)."""
-        return _leads_to(self.current(), self.dispatch)
+        current = self.current()
+        if isinstance(current, property):
+            current = current.fget
+        return _leads_to(current, self.dispatch)
 
     def _wrapped_value(self):
         """What the attribute held before (MISSING: nothing of its own)."""
-        return self.original if self.had_own else _MISSING
+        return self.own
 
     def order(self):
         """The layer names on this point, outermost first."""
@@ -98,14 +111,14 @@ class Point:
         self.composed = call
 
     def _install(self):
-        setattr(self.owner, self.name, self.dispatch)
+        setattr(self.owner, self.name, self.value)
 
     def _restore(self):
         owner = self.owner
         if owner is None:
             return
         if self.had_own:
-            setattr(owner, self.name, self.original)
+            setattr(owner, self.name, self.own)
         else:
             delattr(owner, self.name)
 

@@ -1,0 +1,83 @@
+"""What a cached schedule is valid for, and where Chainer finds it.
+
+Chainer keys its schedules by the shapes and dtypes of the inputs and
+``chainer.config.train`` (``ScheduleManager.get_schedule``). The replay also
+depends on what decided the functions and kernels while the schedule was
+recorded: the array types and devices of the inputs, and the configuration
+that Chainer's functions read in Python when they make their nodes (cuDNN and
+iDeep use, the default dtype, the gradient summation mode). fastchain's key
+covers all of it, and each key gets its own Chainer ``ScheduleManager`` so
+that Chainer never reuses a schedule across keys.
+"""
+
+import chainer
+
+CONFIG = ('train', 'dtype', 'use_cudnn', 'cudnn_deterministic', 'use_ideep',
+          'cudnn_fast_batch_normalization', 'lazy_grad_sum')
+
+
+def _array_key(x):
+    if isinstance(x, (list, tuple)):
+        parts = tuple(_array_key(item) for item in x)
+        return None if None in parts else (type(x), parts)
+    a = x.array if isinstance(x, chainer.Variable) else x
+    if not hasattr(a, 'shape') or not hasattr(a, 'dtype'):
+        return None
+    device = getattr(a, 'device', None)
+    return type(a), a.shape, a.dtype, getattr(device, 'id', device)
+
+
+def key(args):
+    """What a schedule is valid for, or None if an argument is not an array."""
+    arrays = _array_key(args)
+    if arrays is None:
+        return None
+    config = chainer.config
+    return arrays, tuple(getattr(config, name, None) for name in CONFIG)
+
+
+class Managers:
+    """What Chainer finds as ``chain.schedule_manager``: one Chainer
+    ``ScheduleManager`` per cache key, the one for the current call selected.
+
+    It lives on the chain, as Chainer's own manager does (the schedules refer
+    to the chain, so the chain must own them to be collectable), and belongs
+    to one cache (``owner``): a new cache on the same chain starts afresh.
+    """
+
+    def __init__(self, owner, verbosity):
+        self.owner = owner
+        self.verbosity = verbosity
+        self.by_key = {}
+        self.current = None
+
+    def select(self, key):
+        manager = self.by_key.get(key)
+        if manager is None:
+            from chainer.graph_optimizations.static_graph import ScheduleManager
+            manager = self.by_key[key] = ScheduleManager(
+                minimize_cache_size=False, verbosity_level=self.verbosity)
+        self.current = manager
+        return manager
+
+    def get_schedule(self, in_vars, enable_double_backprop=False):
+        return self.current.get_schedule(in_vars, enable_double_backprop)
+
+    def end_forward(self):
+        for manager in self.by_key.values():
+            manager.end_forward()
+
+    @property
+    def schedules(self):
+        return {(i, name): schedules for i, manager in enumerate(self.by_key.values())
+                for name, schedules in manager.schedules.items()}
+
+
+def will_build(manager):
+    """Whether Chainer's next ``get_schedule`` on ``manager`` (one key per
+    manager) makes a new schedule, which it then records."""
+    if not manager.schedules:
+        return True
+    (key, schedules), = manager.schedules.items()
+    used = manager.in_use_count.get(key, 0)
+    return used >= len(schedules) or schedules[used].is_empty()

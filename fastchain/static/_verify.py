@@ -1,0 +1,266 @@
+"""Checking a replay against define-by-run on the same batch.
+
+On a verified step the cache runs the replay (what training uses), puts the
+model's state back as it was before the call, runs the chain define-by-run
+(the *reference*) on detached copies of the same inputs, compares, and puts
+the replay's state back; the reference's graph is kept until the replay's
+backward, where its gradients are computed with the same output gradients
+and compared too (:class:`BackwardCheck`). What is compared:
+
+- forward: the functions applied (names, input shapes and their scalar
+  constants), the outputs, every persistent value of every link (running
+  statistics), and NumPy's global random state (the same draws consumed);
+- backward: the gradient of every parameter (define-by-run accumulates into
+  a gradient left from before the step, so that is the expectation) and of
+  every floating-point input.
+
+Tolerance: a difference is accepted when it is at most ``ULPS`` units in the
+last place of the array's dtype relative to the larger magnitude of the two
+arrays (``ULPS * finfo(dtype).eps * max(|a|, |b|)``): 32 ulps is 3.8e-6 of
+the magnitude in float32, 3.1e-2 in float16 and 7.1e-15 in float64. Integer
+arrays, NaN and infinity patterns and ``None`` must match exactly. On the
+CPU the replay is bitwise define-by-run (measured), so any difference is
+real; the margin is for GPU kernels whose summation order varies.
+"""
+
+import threading
+
+import numpy
+
+import chainer
+
+from fastchain.static import _functions
+
+ULPS = 32
+RAISED = 'raised'       # what a difference is "in" when the replay's backward raised
+ACCUMULATED = 'accumulated'     # ... when gradients left from before were not kept
+
+
+def allowed(dtype):
+    """The accepted difference relative to the magnitude, for ``dtype``."""
+    dtype = numpy.dtype(dtype)
+    return ULPS * float(numpy.finfo(dtype).eps) if dtype.kind == 'f' else 0.0
+
+
+def _host(x):
+    x = getattr(x, 'array', x)
+    if x is None or isinstance(x, numpy.ndarray):
+        return x
+    if hasattr(x, 'shape'):
+        return chainer.backend.CpuDevice().send(x)
+    return numpy.asarray(x)
+
+
+def difference(got, expected):
+    """None if ``got`` is ``expected`` within the tolerance, else what differs."""
+    got, expected = _host(got), _host(expected)
+    if got is None or expected is None:
+        if got is None and expected is None:
+            return None
+        return 'None instead of an array' if got is None else 'an array instead of None'
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return '{} {} instead of {} {}'.format(got.dtype, got.shape, expected.dtype,
+                                               expected.shape)
+    if expected.dtype.kind != 'f':
+        return None if numpy.array_equal(got, expected) else 'differ (exact dtype)'
+    if not numpy.array_equal(numpy.isnan(got), numpy.isnan(expected)):
+        return 'NaN where define-by-run has none, or the reverse'
+    finite = numpy.isfinite(expected)
+    if not numpy.array_equal(got[~finite], expected[~finite], equal_nan=True):
+        return 'infinities differ'
+    g, e = got[finite].astype(numpy.float64), expected[finite].astype(numpy.float64)
+    if not g.size:
+        return None
+    worst = float(numpy.abs(g - e).max())
+    scale = max(float(numpy.abs(e).max()), float(numpy.abs(g).max()))
+    if worst <= allowed(expected.dtype) * scale:
+        return None
+    eps = float(numpy.finfo(expected.dtype).eps)
+    return 'differ by {:.3g} at magnitude {:.3g} ({:.3g} ulps of {}; {} allowed)'.format(
+        worst, scale, worst / (eps * scale) if scale else float('inf'),
+        expected.dtype.name, ULPS)
+
+
+def first_difference(pairs):
+    """The first ``(name, description)`` among ``(name, got, expected)`` that differ."""
+    for name, got, expected in pairs:
+        found = difference(got, expected)
+        if found is not None:
+            return name, found
+    return None
+
+
+def flatten(x):
+    """Nested lists and tuples of variables or arrays, in order."""
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in flatten(item)]
+    return [x]
+
+
+def _copy(x, inputs):
+    """``x`` with every array or variable replaced by a new leaf variable."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_copy(item, inputs) for item in x)
+    v = chainer.Variable(getattr(x, 'array', x))
+    inputs.append(v)
+    return v
+
+
+class Snapshot:
+    """What a call may change, to put back: every link's persistent values,
+    every parameter's gradient and NumPy's global random state."""
+
+    def __init__(self, chain, grads=True):
+        self.persistents = []
+        for path, link in chain.namedlinks():
+            for name in sorted(link._persistent):
+                value = link.__dict__.get(name)
+                copy = value.copy() if hasattr(value, 'copy') else value
+                self.persistents.append((link, name, path.rstrip('/') + '/' + name, copy))
+        self.grads = None
+        if grads:
+            self.grads = [(name, p, p.grad_var, None if p.grad is None else p.grad.copy())
+                          for name, p in chain.namedparams() if p.array is not None]
+        self.random = numpy.random.get_state()
+
+    def restore(self):
+        self.restore_persistents()
+        numpy.random.set_state(self.random)
+        if self.grads is not None:
+            for _, p, grad_var, _ in self.grads:
+                p.grad_var = grad_var
+
+    def restore_persistents(self):
+        for link, name, _, saved in self.persistents:
+            current = link.__dict__.get(name)
+            if (hasattr(current, 'shape') and hasattr(saved, 'shape')
+                    and current.shape == saved.shape and current.dtype == saved.dtype):
+                current[...] = saved
+            else:
+                setattr(link, name, saved.copy() if hasattr(saved, 'copy') else saved)
+
+    def compare_persistents(self, other):
+        """The first persistent value that differs from ``other``'s, or None."""
+        return first_difference((path, mine, theirs) for (_, _, path, mine), (_, _, _, theirs)
+                                in zip(self.persistents, other.persistents))
+
+    def same_random_state(self, other):
+        a, b = self.random, other.random
+        return a[0] == b[0] and a[2:] == b[2:] and numpy.array_equal(a[1], b[1])
+
+
+
+_local = threading.local()
+
+
+def in_reference():
+    """True while a reference run is under way (cached chains inside it run
+    define-by-run: the reference is define-by-run all through)."""
+    return getattr(_local, 'depth', 0) > 0
+
+
+class Reference:
+    """The chain run define-by-run on detached copies of a call's inputs."""
+
+    def __init__(self, chain, plain, args):
+        self.inputs = []
+        copies = _copy(args, self.inputs)
+        self.recorder = _functions.Recorder()
+        _local.depth = getattr(_local, 'depth', 0) + 1
+        try:
+            with self.recorder:
+                self.outputs = flatten(plain(*copies))
+        finally:
+            _local.depth -= 1
+        self.recorder.resolve(chain)
+
+    def gradients(self, params, before, grad_outputs):
+        """Parameter and input gradients for ``grad_outputs``, accumulated onto
+        the gradients ``before`` the step as define-by-run would."""
+        pairs = [(y, g) for y, g in zip(self.outputs, grad_outputs)
+                 if g is not None and isinstance(y, chainer.Variable)]
+        inputs = [x for x in self.inputs if x.dtype.kind == 'f']
+        targets = list(params) + inputs
+        if not pairs or not targets:
+            return [before(p) for p in params], [None] * len(self.inputs)
+        seeds = [chainer.Variable(g.array if isinstance(g, chainer.Variable) else g)
+                 for _, g in pairs]
+        start = [None if before(p) is None else chainer.Variable(before(p)) for p in params]
+        grads = chainer.grad([y for y, _ in pairs], targets, grad_outputs=seeds,
+                             grad_inputs=start + [None] * len(inputs))
+        by_input = dict(zip(map(id, inputs), grads[len(params):]))
+        return ([None if g is None else g.array for g in grads[:len(params)]],
+                [by_input.get(id(x)) for x in self.inputs])
+
+
+def _nonzero(array):
+    return array is not None and bool((_host(array) != 0).any())
+
+
+class BackwardCheck:
+    """Runs the replay's backward and compares it with the reference's.
+
+    Made right after the replay's forward, from the gradients before the call
+    (``grads``: a :class:`Snapshot`'s). ``report(difference_or_None)`` is told
+    the outcome. On a difference (or an error of the replay) the parameters get
+    the reference's gradients and the reference's input gradients are
+    returned, so the step's update is define-by-run's.
+    """
+
+    def __init__(self, reference, grads, report):
+        self.reference = reference
+        self.named = [(name, p) for name, p, _, _ in grads]
+        self.before = {id(p): copy for _, p, _, copy in grads}
+        # The replay's forward attaches arrays of its own as gradients.
+        self.attached = {id(p): (p.grad, None if p.grad is None else p.grad.copy())
+                         for _, p in self.named}
+        self.report = report
+
+    def base(self, p):
+        """The gradient define-by-run would accumulate ``p``'s onto: the one
+        before the call, unless the caller has changed it since (``cleargrads``
+        or ``zerograds`` between forward and backward, as optimizers do)."""
+        attached, copy = self.attached[id(p)]
+        if p.grad is attached and (copy is None or numpy.array_equal(
+                _host(p.grad), _host(copy), equal_nan=True)):
+            return self.before[id(p)]
+        return p.grad
+
+    def __call__(self, next_, schedule, indexes, grad_outputs):
+        named = self.named
+        params = [p for _, p in named]
+        bases = {id(p): self.base(p) for p in params}
+        expected_params, expected_inputs = self.reference.gradients(
+            params, lambda p: bases[id(p)], grad_outputs)
+        try:
+            result = next_(schedule, indexes, grad_outputs)
+            found = self._compare(named, expected_params, indexes, result, expected_inputs)
+        except Exception as e:      # Chainer's replay could not run its backward
+            found = (RAISED, '{}: {}'.format(type(e).__name__, e))
+        if found is not None and found[0] != RAISED:
+            left = [name for name, p in named if _nonzero(bases[id(p)])]
+            if left:
+                found = (ACCUMULATED, 'parameter {} had a gradient from before this step'
+                         .format(left[0]))
+        self.report(found)
+        if found is None:
+            return result
+        for p, g in zip(params, expected_params):
+            p.grad = g
+        return tuple(expected_inputs)
+
+    @staticmethod
+    def _compare(named, expected_params, indexes, result, expected_inputs):
+        pairs = [('the gradient of parameter ' + name, p.grad, g)
+                 for (name, p), g in zip(named, expected_params)]
+        result = tuple(result)
+        if len(result) == len(expected_inputs):
+            got = result
+        else:
+            got = [None] * len(expected_inputs)
+            for i, g in zip(indexes, result):
+                got[i] = g
+        for i, (g, e) in enumerate(zip(got, expected_inputs)):
+            if e is not None and i in indexes:
+                pairs.append(('the gradient of input #{}'.format(i + 1), g, e))
+        return first_difference(pairs)

@@ -1,0 +1,98 @@
+"""A forward that reads values in Python is refused when it is recorded, not
+replayed wrong once the verified steps are over."""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from fastchain.static import StaticGraphFallback, cache_state, cache_static_graph
+from tests.helpers import copies
+
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
+
+
+class Branchy(chainer.Chain):
+    """Which head runs depends on the data's sign."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.a = L.Linear(4, 3)
+            self.b = L.Linear(4, 3)
+
+    def forward(self, x):
+        if float(x.array.mean()) > 0:
+            return self.a(x)
+        return self.b(x)
+
+
+class ShapeOnly(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.a = L.Linear(4, 3)
+
+    def forward(self, x):
+        n = x.shape[0]              # a shape, not a value
+        return F.reshape(self.a(x), (n, 3))
+
+
+def train(model, optimizer, x, t):
+    optimizer.update(lambda: F.softmax_cross_entropy(model(chainer.Variable(x)), t))
+
+
+def test_a_branch_on_the_data_after_the_verified_steps_is_refused_when_recorded():
+    plain, cached = copies(Branchy)
+    cache_static_graph(cached)
+    opts = [chainer.optimizers.SGD(0.1).setup(m) for m in (plain, cached)]
+    t = numpy.zeros(2, numpy.int32)
+    signs = [1.0, 1.0, 1.0, 1.0, -1.0, 1.0]     # flips after 2 verified replays
+    with pytest.warns(StaticGraphFallback, match=r"reads a variable's values in Python "
+                                                 r'\(test_reads.py:\d+\)'):
+        for sign in signs:
+            x = numpy.full((2, 4), sign, numpy.float32)
+            for model, opt in zip((plain, cached), opts):
+                train(model, opt, x, t)
+            for (name, p), (_, q) in zip(sorted(plain.namedparams()),
+                                         sorted(cached.namedparams())):
+                numpy.testing.assert_array_equal(q.array, p.array, err_msg=name)
+    assert cache_state(cached)['cause'] == 'not static'
+
+
+def test_reading_shapes_is_not_reading_values():
+    plain, cached = copies(ShapeOnly)
+    cache_static_graph(cached)
+    opt = chainer.optimizers.SGD(0.1).setup(cached)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        for _ in range(4):
+            train(cached, opt, numpy.ones((2, 4), numpy.float32),
+                  numpy.zeros(2, numpy.int32))
+    assert cache_state(cached)['fallback'] is None
+
+
+def test_the_getters_are_chainers_again_after_recording():
+    before = (chainer.Variable.__dict__['array'], chainer.Variable.__dict__['data'])
+    _, cached = copies(ShapeOnly)
+    cache_static_graph(cached)
+    opt = chainer.optimizers.SGD(0.1).setup(cached)
+    train(cached, opt, numpy.ones((2, 4), numpy.float32), numpy.zeros(2, numpy.int32))
+    assert (chainer.Variable.__dict__['array'], chainer.Variable.__dict__['data']) == before
+
+
+class ItemBranchy(Branchy):
+    def forward(self, x):
+        return self.a(x) if F.mean(x).item() > 0 else self.b(x)
+
+
+def test_a_value_read_through_item_counts_as_a_read():
+    _, cached = copies(ItemBranchy)
+    cache_static_graph(cached)
+    opt = chainer.optimizers.SGD(0.1).setup(cached)
+    with pytest.warns(StaticGraphFallback, match=r'test_reads.py:\d+'):
+        train(cached, opt, numpy.ones((2, 4), numpy.float32), numpy.zeros(2, numpy.int32))

@@ -1,0 +1,219 @@
+"""The cache's verification: forward and backward against define-by-run on
+the same batch, leaving no trace, with tolerances that scale with the dtype."""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from fastchain.static import StaticGraphFallback, _verify, cache_state, cache_static_graph
+
+from tests.helpers import copies, side_by_side
+
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
+
+
+class ConvBN(chainer.Chain):
+    def __init__(self, dtype=numpy.float32):
+        super().__init__()
+        init = chainer.initializers.Normal(0.3, dtype=dtype)
+        with self.init_scope():
+            self.conv = L.Convolution2D(3, 4, 3, pad=1, initialW=init, initial_bias=init)
+            self.bn = L.BatchNormalization(4, dtype=dtype)
+            self.out = L.Linear(4 * 6 * 6, 3, initialW=init, initial_bias=init)
+
+    def forward(self, x):
+        return self.out(F.relu(self.bn(self.conv(x))))
+
+
+def batches(n=4, count=4, dtype=numpy.float32, seed=0):
+    rng = numpy.random.RandomState(seed)
+    return [(rng.randn(n, 3, 6, 6).astype(dtype), rng.randint(0, 3, n).astype(numpy.int32))
+            for _ in range(count)]
+
+
+def test_gradients_are_verified_and_a_wrong_backward_is_never_applied(monkeypatch):
+    """Without fastchain's BatchNormalization fix the replay's forward is right
+    and its gradients are wrong from the second batch: the first replay's
+    backward is compared with define-by-run's, which replaces them before the
+    update, and the cache falls back."""
+    from fastchain.static import _live
+    monkeypatch.setattr(_live, 'batch_normalization_backward',
+                        lambda next_, *args: next_(*args))
+    ordinary, cached = copies(ConvBN)
+    cache_static_graph(cached)
+    caught = side_by_side(ordinary, cached, batches())
+    assert len(caught) == 1 and 'the gradient of parameter' in caught[0]
+    assert 'on a later batch' in caught[0] and 'not of the model' in caught[0]
+    assert cache_state(cached)['cause'] == 'defect'
+
+
+def test_input_gradients_are_verified(monkeypatch):
+    """A wrong input gradient (the bound deconvolution, made wrong on purpose)
+    flowing to layers outside the cached chain is caught on the step that
+    records it, and what flows on is define-by-run's."""
+    from fastchain.kernels import _bind
+    deconvolution = _bind._deconvolution
+
+    def wrong(node, inputs, buffers):
+        run = deconvolution(node, inputs, buffers)
+        return lambda inputs: (run(inputs)[0] * 1.01,)
+    monkeypatch.setattr(_bind, '_deconvolution', wrong)
+
+    class Outer(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.front = L.Linear(3 * 6 * 6, 3 * 6 * 6)
+                self.inner = ConvBN()
+
+        def forward(self, x):
+            return self.inner(F.reshape(self.front(x), x.shape))
+    ordinary, cached = copies(Outer)
+    cache_static_graph(cached.inner)
+    caught = side_by_side(ordinary, cached, batches())
+    assert len(caught) == 1 and 'the gradient of input #1' in caught[0]
+    assert cache_state(cached.inner)['cause'] == 'defect'
+
+
+def test_gradient_accumulation_is_refused_with_the_reason():
+    """Two passes before an update, gradients not cleared in between:
+    define-by-run adds them up, Chainer's replay would keep only the last."""
+    ordinary, cached = copies(ConvBN)
+    cache_static_graph(cached)
+    data = batches(count=6)
+    optimizers = [chainer.optimizers.SGD(0.1).setup(m) for m in (ordinary, cached)]
+    caught = []
+    for i in range(0, 6, 2):
+        for model, optimizer in zip((ordinary, cached), optimizers):
+            model.cleargrads()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter('always')
+                for x, t in data[i:i + 2]:
+                    F.softmax_cross_entropy(model(x), t).backward()
+            caught += [str(m.message) for m in w if m.category is StaticGraphFallback]
+            optimizer.update()
+        from tests.helpers import assert_same
+        assert_same(ordinary, cached)
+    assert len(caught) == 1 and 'Gradient accumulation' in caught[0]
+    assert cache_state(cached)['cause'] == 'unsupported'
+
+
+def test_verification_stops_after_the_verified_steps(monkeypatch):
+    runs = []
+    reference = _verify.Reference
+
+    def counted(*args):
+        runs.append(1)
+        return reference(*args)
+    monkeypatch.setattr(_verify, 'Reference', counted)
+    ordinary, cached = copies(ConvBN)
+    cache_static_graph(cached, verify_steps=2)
+    assert not side_by_side(ordinary, cached, batches(count=6))
+    assert len(runs) == 3       # the recording step and two replays
+    assert cache_state(cached)['verified'] == {k: 2 for k in cache_state(cached)['sequences']}
+
+
+# --- tolerances -----------------------------------------------------------------------
+
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32, numpy.float64])
+def test_a_few_ulps_pass_and_more_do_not(dtype):
+    rng = numpy.random.RandomState(0)
+    expected = rng.randn(50).astype(dtype)
+    scale = float(numpy.abs(expected).max())
+    eps = float(numpy.finfo(dtype).eps)
+    assert _verify.allowed(dtype) == 32 * eps
+    few = expected.copy()
+    few[3] += dtype(4 * eps * scale)           # 4 ulps at the magnitude
+    assert _verify.difference(few, expected) is None
+    many = expected.copy()
+    many[3] += dtype(100 * eps * scale)
+    assert 'ulps of {}'.format(numpy.dtype(dtype).name) in _verify.difference(many, expected)
+
+
+def test_exact_where_exactness_is_due():
+    a = numpy.array([1, 2, 3], numpy.int32)
+    assert _verify.difference(a, a.copy()) is None
+    assert _verify.difference(a, a + 1) is not None
+    f = numpy.array([1.0, numpy.nan, numpy.inf], numpy.float32)
+    assert _verify.difference(f, f.copy()) is None
+    assert _verify.difference(f, numpy.array([1.0, 2.0, numpy.inf], numpy.float32))
+    assert _verify.difference(f, numpy.array([1.0, numpy.nan, -numpy.inf], numpy.float32))
+    assert _verify.difference(None, f) and _verify.difference(f, None)
+    assert _verify.difference(f.astype(numpy.float64), f)
+
+
+class ConvHead(chainer.Chain):
+    """Ends in a 1x1 convolution, whose output is the chain's output."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        init = chainer.initializers.Normal(0.3, dtype=dtype)
+        with self.init_scope():
+            self.conv = L.Convolution2D(3, 4, 3, pad=1, initialW=init, initial_bias=init)
+            self.head = L.Convolution2D(4, 3, 1, initialW=init, initial_bias=init)
+
+    def forward(self, x):
+        return self.head(F.relu(self.conv(x)))
+
+
+def _rounding_differently(monkeypatch):
+    """The bound 1x1 convolution one ulp off in half its outputs, as a GPU
+    kernel that sums in another order is (define-by-run runs Chainer's): in
+    float16 that is ~1e-3 of the magnitude, ten times the old fixed tolerance."""
+    from fastchain.kernels import _bind
+    convolution = _bind._convolution
+
+    def nudged(node, inputs, buffers):
+        run = convolution(node, inputs, buffers)
+        if inputs[1].shape[2:] != (1, 1):
+            return run
+
+        def one_ulp_off(inputs):
+            y = run(inputs)[0].copy()
+            flat = y.reshape(-1)
+            flat[::2] = numpy.nextafter(flat[::2], numpy.asarray(numpy.inf, y.dtype))
+            return y,
+        return one_ulp_off
+    monkeypatch.setattr(_bind, '_convolution', nudged)
+
+
+def _train_float16(model, count=4, every=None):
+    optimizer = chainer.optimizers.SGD(0.01).setup(model)
+    for i, (x, t) in enumerate(batches(dtype=numpy.float16, count=count)):
+        if every is not None:
+            every(i)
+        optimizer.update(lambda x, t: F.softmax_cross_entropy(
+            F.mean(model(x), axis=(2, 3)), t), x, t)
+
+
+def test_a_float16_model_rounding_differently_within_its_resolution_is_not_refused(
+        monkeypatch):
+    _rounding_differently(monkeypatch)
+    model = ConvHead(numpy.float16)
+    cache_static_graph(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        _train_float16(model)
+    state = cache_state(model)
+    assert state['fallback'] is None and list(state['verified'].values()) == [2]
+
+
+def test_a_float16_model_that_is_not_static_is_still_caught(monkeypatch):
+    _rounding_differently(monkeypatch)
+
+    class Branchy16(ConvHead):
+        flip = False
+
+        def forward(self, x):
+            h = super().forward(x)
+            return -h if self.flip else h
+    model = Branchy16(numpy.float16)
+    cache_static_graph(model)
+    with pytest.warns(StaticGraphFallback, match='not static'):
+        _train_float16(model, count=6, every=lambda i: setattr(model, 'flip', i == 2))
+    assert cache_state(model)['cause'] == 'not static'
