@@ -7,6 +7,8 @@
 #   make demo       train ResNet-50 on generated JPEGs with fastchain (the README's main job)
 #   make bench      the quick form of every benchmark -> benchmarks/results/
 #   make gpu-check  on a GPU machine: GPU tests, then the GPU benchmarks -> benchmarks/results/gpu/
+#   make test-differential  the differential suite at full size (>= 2,000 cases; SEED=... repeats)
+#   make mutation-check     shows the differential suite fails on three known defects put back
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +23,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.fastchain-setup
 
-.PHONY: setup test test-np1 doctor demo bench gpu-check clean
+.PHONY: setup test test-np1 doctor demo bench gpu-check clean test-differential mutation-check
 
 setup: $(STAMP)
 
@@ -51,6 +53,21 @@ test-np1:
 	@test -n "$(PY312)" || echo "no Python 3.12 found: .venv-np1 uses $(PYTHON)"
 	$(MAKE) test VENV=.venv-np1 PYTHON="$(or $(PY312),$(PYTHON))" \
 	  NUMPY_SPEC='numpy==1.26.*' OLD_SETUPTOOLS=1
+
+# fastchain against plain Chainer on random models, options, optimizers,
+# snapshots and data-parallel runs (tests/differential/): EXAMPLES single-process
+# cases, a third as many plain scripts with the loader, EXAMPLES/30 MPI launches of
+# up to 12 cases each. The seed is printed first; SEED=<it> repeats the run.
+DIFFERENTIAL_EXAMPLES ?= 2100
+
+test-differential: setup
+	@seed=$${SEED:-$$($(PY) -c 'import random; print(random.randrange(2**32))')}; \
+	echo "test-differential: hypothesis seed $$seed (repeat: make test-differential SEED=$$seed)"; \
+	FASTCHAIN_DIFFERENTIAL_EXAMPLES=$(DIFFERENTIAL_EXAMPLES) $(VENV)/bin/pytest -p no:cacheprovider \
+	  -o timeout=0 tests/differential --hypothesis-seed=$$seed --hypothesis-show-statistics
+
+mutation-check: setup
+	$(PY) tests/differential/mutations.py
 
 doctor: setup
 	$(VENV)/bin/fastchain doctor

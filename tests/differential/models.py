@@ -1,0 +1,186 @@
+"""Random models, optimizers and option sets for the differential suite.
+
+A model is drawn as a *spec* (plain tuples, so a failing example prints as
+something to read) and built by :func:`build`: convolutions and
+deconvolutions of random kernel, stride, pad, dilation and groups; batch
+normalisation; dropout; pooling; residual adds; optionally a second input
+and a branch on the data; global average pooling and a linear classifier.
+"""
+
+import numpy
+from hypothesis import strategies as st
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer.utils.conv import get_conv_outsize
+
+CLASSES = 3
+
+
+def _conv_out(size, k, s, p, d):
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _deconv_out(size, k, s, p):
+    return (size - 1) * s - 2 * p + k
+
+
+@st.composite
+def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_branch=True):
+    n = draw(st.integers(2, 4))
+    c = draw(st.integers(1, 4))
+    h, w = draw(st.integers(4, 11)), draw(st.integers(4, 11))
+    spec_input = (n, c, h, w)
+    layers = []
+    for _ in range(draw(st.integers(1, max_layers))):
+        kinds = ['conv', 'deconv', 'relu', 'maxpool', 'avgpool', 'res', 'twins']
+        if allow_bn:
+            kinds.append('bn')
+        if allow_dropout:
+            kinds.append('dropout')
+        kind = draw(st.sampled_from(kinds))
+        if kind in ('conv', 'deconv'):
+            groups = draw(st.sampled_from([g for g in (1, 2, 3) if c % g == 0]))
+            out = groups * draw(st.integers(1, 3))
+            k = draw(st.integers(1, 4))
+            s = draw(st.integers(1, 2))
+            p = draw(st.integers(0, 2))
+            d = draw(st.integers(1, 2)) if kind == 'conv' else 1
+            if kind == 'conv':
+                size = (_conv_out(h, k, s, p, d), _conv_out(w, k, s, p, d))
+            else:
+                size = (_deconv_out(h, k, s, p), _deconv_out(w, k, s, p))
+            if min(size) < 1 or max(size) > 24:
+                continue
+            layers.append((kind, out, k, s, p, d, groups, draw(st.booleans())))
+            c, (h, w) = out, size
+        elif kind in ('maxpool', 'avgpool'):
+            k = draw(st.integers(2, 3))
+            cover_all = kind == 'maxpool'       # Chainer's defaults
+            size = (get_conv_outsize(h, k, 2, 0, cover_all=cover_all),
+                    get_conv_outsize(w, k, 2, 0, cover_all=cover_all))
+            if min(size) < 1:
+                continue
+            layers.append((kind, k, 2))
+            h, w = size
+        elif kind == 'res':
+            k = draw(st.sampled_from([1, 3]))
+            layers.append(('res', c, k))
+        elif kind == 'twins':
+            # Two convolutions whose padded inputs have the same shape with
+            # different padding (3x3 pad 1 on s px, 5x5 pad 2 on s-2 px),
+            # with a 3x3 unpadded one between them.
+            if min(h, w) < 3:
+                continue
+            layers += [('conv', c, 3, 1, 1, 1, 1, True), ('conv', c, 3, 1, 0, 1, 1, False),
+                       ('conv', c, 5, 1, 2, 1, 1, True)]
+            h, w = h - 2, w - 2
+        elif kind == 'dropout':
+            layers.append(('dropout', draw(st.sampled_from([0.1, 0.5]))))
+        else:
+            layers.append((kind,))
+    extra = draw(st.booleans())
+    branch = allow_branch and draw(st.integers(0, 5)) == 0     # one model in six
+    return {'input': spec_input, 'layers': tuple(layers), 'extra_input': extra,
+            'branch': branch}
+
+
+class Net(chainer.Chain):
+    """The model a spec describes."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec
+        self.kinds = []
+        c = spec['input'][1]
+        init = chainer.initializers.Normal(0.3)
+        with self.init_scope():
+            for i, layer in enumerate(spec['layers']):
+                kind = layer[0]
+                name = 'l{}'.format(i)
+                if kind == 'conv':
+                    _, out, k, s, p, d, g, bias = layer
+                    setattr(self, name, L.Convolution2D(c, out, k, s, p, nobias=not bias,
+                                                        dilate=d, groups=g, initialW=init))
+                    c = out
+                elif kind == 'deconv':
+                    _, out, k, s, p, _, g, bias = layer
+                    setattr(self, name, L.Deconvolution2D(c, out, k, s, p, nobias=not bias,
+                                                          groups=g, initialW=init))
+                    c = out
+                elif kind == 'bn':
+                    setattr(self, name, L.BatchNormalization(c))
+                elif kind == 'res':
+                    setattr(self, name, L.Convolution2D(c, c, layer[2], 1, layer[2] // 2,
+                                                        initialW=init))
+            self.head = L.Linear(c, CLASSES, initialW=init)
+            if spec['extra_input']:
+                self.side = L.Linear(3, CLASSES, initialW=init)
+            if spec['branch']:
+                self.other = L.Linear(c, CLASSES, initialW=init)
+
+    def forward(self, x, *rest):
+        h = x
+        for i, layer in enumerate(self.spec['layers']):
+            kind = layer[0]
+            link = getattr(self, 'l{}'.format(i), None)
+            if kind in ('conv', 'deconv', 'bn'):
+                h = link(h)
+            elif kind == 'res':
+                h = h + link(h)
+            elif kind == 'relu':
+                h = F.relu(h)
+            elif kind == 'maxpool':
+                h = F.max_pooling_2d(h, layer[1], layer[2])
+            elif kind == 'avgpool':
+                h = F.average_pooling_2d(h, layer[1], layer[2])
+            elif kind == 'dropout':
+                h = F.dropout(h, layer[1])
+        h = F.mean(h, axis=(2, 3))
+        if self.spec['branch'] and float(getattr(x, 'array', x).mean()) > 0:
+            y = self.other(h)       # the data decides which head runs
+        else:
+            y = self.head(h)
+        if self.spec['extra_input']:
+            y = y + self.side(rest[0])
+        return y
+
+
+def build(spec):
+    return Net(spec)
+
+
+def batches(spec, steps, seed, dtype=numpy.float32):
+    """``steps`` inputs for the model: (x[, z], t)."""
+    rng = numpy.random.RandomState(seed)
+    n, c, h, w = spec['input']
+    out = []
+    for _ in range(steps):
+        arrays = [rng.normal(0, 1, (n, c, h, w)).astype(dtype)]
+        if spec['extra_input']:
+            arrays.append(rng.normal(0, 1, (n, 3)).astype(dtype))
+        arrays.append(rng.randint(0, CLASSES, n).astype(numpy.int32))
+        out.append(tuple(arrays))
+    return out
+
+
+SGD_FAMILY = st.one_of(
+    st.tuples(st.just('SGD'), st.sampled_from([0.01, 0.1])),
+    st.tuples(st.just('MomentumSGD'), st.sampled_from([0.01, 0.1])),
+)
+OPTIMIZERS = st.one_of(SGD_FAMILY, st.tuples(st.just('Adam'), st.sampled_from([0.001, 0.01])))
+
+HOOKS = st.lists(st.one_of(
+    st.tuples(st.just('WeightDecay'), st.sampled_from([1e-4, 1e-2])),
+    st.tuples(st.just('GradientClipping'), st.sampled_from([0.1, 1.0])),
+), max_size=2, unique_by=lambda h: h[0])
+
+
+def make_optimizer(spec, hooks):
+    name, rate = spec
+    if name == 'Adam':
+        opt = chainer.optimizers.Adam(alpha=rate)
+    else:
+        opt = getattr(chainer.optimizers, name)(lr=rate)
+    return opt, [getattr(chainer.optimizer_hooks, h)(v) for h, v in hooks]
