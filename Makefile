@@ -8,7 +8,7 @@
 #   make bench      the quick form of every benchmark -> benchmarks/results/
 #   make gpu-check  on a GPU machine: GPU tests, then the GPU benchmarks -> benchmarks/results/gpu/
 #   make test-differential  the differential suite at full size (>= 2,000 cases; SEED=... repeats)
-#   make mutation-check     shows the differential suite fails on three known defects put back
+#   make mutation-check     shows the differential suite fails on four known defects put back
 
 PYTHON ?= python3
 VENV ?= .venv

@@ -24,6 +24,8 @@ _EXPORTS = {
     'report': 'fastchain.doctor._report',
     'DynamicLossScaler': 'fastchain.precision._scaler',
     'static_graph': 'fastchain.static._cache',
+    'FastchainWarning': 'fastchain.config._enable',
+    'StaticGraphFallback': 'fastchain.static._cache',
 }
 
 __all__ = sorted(_EXPORTS) + ['__version__']

@@ -211,6 +211,13 @@ def enable(**options):
                 'fastchain: {} cannot take effect here: {}. To get it: {}'
                 .format(state.name, state.why, state.fix),
                 FastchainWarning, stacklevel=2)
+        elif state.requested and not state.active:
+            # Available, asked for, yet not in force: another option in force
+            # (this handle's or an earlier one's) keeps it out.
+            warnings.warn('fastchain: {} is not in force: {}{}'.format(
+                state.name, state.why or 'another option in force keeps it out',
+                '. To get it: {}'.format(state.fix) if state.fix else ''),
+                FastchainWarning, stacklevel=2)
         elif state.requested and state.active and state.note:
             warnings.warn('fastchain: {}: {}'.format(state.name, state.note),
                           FastchainWarning, stacklevel=2)
@@ -312,6 +319,10 @@ def _states(handle=None):
             continue
         for state in group.states(_of(group, values), explicit):
             states[state.name] = state
+    if not _handles:
+        for state in states.values():
+            if not state.active and state.available and state.why is None:
+                state.why = 'no fastchain.enable() handle is enabled'
     if handle is not None:
         for name, state in states.items():
             option = _STATE_OPTION.get(name, name)
@@ -329,11 +340,6 @@ def active_handles():
     """The handles currently enabled, oldest first."""
     with _lock:
         return list(_handles)
-
-
-def in_force(feature):
-    """The handle whose option put ``feature`` in force, or None."""
-    return _in_force.get(feature)
 
 
 def current_states():

@@ -57,17 +57,21 @@ class LoaderGroup(Group):
         from chainer.training.updaters import StandardUpdater
         layer = _patches.in_force(StandardUpdater, '__init__', 'loader')
         workers, prefetch = layer.args[0] if layer is not None else (0, False)
-        loader = State('loader', True, workers > 0,
-                       requested='loader_workers' in explicit and workers > 0,
-                       setting=values['loader_workers'])
+        asked_workers = values['loader_workers']
+        loader = State('loader', True, workers > 0, setting=asked_workers,
+                       requested='loader_workers' in explicit and bool(asked_workers))
         if not loader.active:
-            loader.why = 'loader_workers=0'
+            loader.why = 'loader_workers=0' if asked_workers == 0 else None
         device = State('prefetch_to_device', True, prefetch,
-                       requested='prefetch_to_device' in explicit and prefetch,
+                       requested='prefetch_to_device' in explicit
+                       and values['prefetch_to_device'] is True,
                        setting=values['prefetch_to_device'])
-        if not prefetch:
-            device.why = ('no loader workers to load ahead' if workers == 0
-                          else 'prefetch_to_device=False')
+        if (not prefetch and layer is not None) or asked_workers == 0:
+            if workers == 0:
+                device.why = 'no loader workers to load ahead (loader_workers=0 is in force)'
+                device.fix = 'loader_workers >= 1'
+            else:
+                device.why = 'prefetch_to_device=False'
         return [loader, device]
 
 

@@ -9,6 +9,7 @@ owning handle's :class:`~fastchain.config._patches.Changes`, so disabling
 that handle takes exactly them off again.
 """
 
+import threading
 import warnings
 import weakref
 
@@ -41,7 +42,7 @@ def attach(optimizer, scaler, changes, fp32_update=True):
     _set_loss_scale(optimizer, scaler, changes)
     ref = weakref.ref(optimizer)
 
-    step = {'fp16_grads': []}
+    step = {'fp16_grads': [], 'warned': False}
 
     def check_nan_in_grads(next_):
         opt = ref()
@@ -50,9 +51,11 @@ def attach(optimizer, scaler, changes, fp32_update=True):
         # WeightDecay, ...) see the gradients, with the arithmetic Chainer's
         # UpdateRule would apply later (fp16: astype(float32), then /= scale;
         # fp32: /= scale in place), and tell the rules it is done
-        # (param._loss_scale = None). The overflow check reads what the hooks
-        # and the update will see.
-        step['fp16_grads'] = _unscale(params, opt._loss_scale)
+        # (param._loss_scale = None). The scale is the one the backward used
+        # (none for a script's own loss.backward()). The overflow check reads
+        # what the hooks and the update will see.
+        scales = _backward_scales(opt, params, step)
+        step['fp16_grads'] = _unscale(params, scales)
         scaler.step((p.grad for p in params),
                     reduce=_patches.attached(opt, ALL_RANKS_ANY))
 
@@ -73,14 +76,22 @@ def attach(optimizer, scaler, changes, fp32_update=True):
     def serialize(next_, serializer):
         next_(serializer)
         opt = ref()
+        missing = []
         try:
             scaler.serialize(serializer[SERIAL_KEY])
-            _serialize_masters(opt, serializer[SERIAL_MASTERS])
         except KeyError:
-            # A snapshot written without fastchain's fp16 state: keep ours.
-            warnings.warn('fastchain: the snapshot has no loss-scaler state or fp32 master '
-                          'weights (written without fastchain\'s fp16); starting from {!r} '
-                          'and masters copied from the fp16 weights'.format(scaler),
+            missing.append('loss-scaler state (going on from {!r})'.format(scaler))
+        try:
+            absent = _serialize_masters(opt, serializer[SERIAL_MASTERS])
+        except KeyError:
+            absent = True
+        if absent:
+            missing.append('fp32 master weights (copied from the fp16 weights, as plain '
+                           'Chainer would: the resumed run is not bit for bit)')
+        if missing:
+            # A snapshot written without fastchain's fp16 (or before it kept
+            # the masters): keep what is here for what it lacks.
+            warnings.warn('fastchain: the snapshot has no ' + ' and no '.join(missing),
                           stacklevel=_patches.user_stacklevel())
         opt._loss_scale = scaler.scale
 
@@ -91,12 +102,46 @@ def attach(optimizer, scaler, changes, fp32_update=True):
         changes.wrap(optimizer, name, 'fp16', fn)
 
 
-def _unscale(params, scale):
-    """Divide each gradient by ``scale`` as Chainer's UpdateRule would, set
+_local = threading.local()
+
+
+def record_backward_scale(next_, variable, *args, **kwargs):
+    """The ``fp16`` layer of ``Variable.backward``: notes the loss scale the
+    backward seeds its gradient with (Chainer notes it on the leaves it
+    reaches, which a cached static graph's parameters are not)."""
+    scale = kwargs.get('loss_scale', args[2] if len(args) > 2 else None)
+    _local.scale = scale
+    return next_(variable, *args, **kwargs)
+
+
+def _backward_scales(optimizer, params, step):
+    """The loss scale each parameter's gradient carries: the last backward's
+    in this thread, else what Chainer noted on the parameter (not the
+    optimizer's: a script's own ``loss.backward()`` scales nothing). Warns
+    once (``step['warned']``) when an fp16 optimizer's gradients carry none."""
+    scale = getattr(_local, 'scale', _patches.MISSING)
+    _local.scale = _patches.MISSING
+    if scale is not _patches.MISSING:
+        scales = [scale] * len(params)
+    else:
+        scales = [p._loss_scale for p in params]
+    if not step['warned'] and params and all(x is None for x in scales):
+        step['warned'] = True
+        warnings.warn(
+            'fastchain: fp16 is on for this {} but its gradients were not loss-scaled '
+            '(loss.backward() without loss_scale), so small fp16 gradients can vanish. '
+            'Use optimizer.update(lossfun, *inputs), or '
+            'loss.backward(loss_scale=optimizer._loss_scale)'.format(type(optimizer).__name__),
+            stacklevel=_patches.user_stacklevel())
+    return scales
+
+
+def _unscale(params, scales):
+    """Divide each gradient by its scale as Chainer's UpdateRule would, set
     ``param._loss_scale = None`` so the rule does not divide again; returns
     [(fp16 parameter, its original gradient)] for those given an fp32 one."""
     replaced = []
-    for param in params:
+    for param, scale in zip(params, scales):
         param._loss_scale = None
         if scale is None:
             continue
@@ -118,9 +163,11 @@ def _unscale(params, scale):
 def _serialize_masters(optimizer, serializer):
     """Save or load the fp32 master weight of every fp16 parameter updated in
     fp32 (Chainer's UpdateRule.serialize keeps only the rule's state: a
-    resumed run would start its masters from the fp16 weights)."""
+    resumed run would start its masters from the fp16 weights). Returns
+    whether a loaded snapshot lacked any (a non-strict load gives None)."""
     import chainer
     loading = isinstance(serializer, chainer.serializer.Deserializer)
+    absent = False
     for name, param in optimizer.target.namedparams():
         rule = getattr(param, 'update_rule', None)
         if rule is None or not rule._use_fp32_update or param.array is None \
@@ -128,7 +175,11 @@ def _serialize_masters(optimizer, serializer):
             continue
         key = name.lstrip('/').replace('/', '.')
         if loading:
-            master = param.device.send(serializer(key, None))
+            master = serializer(key, None)
+            if master is None:
+                absent = True       # keep this rule's master as it is
+                continue
+            master = param.device.send(master)
             if master.dtype != numpy.float32:
                 master = master.astype(numpy.float32)
             rule._fp32_param = chainer.Parameter(master, name=param.name)
@@ -136,6 +187,7 @@ def _serialize_masters(optimizer, serializer):
             master = rule._fp32_param.array if rule._fp32_param is not None \
                 else param.array.astype(numpy.float32)
             serializer(key, master)
+    return absent
 
 
 def _set_loss_scale(optimizer, scaler, changes):

@@ -35,6 +35,7 @@ per-function Python work. fastchain uses it with its faults fixed
 
 import contextlib
 import functools
+import inspect
 import warnings
 import weakref
 
@@ -107,7 +108,8 @@ class _Cache:
                                                                            self.verbosity)
         building = _keys.will_build(managers.select(key))
         if not building and self.state['verified'].get(key, 0) >= self.verify_steps:
-            return self.replay(chain, *args)
+            with _fixes.verbosity(self.verbosity > 0):
+                return self.replay(chain, *args)
         return self._verified(chain, plain, key, args, building)
 
     def _verified(self, chain, plain, key, args, building):
@@ -117,7 +119,8 @@ class _Cache:
             contextlib.nullcontext()
         watch = _reads.watching() if building else contextlib.nullcontext([])
         try:
-            with statistics, recorder, watch as reads:
+            with statistics, recorder, watch as reads, \
+                    _fixes.verbosity(self.verbosity > 0):
                 out = self.replay(chain, *args)
         except Exception as e:      # the caching machinery could not handle it
             before.restore()
@@ -311,7 +314,6 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0, changes=None):
 
 def _new_cache(chain, forward, verify_steps, verbosity):
     release = _fixes.acquire()
-    _fixes.verbose = verbosity > 0
     cache = _Cache(chain, forward, verify_steps, verbosity)
     weakref.finalize(chain, release)
     return cache, release
@@ -336,6 +338,15 @@ def _cached_method(func, verify_steps):
     return forward
 
 
+def not_a_chain(link):
+    """Why ``link`` (a Link that is not a Chain) is not cached, and the fix."""
+    name = link.__name__ if isinstance(link, type) else type(link).__name__
+    kind = 'a ChainList' if (isinstance(link, chainer.ChainList) or (
+        isinstance(link, type) and issubclass(link, chainer.ChainList))) else 'a single link'
+    return ('fastchain static_graph caches chainer.Chain models; {} is {}: wrap it in a '
+            'Chain whose forward calls it to cache it'.format(name, kind))
+
+
 def static_graph(target=None, verify_steps=2):
     """Mark a model for static-subgraph caching.
 
@@ -346,12 +357,15 @@ def static_graph(target=None, verify_steps=2):
             @fastchain.static_graph          # or @fastchain.static_graph(verify_steps=3)
             def forward(self, x): ...
 
-    As a class decorator (every instance is cached when made)::
+    As a class decorator (every instance of that very class is cached when
+    made; a subclass is marked on its own)::
 
         @fastchain.static_graph
         class Net(chainer.Chain): ...
 
     or on an instance: ``fastchain.static_graph(model)`` (returns the model).
+    Only ``chainer.Chain`` models are cached: a single link or a ChainList
+    (``chainer.Sequential``) is refused with ``TypeError``; wrap it in a Chain.
     """
     if target is None:
         return functools.partial(static_graph, verify_steps=verify_steps)
@@ -369,7 +383,10 @@ def static_graph(target=None, verify_steps=2):
                 cache_static_graph(self, verify_steps)
         cls.__init__ = init_and_cache
         return cls
-    if callable(target) and not isinstance(target, type):
+    if isinstance(target, chainer.Link) or (isinstance(target, type)
+                                             and issubclass(target, chainer.Link)):
+        raise TypeError(not_a_chain(target))
+    if inspect.isfunction(target):
         return _cached_method(target, verify_steps)
     raise TypeError('fastchain.static_graph marks a chainer.Chain class or instance, or '
                     "a chain's forward method, got {!r}".format(target))

@@ -39,18 +39,19 @@ gives it a flat program (:mod:`fastchain.static._flat`). None changes
 define-by-run execution.
 """
 
+import contextlib
 import threading
 
 from fastchain.config import _patches
 from fastchain.kernels import _bind
 from fastchain.static import _flat, _live
 
-# Reentrant: a chain collected while the lock is held releases its lease
-# from inside (weakref.finalize runs wherever the collector runs).
-_lock = threading.RLock()
+# _patches' own lock (reentrant): a chain collected while it is held
+# releases its lease from inside (weakref.finalize runs wherever the
+# collector runs), and one lock cannot be taken in two orders.
+_lock = _patches.lock
 _local = threading.local()
 _leases = set()
-verbose = False
 CHECK = 'static_backward_check'     # attachment key on a schedule: a pending check
 
 
@@ -114,16 +115,29 @@ def _build_then_fix(next_, schedule, *args, **kwargs):
 
 
 def _backward_then_check(next_, schedule, indexes, grad_outputs):
-    check = _patches.attached(schedule, CHECK)
-    if check is None:
-        return next_(schedule, indexes, grad_outputs)
-    _patches.detach(schedule, CHECK, check)
-    return check(next_, schedule, indexes, grad_outputs)
+    with verbosity(getattr(schedule, 'verbosity_level', 0) > 0):
+        check = _patches.attached(schedule, CHECK)
+        if check is None:
+            return next_(schedule, indexes, grad_outputs)
+        _patches.detach(schedule, CHECK, check)
+        return check(next_, schedule, indexes, grad_outputs)
 
 
 def _quiet_print(next_, *args, **kwargs):
-    if verbose:
+    if getattr(_local, 'verbose', False):
         next_(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def verbosity(verbose):
+    """Chainer's static-graph prints go out inside only if ``verbose`` (the
+    cache being run asked for them)."""
+    before = getattr(_local, 'verbose', False)
+    _local.verbose = verbose
+    try:
+        yield
+    finally:
+        _local.verbose = before
 
 
 # --- 2. persistent values on the building iteration -----------------------------

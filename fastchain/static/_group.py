@@ -32,14 +32,19 @@ class StaticGraphGroup(Group):
 
 
 def _setup_layer(changes, next_, optimizer, link):
-    """While in force, the model of every optimizer set up is cached."""
+    """While in force, the model of every optimizer set up is cached (for a
+    Classifier, its predictor: the loss is not part of the static graph)."""
+    import warnings
     import chainer
-    from fastchain.static._cache import cache_static_graph, is_cached
+    import chainer.links as L
+    from fastchain.static._cache import (StaticGraphFallback, cache_static_graph,
+                                         is_cached, not_a_chain)
     result = next_(optimizer, link)
-    chain = getattr(link, 'predictor', None)
+    chain = link.predictor if isinstance(link, L.Classifier) else link
     if not isinstance(chain, chainer.Chain):
-        chain = link
-    if not is_cached(chain) and 'forward' not in vars(chain):
+        warnings.warn(not_a_chain(chain) + '; it trains define-by-run',
+                      StaticGraphFallback, stacklevel=_patches.user_stacklevel())
+    elif not is_cached(chain) and 'forward' not in vars(chain):
         cache_static_graph(chain, changes=changes)
     return result
 

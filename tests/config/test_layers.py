@@ -139,6 +139,16 @@ def test_prefetch_and_no_workers_from_two_handles_reports_the_truth():
             assert 'loader' not in _patches.layers(StandardUpdater, '__init__')
 
 
+def test_an_option_asked_for_but_kept_out_by_another_handle_warns_with_the_fix():
+    with fastchain.enable(loader_workers=0):
+        with pytest.warns(FastchainWarning, match='prefetch_to_device is not in force: no '
+                          'loader workers.*To get it: loader_workers >= 1'):
+            h = fastchain.enable(prefetch_to_device=True)
+        report = h.report()['prefetch_to_device']
+        assert report['requested'] and not report['active']
+        h.disable()
+
+
 def test_a_timeline_path_that_cannot_be_written_fails_at_enable(tmp_path):
     with pytest.raises(ValueError, match='timeline.*does not exist'):
         fastchain.enable(timeline=str(tmp_path / 'missing' / 'x.json'))

@@ -117,8 +117,14 @@ def handles(layout, folder):
             h.disable()
 
 
-def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None):
+def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
+        loop='update'):
     """Train ``steps`` steps; returns the list of states after each.
+
+    ``loop``: ``'update'`` (``optimizer.update(lossfun, ...)``), ``'own'``
+    (a script's own loop: ``cleargrads``, ``loss.backward(loss_scale=
+    optimizer._loss_scale)``, ``optimizer.update()``) or ``'own_unscaled'``
+    (the same with a plain ``loss.backward()``).
 
     ``layout``: None for plain Chainer, else (options of the first handle,
     options of the second, the step before which the second is disabled or
@@ -154,7 +160,8 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None):
             warnings.simplefilter('ignore')     # fallbacks, fp16 on a CPU
             model, optimizer = make(SEED)
             step = {}
-            unscale = scale if (fp16 and hooks and layout is not None) else None
+            scaled = fp16 and hooks and layout is not None and loop != 'own_unscaled'
+            unscale = scale if scaled else None     # what the gradients carry
             capture_gradients(optimizer, step, unscale)
             numpy.random.seed(SEED + 1)         # dropout's masks
             for i, batch in enumerate(data):
@@ -174,7 +181,13 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None):
                     loss = F.softmax_cross_entropy(model(x, *arrays[1:-1]), arrays[-1])
                     losses.append(loss.array.copy())
                     return loss
-                optimizer.update(lossfun, *batch)
+                if loop == 'update':
+                    optimizer.update(lossfun, *batch)
+                else:
+                    model.cleargrads()
+                    scale = optimizer._loss_scale if loop == 'own' else None
+                    lossfun(*batch).backward(loss_scale=scale)
+                    optimizer.update()
                 scaler = scaler_of(optimizer)
                 if scaler is not None and scaler.skipped_steps:
                     raise Skipped()

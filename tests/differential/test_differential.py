@@ -1,6 +1,7 @@
 """The same training, faster: fastchain against plain Chainer on random
 models, option sets (split over two handles, one disabled at a random
-step), optimizers with hooks, and a snapshot and resume at a random step.
+step), optimizers with hooks, ``optimizer.update(lossfun)`` or a script's own
+loop, and a snapshot and resume at a random step.
 
 Budget: ``FASTCHAIN_DIFFERENTIAL_EXAMPLES`` examples (default 30, what
 ``make test`` runs); ``make test-differential`` runs 2,000 and prints the
@@ -51,10 +52,11 @@ def test_fastchain_trains_as_plain_chainer(data):
     steps = data.draw(st.integers(2, 4), 'steps')
     layout = data.draw(layouts(steps), 'layout')
     resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
-    expected = harness.run(spec, optimizer, hooks, steps, fp16=fp16)
+    loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
+    expected = harness.run(spec, optimizer, hooks, steps, fp16=fp16, loop=loop)
     try:
         got = harness.run(spec, optimizer, hooks, steps, layout=layout, fp16=fp16,
-                          resume_at=resume_at)
+                          resume_at=resume_at, loop=loop)
     except harness.Skipped:
         assume(False)
     harness.compare(expected, got, harness.FP16_ULPS if (fp16 and hooks) else None)

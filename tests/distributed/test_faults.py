@@ -21,7 +21,11 @@ def test_finalize_gives_back_the_hooks_and_leaves_a_users_own(tmp_path):
                         str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ['ok.0', 'ok.1'], r.stderr
-    assert r.stderr == ''       # nothing said at exit by the communicator left alive
+    # Nothing said at exit by the communicator left alive (other libraries'
+    # warnings aside: Chainer's import of pkg_resources warns on old setuptools).
+    said = [line for line in r.stderr.splitlines()
+            if 'fastchain' in line or '[rank' in line or 'Traceback' in line]
+    assert said == [], r.stderr
 
 
 def _ctrl_c_as_in_a_terminal():

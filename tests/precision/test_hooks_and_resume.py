@@ -8,7 +8,6 @@ import pytest
 
 import chainer
 import chainer.functions as F
-import chainer.links as L
 from chainer import optimizer_hooks, serializers
 
 import fastchain
@@ -178,5 +177,66 @@ def test_a_snapshot_without_masters_warns_and_starts_them_from_the_weights(tmp_p
     serializers.save_npz(str(tmp_path / 'opt.npz'), plain)      # plain Chainer's
     with fp16_enable():
         opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
-        with pytest.warns(UserWarning, match='no loss-scaler state or fp32 master'):
+        with pytest.warns(UserWarning, match='no loss-scaler state .* and no fp32 master'):
             serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
+
+
+def _sgd_step_moves_by_lr_times_grad(model, optimizer, backward):
+    """One step of a script's own loop; returns (step taken, lr * gradient)."""
+    x, t = next(batches(1))
+    model.cleargrads()
+    loss = F.softmax_cross_entropy(model(x.astype(model.fc.W.dtype)), t)
+    backward(loss)
+    grad = model.fc.b.grad.astype(numpy.float64)
+    scale = optimizer._loss_scale if getattr(backward, 'scaled', False) else 1.0
+    before = model.fc.b.array.astype(numpy.float64)
+    optimizer.update()
+    return model.fc.b.array.astype(numpy.float64) - before, -0.5 * grad / scale
+
+
+@pytest.mark.parametrize('cached', [False, True])
+def test_a_scripts_own_loop_is_unscaled_by_the_scale_its_backward_used(cached):
+    """loss.backward(); optimizer.update(): the gradients carry no scale, and
+    must not be divided by one (they were, by 2**15: no learning, no warning)."""
+    with fp16_enable():
+        numpy.random.seed(0)
+        model = CNN()
+        if cached:
+            fastchain.static_graph(model)
+        opt = chainer.optimizers.SGD(0.5).setup(model)
+
+        def plain(loss):
+            loss.backward()
+
+        def scaled(loss):
+            loss.backward(loss_scale=opt._loss_scale)
+        scaled.scaled = True
+        with pytest.warns(UserWarning, match='not loss-scaled'):
+            moved, expected = _sgd_step_moves_by_lr_times_grad(model, opt, plain)
+        numpy.testing.assert_allclose(moved, expected, rtol=0.01, atol=1e-3)
+        moved, expected = _sgd_step_moves_by_lr_times_grad(model, opt, scaled)
+        numpy.testing.assert_allclose(moved, expected, rtol=0.01, atol=1e-3)
+
+
+def test_a_non_strict_load_of_a_snapshot_without_masters_keeps_them_and_says_so(tmp_path):
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', chainer.mixed16):
+        model = CNN()
+    plain = chainer.optimizers.MomentumSGD(0.1).setup(model)
+    plain.use_fp32_update()
+    x, t = next(batches(1))
+    step(model, plain, x, t)
+    serializers.save_npz(str(tmp_path / 'opt.npz'), plain)
+    with fp16_enable():
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        step(model, opt, x, t)
+        masters = {n: p.update_rule._fp32_param.array.copy() for n, p in model.namedparams()
+                   if p.update_rule._fp32_param is not None}
+        with pytest.warns(UserWarning) as record:
+            serializers.load_npz(str(tmp_path / 'opt.npz'), opt, strict=False)
+        text = ' '.join(str(w.message) for w in record)
+        assert 'fp32 master weights' in text and 'loss-scaler' not in text
+        for name, p in model.namedparams():
+            if name in masters:
+                numpy.testing.assert_array_equal(p.update_rule._fp32_param.array,
+                                                 masters[name], err_msg=name)

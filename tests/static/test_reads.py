@@ -96,3 +96,54 @@ def test_a_value_read_through_item_counts_as_a_read():
     opt = chainer.optimizers.SGD(0.1).setup(cached)
     with pytest.warns(StaticGraphFallback, match=r'test_reads.py:\d+'):
         train(cached, opt, numpy.ones((2, 4), numpy.float32), numpy.zeros(2, numpy.int32))
+
+
+class ReadsShapes(ShapeOnly):
+    def forward(self, x):
+        h = self.a(x)
+        n, k = h.data.shape[0], h.array.ndim        # shapes through the arrays
+        return F.reshape(h, (n, 3 * (k - 1)))
+
+
+def test_reading_the_arrays_shape_through_data_is_not_reading_values():
+    _, cached = copies(ReadsShapes)
+    cache_static_graph(cached)
+    opt = chainer.optimizers.SGD(0.1).setup(cached)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        for _ in range(4):
+            train(cached, opt, numpy.ones((2, 4), numpy.float32),
+                  numpy.zeros(2, numpy.int32))
+    assert cache_state(cached)['fallback'] is None
+
+
+def test_reads_on_another_thread_do_not_count_against_a_recording():
+    import threading
+    from fastchain.static import _reads
+    other = chainer.Variable(numpy.ones(3, numpy.float32))
+    with _reads.watching() as reads:
+        t = threading.Thread(target=lambda: float(other.array.sum()))
+        t.start()
+        t.join()
+        assert reads == []
+        float(other.array.sum())
+        assert len(reads) == 1
+
+
+def test_what_is_not_a_chain_is_refused_with_the_fix():
+    import fastchain
+    with pytest.raises(TypeError, match='Linear is a single link: wrap it in a Chain'):
+        fastchain.static_graph(L.Linear(4, 3))
+    with pytest.raises(TypeError, match='Sequential is a ChainList'):
+        fastchain.static_graph(chainer.Sequential(L.Linear(4, 3)))
+    with pytest.raises(TypeError):
+        fastchain.static_graph(42)
+
+
+def test_enable_skips_a_model_that_is_not_a_chain_and_says_so():
+    import fastchain
+    with fastchain.enable(static_graph=True, loader_workers=0):
+        with pytest.warns(StaticGraphFallback, match='Sequential is a ChainList'):
+            model = L.Classifier(chainer.Sequential(L.Linear(4, 3)))
+            chainer.optimizers.SGD().setup(model)
+    assert 'forward' not in vars(model) and 'forward' not in vars(model.predictor)

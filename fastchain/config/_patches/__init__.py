@@ -73,13 +73,13 @@ explicit lookups that replace marker attributes) and the :class:`Changes`
 a handle keeps all let their objects be collected.
 """
 
-from fastchain.config._patches._common import MISSING, user_stacklevel
+from fastchain.config._patches._common import MISSING, lock, user_stacklevel
 from fastchain.config._patches._objects import Changes, attach, attached, detach
-from fastchain.config._patches._points import (ORDER, Point, in_force, layer, layers, points,
-                                               sweep, unwrap, wrap)
+from fastchain.config._patches._points import (ORDER, Point, in_force, layers, points, sweep,
+                                               unwrap, wrap)
 from fastchain.config._patches._values import (clear_value, original_value, set_value,
                                                value_labels)
 
 __all__ = ['Changes', 'MISSING', 'ORDER', 'Point', 'attach', 'attached', 'clear_value',
-           'detach', 'in_force', 'layer', 'layers', 'original_value', 'points', 'set_value',
+           'detach', 'in_force', 'layers', 'lock', 'original_value', 'points', 'set_value',
            'sweep', 'unwrap', 'user_stacklevel', 'value_labels', 'wrap']

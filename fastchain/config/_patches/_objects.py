@@ -60,11 +60,6 @@ class Changes:
         self._entries.append(('wrap', _weak(obj), name, layer, weakref.ref(point)))
         return point
 
-    def set_attr(self, obj, name, value):
-        old = vars(obj).get(name, _MISSING)
-        setattr(obj, name, value)
-        self._entries.append(('attr', _weak(obj), name, _weak_value(value), old))
-
     def attach(self, obj, key, value):
         attach(obj, key, value)
         self._entries.append(('attach', _weak(obj), key, _weak_value(value), None))
@@ -106,11 +101,5 @@ def _undo_one(kind, ref, name, value, extra):
         return
     if kind == 'wrap':
         unwrap(obj, name, value, point=extra())
-    elif kind == 'attr':
-        if vars(obj).get(name, _MISSING) is value():
-            if extra is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, extra)
     elif kind == 'attach':
         detach(obj, name, value())

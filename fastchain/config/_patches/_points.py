@@ -96,10 +96,6 @@ class Point:
             current = current.fget
         return _leads_to(current, self.dispatch)
 
-    def _wrapped_value(self):
-        """What the attribute held before (MISSING: nothing of its own)."""
-        return self.own
-
     def order(self):
         """The layer names on this point, outermost first."""
         return sorted(self.layers, key=_RANK.__getitem__)
@@ -191,7 +187,7 @@ def _point(owner, name, create):
     points = _registry(owner, create)
     point = None if points is None else points.get(name)
     if point is not None and not point.layers and not point.reachable() \
-            and point.current() is not point._wrapped_value():
+            and point.current() is not point.own:
         # A dormant dispatcher that nothing calls any more (its attribute was
         # replaced by something that does not wrap it): start afresh. One
         # whose attribute is back to what it wrapped is used again, so a
@@ -264,13 +260,6 @@ def layers(owner, name):
     with _lock:
         point = _point(owner, name, create=False)
         return [] if point is None else point.order()
-
-
-def layer(owner, name, layer):
-    """The function of layer ``layer`` on ``owner.name``, or None."""
-    with _lock:
-        point = _point(owner, name, create=False)
-        return None if point is None else point.layers.get(layer)
 
 
 def in_force(owner, name, layer):
