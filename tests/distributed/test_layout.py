@@ -1,6 +1,7 @@
 """The layout of fastchain.distributed: no import cycle between its modules
-(counting imports inside functions too), each importable on its own, none
-over 400 lines."""
+(counting imports inside functions too; tests/test_layout.py checks the whole
+package and the modules' length), the factory the only module that knows every
+strategy, each importable on its own."""
 
 import ast
 import pathlib
@@ -8,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.test_layout import find_cycle
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / 'fastchain' / 'distributed'
 MODULES = sorted(p.stem for p in PACKAGE.glob('*.py') if p.name != '__init__.py')
@@ -28,29 +31,6 @@ def imports_within_the_package(module):
     return found & set(MODULES)
 
 
-def find_cycle(graph):
-    state = {}      # module -> 'open' while on the path, 'done' after
-
-    def visit(module, path):
-        state[module] = 'open'
-        for dep in sorted(graph[module]):
-            if state.get(dep) == 'open':
-                return path[path.index(dep):] + [dep]
-            if dep not in state:
-                cycle = visit(dep, path + [dep])
-                if cycle:
-                    return cycle
-        state[module] = 'done'
-        return None
-
-    for module in sorted(graph):
-        if module not in state:
-            cycle = visit(module, [module])
-            if cycle:
-                return cycle
-    return None
-
-
 def test_no_import_cycle_between_the_modules():
     graph = {m: imports_within_the_package(m) for m in MODULES}
     assert find_cycle(graph) is None, ' -> '.join(find_cycle(graph))
@@ -63,9 +43,3 @@ def test_each_module_imports_in_a_fresh_interpreter(module):
     r = subprocess.run([sys.executable, '-c', 'import fastchain.distributed.' + module],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-
-
-def test_no_module_over_400_lines():
-    long = {m: n for m in MODULES + ['__init__']
-            for n in [len((PACKAGE / (m + '.py')).read_text().splitlines())] if n > 400}
-    assert long == {}

@@ -166,7 +166,9 @@ def test_a_resumed_fp16_run_continues_bit_for_bit(tmp_path):
                                              err_msg=name + ' (master)')
 
 
-def test_a_snapshot_without_masters_warns_and_starts_them_from_the_weights(tmp_path):
+def plain_fp16_snapshot(path):
+    """An fp16 model and plain Chainer's optimizer snapshot after one step
+    (fp32 masters, no fastchain state); returns (model, x, t)."""
     numpy.random.seed(0)
     with chainer.using_config('dtype', chainer.mixed16):
         model = CNN()
@@ -174,7 +176,12 @@ def test_a_snapshot_without_masters_warns_and_starts_them_from_the_weights(tmp_p
     plain.use_fp32_update()
     x, t = next(batches(1))
     step(model, plain, x, t)
-    serializers.save_npz(str(tmp_path / 'opt.npz'), plain)      # plain Chainer's
+    serializers.save_npz(path, plain)
+    return model, x, t
+
+
+def test_a_snapshot_without_masters_warns_and_starts_them_from_the_weights(tmp_path):
+    model, _, _ = plain_fp16_snapshot(str(tmp_path / 'opt.npz'))
     with fp16_enable():
         opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
         with pytest.warns(UserWarning, match='no loss-scaler state .* and no fp32 master'):
@@ -219,14 +226,7 @@ def test_a_scripts_own_loop_is_unscaled_by_the_scale_its_backward_used(cached):
 
 
 def test_a_non_strict_load_of_a_snapshot_without_masters_keeps_them_and_says_so(tmp_path):
-    numpy.random.seed(0)
-    with chainer.using_config('dtype', chainer.mixed16):
-        model = CNN()
-    plain = chainer.optimizers.MomentumSGD(0.1).setup(model)
-    plain.use_fp32_update()
-    x, t = next(batches(1))
-    step(model, plain, x, t)
-    serializers.save_npz(str(tmp_path / 'opt.npz'), plain)
+    model, x, t = plain_fp16_snapshot(str(tmp_path / 'opt.npz'))
     with fp16_enable():
         opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
         step(model, opt, x, t)
