@@ -27,7 +27,7 @@ import time
 
 import numpy
 
-from fastchain.distributed import _faults
+from fastchain.distributed import _departures, _faults, _threads
 
 TIMEOUT_VARIABLE = 'FASTCHAIN_COLLECTIVE_TIMEOUT'
 
@@ -82,9 +82,14 @@ class CommunicatorBase(abc.ABC):
         node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.intra_rank = node.rank
         self.intra_size = node.size
+        own = _threads.own_cores()
+        # The CPU sets of this node's processes (at set-up, before any
+        # collective that could time out: Split_type blocks the same way).
+        self.node_cores = node.allgather(own) if self.size > 1 else [own]
         node.Free()
         self.timeout = timeout
         self.finalized = False
+        self._departures = _departures.Departures(mpi_comm) if self.size > 1 else None
 
     # -- lifetime ------------------------------------------------------------
 
@@ -101,6 +106,8 @@ class CommunicatorBase(abc.ABC):
             return
         self.finalized = True
         self._finalize_core()
+        if self._departures is not None:
+            self._departures.close()
         self.mpi_comm = _Finalized()
         _faults.release(self)
 
@@ -224,8 +231,32 @@ class CommunicatorBase(abc.ABC):
             now = time.monotonic()
             if now > deadline:
                 self.abort_timeout(what)
+            if now - start > 0.01:
+                self.check_peers(what, start)
             if now - start > 1.0:
                 time.sleep(1e-3)
+
+    def check_peers(self, what, waiting_since):
+        """Abort the job if a peer has ended its process while this rank
+        has waited for it in ``what`` since ``waiting_since`` (see
+        ``_departures``)."""
+        if self._departures is None:
+            return
+        left = self._departures.overdue(waiting_since)
+        if left is not None:
+            message = ('fastchain: rank {} of {}: rank {} has ended its process (sys.exit() '
+                       'or the end of its script) while this rank waits for it in {}. '
+                       "Aborting the job; rank {}'s own output says why it ended.".format(
+                           self.rank, self.size, left, what, left))
+            print(message, file=sys.stderr, flush=True)
+            self.abort(1)
+            raise RuntimeError(message)     # reached only if abort returned
+
+    def announce_exit(self):
+        """At exit with this communicator alive: tell the peers (see
+        ``_departures``)."""
+        if self._departures is not None and not self.finalized:
+            self._departures.announce()
 
     def abort_timeout(self, what):
         message = ('fastchain: rank {} of {}: {} did not complete within {:g} s: another '

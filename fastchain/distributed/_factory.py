@@ -14,10 +14,14 @@ Processes are started by MPI (``mpiexec -n N python train.py``, or
 ``fastchain-run -n N train.py``). Every collective waits at most ``timeout``
 seconds (``FASTCHAIN_COLLECTIVE_TIMEOUT``, default 300; see ``_base``):
 past that, the process says which rank and which operation did not
-complete, and aborts the whole job rather than hang.
+complete, and aborts the whole job rather than hang; a rank that ends its
+process (``sys.exit()``) while the others wait for it ends the job within
+seconds (see ``_departures``). With more than one process on a node, each
+gets its share of the node's cores for BLAS/OpenMP threads (see
+``_threads``).
 """
 
-from fastchain.distributed import _base, _faults
+from fastchain.distributed import _base, _faults, _threads
 
 NAMES = ('auto', 'mpi', 'nccl')
 
@@ -57,4 +61,6 @@ def create_communicator(name='auto', mpi_comm=None, timeout=None):
         from fastchain.distributed._nccl import NcclCommunicator
         comm = NcclCommunicator(mpi_comm, timeout)
     _faults.hold(comm)
+    if comm.size > 1:
+        _threads.apply(comm.rank, _threads.own_cores(), comm.node_cores)
     return comm

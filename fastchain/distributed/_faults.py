@@ -76,8 +76,13 @@ def release(comm):
 
 
 def _release_all():
-    # At exit: the hooks go back; the communicators free nothing (the process
-    # ends, and waiting for NCCL work in flight could outlast a peer).
+    # At exit: each live communicator tells its peers this process is ending
+    # (a rank that leaves by sys.exit() must not leave them waiting for the
+    # collective timeout: see _departures); the hooks go back; the
+    # communicators free nothing else (the process ends, and waiting for
+    # NCCL work in flight could outlast a peer).
+    for comm in list(_holders):
+        comm.announce_exit()
     del _holders[:]
     _give_back()
 

@@ -105,6 +105,10 @@ class _Watchdog:
             now = time.monotonic()
             if now > deadline:
                 self.comm.abort_timeout(what)
-            if interrupted is not None and interrupted >= started and \
-                    now - interrupted > INTERRUPT_GRACE:
-                _faults.leave_blocked(self.comm, what)
+            if interrupted is not None and interrupted >= started:
+                # Ctrl-C: every rank leaves with 130 (a peer that took it
+                # already left: no abort for that).
+                if now - interrupted > INTERRUPT_GRACE:
+                    _faults.leave_blocked(self.comm, what)
+            elif self.current is current:       # still in the same call
+                self.comm.check_peers(what, started)

@@ -89,8 +89,12 @@ class NcclCommunicator(CommunicatorBase):
         cupy.cuda.get_current_stream().wait_event(event)
 
     def _poll(self, event, what):
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + self.timeout
         while not event.done:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 self.abort_timeout(what)
+            if now - start > 0.01:
+                self.check_peers(what, start)
             time.sleep(1e-4)

@@ -260,6 +260,10 @@ def failing(how):
                 os.kill(os.getpid(), signal.SIGKILL)
             if how == 'hang':
                 time.sleep(120)
+            if how == 'exit':
+                sys.exit('rank 1 stops on purpose')
+            if how == 'exit0':
+                sys.exit(0)
         x, t = chainer.dataset.concat_examples(shard[k * 4:(k + 1) * 4])
         opt.update(model, x, t)
     done()
@@ -275,5 +279,6 @@ SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': eval
              'snapshot_resume': snapshot_resume, 'rank0_extensions': rank0_extensions,
              'no_gradient': no_gradient, 'loss_scale_agreement': loss_scale_agreement,
              'raise': lambda: failing('raise'), 'kill': lambda: failing('kill'),
-             'hang': lambda: failing('hang'), 'mismatch': mismatch}
+             'hang': lambda: failing('hang'), 'exit': lambda: failing('exit'),
+             'exit0': lambda: failing('exit0'), 'mismatch': mismatch}
 SCENARIOS[SCENARIO]()

@@ -70,6 +70,57 @@ def test_a_hung_rank_times_out_naming_rank_and_operation(tmp_path):
     assert r.seconds < 30         # not the 120 s the hung rank sleeps
 
 
+@pytest.mark.parametrize('how', ['exit', 'exit0'])
+def test_a_rank_that_exits_ends_every_rank_in_seconds(how, tmp_path):
+    # sys.exit() raises nothing the excepthook sees: rank 0 would wait in its
+    # next allreduce for the collective timeout (set to 60 s here).
+    r = mpirun(how, tmp_path, env={'FASTCHAIN_COLLECTIVE_TIMEOUT': '60'})
+    assert r.returncode != 0 and r.ok == []
+    assert ('rank 0 of 2: rank 1 has ended its process (sys.exit() or the end of its '
+            'script) while this rank waits for it in allreduce of gradient bucket') \
+        in r.stderr, r.stderr
+    if how == 'exit':
+        assert r.stderr.count('rank 1 stops on purpose') == 1
+    assert 'did not complete within' not in r.stderr
+    assert r.seconds < 30
+
+
+THREADS = '''
+import os, sys, threadpoolctl
+from fastchain import distributed
+comm = distributed.create_communicator('mpi')
+blas = [i['num_threads'] for i in threadpoolctl.threadpool_info() if i['user_api'] == 'blas']
+print('rank', comm.rank, 'blas', blas, 'env', os.environ.get('OMP_NUM_THREADS'), flush=True)
+'''
+
+
+@pytest.mark.parametrize('env, expected', [
+    ({}, None),                                         # the node's cores / 2
+    ({'FASTCHAIN_THREADS_PER_PROCESS': '3'}, 3),
+    ({'OPENBLAS_NUM_THREADS': '2'}, 2),                 # the user's own setting is kept
+])
+def test_each_rank_gets_its_share_of_the_cores_for_blas_threads(env, expected):
+    from fastchain.distributed import _threads
+    clean = {k: v for k, v in os.environ.items()
+             if k not in _threads.USER_VARIABLES + (_threads.VARIABLE,)}
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, '-c', THREADS],
+                       capture_output=True, text=True, timeout=120, env=dict(clean, **env))
+    assert r.returncode == 0, r.stderr
+    if expected is None:
+        expected = max(1, len(os.sched_getaffinity(0)) // 2)
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith('rank'))
+    assert [line.split(' env')[0] for line in lines] == [
+        'rank {} blas [{}]'.format(k, expected) for k in (0, 1)], r.stdout + r.stderr
+    said = [line for line in r.stderr.splitlines() if 'BLAS/OpenMP' in line]
+    assert len(said) == 1, r.stderr                     # rank 0, once
+    if 'OPENBLAS_NUM_THREADS' in env:
+        assert 'left as OPENBLAS_NUM_THREADS=2 sets them' in said[0]
+        assert all(line.endswith('env None') for line in lines)
+    else:
+        assert '{} BLAS/OpenMP thread(s) per process'.format(expected) in said[0]
+        assert all(line.endswith('env {}'.format(expected)) for line in lines)
+
+
 def test_different_models_are_refused_at_start(tmp_path):
     r = mpirun('mismatch', tmp_path)
     assert r.returncode != 0
