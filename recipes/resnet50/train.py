@@ -96,7 +96,13 @@ def parse_args(argv=None):
                    help="Chainer device ('@numpy', '@cupy:0'); default: GPU 0 if present")
     g.add_argument('--seed', type=int, default=0)
     g.add_argument('--resume', help='a snapshot to continue from')
-    g.add_argument('--snapshot-every', type=float, default=1.0, help='epochs')
+    g.add_argument('--snapshot-every', type=float, default=1.0,
+                   help='epochs between snapshots (and one at the end of every run)')
+    g.add_argument('--keep-snapshots', type=int, default=2,
+                   help='how many of the newest snapshots to keep (0: all)')
+    g.add_argument('--no-snapshots', action='store_true',
+                   help='write none (a ResNet-50 snapshot is about 190 MB: weights, '
+                   'momentum, and fp32 masters with --fp16)')
     g.add_argument('--log-every', type=int, default=10, help='iterations')
     g.add_argument('--no-progress', action='store_true')
 
@@ -234,9 +240,13 @@ class SpeedMeter(training.Extension):
     def __call__(self, trainer):
         self.times.append(time.perf_counter())
 
+    def gaps(self):
+        return numpy.diff(self.times[self.skip:])
+
     def images_per_second(self):
-        gaps = numpy.diff(self.times[self.skip:])
-        return self.batch_size / statistics.median(gaps) if len(gaps) else None
+        """Images/s of one process, or None for a run too short to tell."""
+        gaps = self.gaps()
+        return self.batch_size / statistics.median(gaps) if len(gaps) >= 2 else None
 
 
 def launched_by_mpi():
@@ -248,12 +258,15 @@ def launched_by_mpi():
 def speed_report(args, handle, meter, log, device, n_classes, world=1):
     lines = ['', '== speed report ==']
     ips = meter.images_per_second()
-    ips = None if ips is None else ips * world
-    lines.append('training: {} images/s (median over {} iterations, global batch {} = {} '
-                 'process(es) x {}, device {})'.format(
-                     'n/a' if ips is None else '{:.1f}'.format(ips),
-                     max(0, len(meter.times) - meter.skip - 1), args.batch_size * world,
-                     world, args.batch_size, device))
+    batch = 'global batch {} = {} process(es) x {}, device {}'.format(
+        args.batch_size * world, world, args.batch_size, device)
+    if ips is None:
+        lines.append('training: not measured: {} iteration(s) are too few (the first {} '
+                     'warm up; the speed is the median over the rest: run at least {}; {})'
+                     .format(len(meter.times), meter.skip, meter.skip + 3, batch))
+    else:
+        lines.append('training: {:.1f} images/s (median over {} iterations, {})'.format(
+            ips * world, len(meter.gaps()), batch))
     accuracy = [e['validation/main/accuracy'] for e in log.log
                 if 'validation/main/accuracy' in e]
     if accuracy:
@@ -275,6 +288,7 @@ def speed_report(args, handle, meter, log, device, n_classes, world=1):
                                       else 'off: loading in the main process'))
     for name in getattr(args, 'not_available', []):
         lines.append('  {:18s} not in this version of fastchain yet'.format(name))
+    lines.append(snapshot_line(args))
     text = '\n'.join(lines)
     print(text)
     with open(os.path.join(args.out, 'speed.txt'), 'w') as f:
@@ -290,10 +304,11 @@ def main(argv=None):
     if args.all and args.loaderjobs == 0:
         # the cores of this node, shared by its processes
         args.loaderjobs = max(1, data.available_cores() // (comm.intra_size if comm else 1))
+    if args.keep_snapshots < 0:
+        sys.exit('--keep-snapshots {}: give how many snapshots to keep (0: all)'.format(
+            args.keep_snapshots))
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, 'config.json'), 'w') as f:
-            json.dump(dict(vars(args), processes=world), f, indent=2, sort_keys=True)
 
     numpy.random.seed(args.seed)
     from fastchain.backends import cuda
@@ -356,6 +371,8 @@ def main(argv=None):
         add_reporting(trainer, args, total, iters_per_epoch)
     if args.resume:
         chainer.serializers.load_npz(args.resume, trainer)     # every rank: same state
+    if rank == 0:
+        write_config(args, handle, world, 'at the start of training')
 
     try:
         trainer.run()
@@ -363,9 +380,35 @@ def main(argv=None):
         val_it.finalize()
     log = trainer.get_extension('LogReport') if rank == 0 else None
     if rank == 0:
+        write_config(args, handle, world, 'at the end of training')
         speed_report(args, handle, meter, log, device, n_classes, world)
     handle.disable()
     return log.log if log is not None else None
+
+
+def snapshot_line(args):
+    if args.no_snapshots:
+        return 'snapshots: none (--no-snapshots)'
+    names = sorted((n for n in os.listdir(args.out) if n.startswith('snapshot_iter_')),
+                   key=lambda n: int(n.rsplit('_', 1)[1]))
+    if not names:
+        return 'snapshots: none written'
+    size = os.path.getsize(os.path.join(args.out, names[-1]))
+    return 'snapshots: {} kept in {} (newest {}, {:.0f} MB; --keep-snapshots {}, ' \
+        '--no-snapshots for none)'.format(len(names), args.out, names[-1], size / 1e6,
+                                          args.keep_snapshots)
+
+
+def write_config(args, handle, world, when):
+    """``config.json``: the options of this run (command line and --config),
+    what was passed to ``fastchain.enable()`` and resolved from it, and each
+    accelerator's state as it was in force ``when``."""
+    config = {'args': vars(args), 'processes': world, 'written': when,
+              'enable': {'given': {k: handle.options[k] for k in sorted(handle.explicit)},
+                         'resolved': handle.options},
+              'accelerators': handle.report()}
+    with open(os.path.join(args.out, 'config.json'), 'w') as f:
+        json.dump(config, f, indent=2, sort_keys=True, default=repr)
 
 
 def add_reporting(trainer, args, total, iters_per_epoch):
@@ -374,9 +417,11 @@ def add_reporting(trainer, args, total, iters_per_epoch):
     log = extensions.LogReport(trigger=every)
     trainer.extend(log)
     trainer.extend(extensions.observe_lr(), trigger=every)
-    snap_every = max(1, int(args.snapshot_every * iters_per_epoch))
-    trainer.extend(extensions.snapshot(filename='snapshot_iter_{.updater.iteration}'),
-                   trigger=(min(snap_every, total), 'iteration'))
+    if not args.no_snapshots:
+        snap_every = max(1, int(args.snapshot_every * iters_per_epoch))
+        trainer.extend(extensions.snapshot(filename='snapshot_iter_{.updater.iteration}',
+                                           n_retains=args.keep_snapshots or -1),
+                       trigger=LogTrigger(snap_every, total))   # and the last iteration
     if extensions.PlotReport.available():
         trainer.extend(extensions.PlotReport(
             ['main/loss', 'validation/main/loss'], 'iteration',

@@ -28,18 +28,26 @@ def log_of(tmp_path, out='out'):
 
 
 def test_demo_run_writes_log_plots_snapshot_and_speed_report(tmp_path):
-    result = run(tmp_path, '--data', 'demo', '--iterations', '4', '--all')
+    result = run(tmp_path, '--data', 'demo', '--iterations', '6', '--all')
     out = tmp_path / 'out'
-    for name in ('log', 'config.json', 'loss.png', 'accuracy.png', 'snapshot_iter_4',
+    for name in ('log', 'config.json', 'loss.png', 'accuracy.png', 'snapshot_iter_6',
                  'speed.txt'):
         assert (out / name).exists(), name
     assert '== speed report ==' in result.stdout and 'images/s' in result.stdout
     assert 'validation accuracy' in result.stdout
     config = json.loads((out / 'config.json').read_text())
-    assert config['iterations'] == 4 and config['all'] is True
-    assert config['loaderjobs'] >= 1       # --all turns the loader on
+    assert config['args']['iterations'] == 6 and config['args']['all'] is True
+    assert config['args']['loaderjobs'] >= 1       # --all turns the loader on
+    # What was in force, as the speed report says it (--all turns static_graph
+    # on through enable(), not through the --static-graph flag).
+    assert config['written'] == 'at the end of training'
+    assert config['enable']['given']['static_graph'] is True
+    assert config['enable']['resolved']['static_graph'] is True
+    assert config['accelerators']['static_graph']['active'] is True
+    assert 'static_graph       active' in result.stdout
+    assert config['accelerators']['fused_update']['active'] is True
     log = log_of(tmp_path)
-    assert [e['iteration'] for e in log] == [2, 4]
+    assert [e['iteration'] for e in log] == [2, 4, 6]
     assert 'validation/main/accuracy' in log[-1]
 
 
@@ -59,8 +67,31 @@ def test_list_format_directory_and_yaml_config(tmp_path):
     (tmp_path / 'cfg.yaml').write_text('iterations: 2\nlabel_smoothing: 0.1\n')
     run(tmp_path, '--data', str(tmp_path / 'demo'), '--config', str(tmp_path / 'cfg.yaml'),
         out='listed')
-    config = json.loads((tmp_path / 'listed' / 'config.json').read_text())
+    config = json.loads((tmp_path / 'listed' / 'config.json').read_text())['args']
     assert config['label_smoothing'] == 0.1 and config['data'] == str(tmp_path / 'demo')
+
+
+def test_snapshots_are_kept_to_the_limit_with_a_final_one_or_none(tmp_path):
+    # 40 training images / batch 8: 5 iterations an epoch; a snapshot every 2
+    # (2, 4, 6) and one at the end of a run that is not a whole number of them.
+    result = run(tmp_path, '--data', 'demo', '--iterations', '7', '--snapshot-every', '0.4',
+                 '--keep-snapshots', '2')
+    names = sorted(p.name for p in (tmp_path / 'out').iterdir() if 'snapshot' in p.name)
+    assert names == ['snapshot_iter_6', 'snapshot_iter_7']
+    size = (tmp_path / 'out' / 'snapshot_iter_7').stat().st_size
+    assert 'snapshots: 2 kept in {} (newest snapshot_iter_7, {:.0f} MB;'.format(
+        tmp_path / 'out', size / 1e6) in result.stdout
+    result = run(tmp_path, '--data', 'demo', '--iterations', '3', '--no-snapshots',
+                 out='none')
+    assert not [p for p in (tmp_path / 'none').iterdir() if 'snapshot' in p.name]
+    assert 'snapshots: none (--no-snapshots)' in result.stdout
+
+
+def test_a_run_too_short_to_time_says_so(tmp_path):
+    result = run(tmp_path, '--data', 'synthetic', '--iterations', '3', '--no-snapshots')
+    line = next(l for l in result.stdout.splitlines() if l.startswith('training:'))
+    assert line.startswith('training: not measured: 3 iteration(s) are too few'), line
+    assert 'n/a' not in line and 'over 1 iterations' not in line
 
 
 def test_synthetic_data(tmp_path):
@@ -92,6 +123,7 @@ def test_data_parallel_under_mpiexec_with_resume(tmp_path):
     assert 'global batch 8 = 2 process(es) x 4' in r.stdout
     config = json.loads((tmp_path / 'dp' / 'config.json').read_text())
     assert config['processes'] == 2
+    assert 'BLAS/OpenMP thread(s) per process' in r.stderr      # said by rank 0
     r = subprocess.run(common + ['--iterations', '6', '--resume',
                                  str(tmp_path / 'dp' / 'snapshot_iter_4'),
                                  '--out', str(tmp_path / 'dp2')],
