@@ -52,12 +52,20 @@ def machine():
     }
 
 
-def report(mpi=False):
+def report(mpi=False, preview=False):
     """Everything ``fastchain doctor`` shows, as a dict.
+
+    ``accelerators`` holds, for each accelerator, what is in force in this
+    process now (``active``: in ``fastchain doctor``, where nothing is
+    enabled, always false).
 
     Args:
         mpi (bool): also probe MPI. Importing ``mpi4py.MPI`` initialises MPI,
             so it is left out unless asked for (the CLI asks).
+        preview (bool): also say, for each accelerator, what
+            ``fastchain.enable()`` would do on this machine (the keys of
+            :func:`fastchain.doctor._preview.preview`), found by enabling and
+            disabling it here; only where no handle is enabled (the CLI asks).
     """
     import chainer  # noqa: F401  (applies the compat shims)
     from fastchain import __version__, _compat
@@ -73,6 +81,12 @@ def report(mpi=False):
     }
     if mpi:
         deps['mpi'] = mpi_backend.mpi_status().as_dict()
+    accelerators = {name: s.as_dict()
+                    for name, s in _enable.current_states().items()}
+    if preview:
+        from fastchain.doctor._preview import preview as enable_preview
+        for name, entry in enable_preview().items():
+            accelerators.setdefault(name, {'name': name}).update(entry)
     return {
         'fastchain': __version__,
         'python': sys.version.split()[0],
@@ -84,8 +98,7 @@ def report(mpi=False):
         'dependencies': deps,
         'shims': _compat.applied(),
         'compat_hook_installed': _compat.installed(),
-        'accelerators': {name: s.as_dict()
-                         for name, s in _enable.current_states().items()},
+        'accelerators': accelerators,
         'enabled_handles': len(_enable.active_handles()),
         # Chainer's entry points with fastchain layers on them now, outermost first.
         'patch_points': _patches.points(),

@@ -76,9 +76,10 @@ class Fp16Group(Group):
                          .format(chainer.global_config.dtype))
             return [state]
         state.active = True
-        if not cuda.cudnn_status().available:
-            state.note = ('fp16 runs on the CPU through NumPy, which is slower '
-                          'than fp32 there; it pays off on a GPU with TensorCores')
+        if not cuda.available():
+            state.note = ('fp16 runs on the CPU through NumPy, which has no fast fp16 '
+                          'matrix multiply, so it is slower than fp32 there; it is meant '
+                          'for GPUs with TensorCores')
         return [state]
 
 

@@ -6,15 +6,41 @@ import subprocess
 import sys
 
 import numpy
+import pytest
 
 FASTCHAIN = os.path.join(os.path.dirname(sys.executable), 'fastchain')
 
 
-def doctor(*args):
-    out = subprocess.run([FASTCHAIN, 'doctor', *args], capture_output=True,
-                         text=True, timeout=120)
+def fastchain_cli(*args):
+    out = subprocess.run([FASTCHAIN, *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def doctor(*args):
+    return fastchain_cli('doctor', *args)
+
+
+def accelerator_lines(text, name):
+    """The lines of ``name`` in the human report: its own and those under it."""
+    lines = text[text.index('\naccelerators:'):].split('\n')
+    start = next(i for i, line in enumerate(lines) if line.startswith('  {} '.format(name)))
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.startswith(' ' * 23):
+            break
+        block.append(line)
+    return block
+
+
+def enable_states(**options):
+    """{accelerator: State} of the real ``fastchain.enable(**options)`` here."""
+    import warnings
+    import fastchain
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with fastchain.enable(**options) as handle:
+            return handle.states
 
 
 def test_json_describes_this_machine():
@@ -60,3 +86,85 @@ def test_report_function_matches_enable_state():
             assert rep['enabled_handles'] == 1
             assert rep['accelerators']['autotune']['requested'] is True
     assert fastchain.report()['enabled_handles'] == 0
+
+
+def test_doctor_says_what_enable_would_do_here_not_active_no():
+    rep = json.loads(doctor('--json'))
+    assert rep['enabled_handles'] == 0 and rep['patch_points'] == {} and not rep['settings']
+    real = enable_states()
+    assert set(rep['accelerators']) == set(real)
+    for name, state in real.items():
+        acc = rep['accelerators'][name]
+        assert acc['active'] is False       # in force in the doctor's process: never
+        here = acc['enable_here']
+        assert (here['active'], here['why'], here['fix']) == (state.active, state.why,
+                                                              state.fix)
+        if state.available:
+            assert acc['on_by_default'] is state.active
+            if state.active:
+                assert acc['requested_here'] == {}
+        else:
+            assert acc['on_by_default'] is (acc['default'] is None)
+    # An option that is off by default and available: asking for it is tried.
+    assert rep['accelerators']['static_graph']['on_by_default'] is False
+    tried = rep['accelerators']['static_graph']['requested_here']['static_graph=True']
+    assert tried['active'] is enable_states(static_graph=True)['static_graph'].active
+    text = doctor()
+    assert 'active: no' not in text
+    assert 'what fastchain.enable() with no arguments does on this machine' in text
+    for name, state in real.items():
+        line = accelerator_lines(text, name)[0]
+        if state.available:
+            assert 'enable(): {}'.format('on' if state.active else 'off') in line
+        else:
+            assert 'enable(): off here' in line and state.why in line
+    assert 'enable(static_graph=True): on' in '\n'.join(
+        accelerator_lines(text, 'static_graph'))
+
+
+def test_fp16_on_a_cpu_says_it_is_slower_and_auto_leaves_it_off():
+    from fastchain.backends import cuda
+    if cuda.cudnn_status().available:
+        pytest.skip('a GPU with cuDNN is here: fp16 runs there')
+    rep = json.loads(doctor('--json'))
+    fp16 = rep['accelerators']['fp16']
+    assert fp16['on_by_default'] is False and fp16['enable_here']['active'] is False
+    forced, auto = fp16['requested_here']['fp16=True'], fp16['requested_here']["fp16='auto'"]
+    assert forced['active'] is True and 'slower than fp32' in forced['note']
+    assert any(forced['note'] in w for w in forced['warnings'])
+    # 'auto' leaves fp16 off here, as the real enable() does.
+    assert auto['active'] is enable_states(fp16='auto')['fp16'].active is False
+    assert 'TensorCores' in auto['why']
+    block = accelerator_lines(doctor(), 'fp16')
+    assert 'enable(): off' in block[0]
+    forced_line = next(line for line in block if 'enable(fp16=True)' in line)
+    assert 'on' in forced_line and 'warning' in forced_line
+    assert 'slower than fp32' in forced_line and 'TensorCores' in forced_line
+    auto_line = next(line for line in block if "enable(fp16='auto'): off" in line)
+    assert 'no GPU with TensorCores' in auto_line
+
+
+def test_the_preview_leaves_nothing_in_force_and_refuses_under_a_handle():
+    import chainer
+    import fastchain
+    from fastchain.doctor._report import report
+    dtype = chainer.global_config.dtype
+    rep = report(preview=True)
+    assert all('enable_here' in acc for acc in rep['accelerators'].values())
+    after = fastchain.report()
+    assert after['enabled_handles'] == 0
+    assert after['patch_points'] == {} and after['settings'] == []
+    assert chainer.global_config.dtype is dtype
+    with fastchain.enable(cpu_conv=False):
+        with pytest.raises(RuntimeError, match='no handle is enabled'):
+            report(preview=True)
+
+
+@pytest.mark.parametrize('args', [('--version',), ('doctor', '--version')])
+def test_version(args):
+    import importlib.metadata
+    import fastchain
+    text = fastchain_cli(*args)
+    assert 'fastchain {}'.format(fastchain.__version__) in text
+    assert 'Chainer {}'.format(importlib.metadata.version('chainer')) in text
+    assert text.count('\n') == 1
