@@ -166,6 +166,9 @@ class ImageListDataset(_ImageDataset):
                     raise ValueError('{}:{}: expected "relative/path label", got {!r}'
                                      .format(list_path, lineno, line))
                 entries.append((os.path.join(root, parts[0]), int(parts[1])))
+        if not entries:
+            raise ValueError('{} lists no images: expected one "relative/path label" line '
+                             'per image (paths relative to {})'.format(list_path, root))
         super().__init__(entries, transform)
 
 
@@ -177,17 +180,44 @@ class ImageFolderDataset(_ImageDataset):
     """
 
     def __init__(self, root, transform=None, extensions=IMAGE_EXTENSIONS):
+        extensions = (extensions,) if isinstance(extensions, str) else tuple(extensions)
         if not os.path.isdir(root):
             raise FileNotFoundError('no such dataset directory: {}'.format(root))
         self.classes = sorted(d for d in os.listdir(root)
                               if os.path.isdir(os.path.join(root, d)))
         if not self.classes:
-            raise ValueError('{} has no class sub-directories'.format(root))
-        entries = []
+            loose = sum(1 for f in os.listdir(root) if f.lower().endswith(extensions))
+            raise ValueError('{} has no class sub-directories{}. {}'.format(
+                root, ' (it holds {} image file(s) directly: move them into one '
+                'sub-directory per class)'.format(loose) if loose else '',
+                _folder_layout(root, extensions)))
+        entries, empty = [], []
         for label, name in enumerate(self.classes):
             folder = os.path.join(root, name)
+            others = set()
             for dirpath, _, files in sorted(os.walk(folder)):
                 for f in sorted(files):
                     if f.lower().endswith(extensions):
                         entries.append((os.path.join(dirpath, f), label))
+                    else:
+                        others.add(os.path.splitext(f)[1] or f)
+            if not entries or entries[-1][1] != label:
+                empty.append('{} ({}{})'.format(name, folder, ': other files only: '
+                                                + ', '.join(sorted(others)) if others else ''))
+        if empty:
+            # Labels follow the sorted folder names: a class with no examples
+            # (a stray folder, a failed copy) would shift or lose labels silently.
+            raise ValueError(
+                '{}: {} of its {} class folders hold no images: {}. {}. Add images to '
+                'the empty class folder(s) or remove them: every sub-directory of {} '
+                'is a class.'.format(root, len(empty), len(self.classes),
+                                     ', '.join(empty), _folder_layout(root, extensions),
+                                     root))
         super().__init__(entries, transform)
+
+
+def _folder_layout(root, extensions):
+    return ("Expected one sub-directory per class, each holding that class's images "
+            '(files ending in {}): {}'.format(
+                ', '.join(extensions),
+                os.path.join(root, '<class name>', '<image>' + extensions[0])))

@@ -38,6 +38,66 @@ def test_folder_dataset_errors(tmp_path):
         data.ImageFolderDataset(str(tmp_path))
 
 
+def _jpeg(path):
+    from PIL import Image
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.fromarray(numpy.zeros((8, 8, 3), numpy.uint8)).save(path)
+
+
+def test_an_empty_class_folder_is_named_with_the_layout(tmp_path):
+    root = str(tmp_path)
+    _jpeg(os.path.join(root, 'cat', 'a.jpg'))
+    os.makedirs(os.path.join(root, 'dog'))
+    os.makedirs(os.path.join(root, 'eel'))
+    (tmp_path / 'eel' / 'readme.txt').write_text('no pictures here')
+    with pytest.raises(ValueError) as e:
+        data.ImageFolderDataset(root)
+    message = str(e.value)
+    assert message.startswith(root)
+    assert '2 of its 3 class folders hold no images' in message
+    assert 'dog ({})'.format(os.path.join(root, 'dog')) in message
+    assert 'eel ({}: other files only: .txt)'.format(os.path.join(root, 'eel')) in message
+    assert 'cat (' not in message
+    assert os.path.join(root, '<class name>', '<image>.jpg') in message
+    _jpeg(os.path.join(root, 'dog', 'b.png'))
+    _jpeg(os.path.join(root, 'eel', 'deeper', 'c.jpeg'))
+    d = data.ImageFolderDataset(root)
+    assert d.classes == ['cat', 'dog', 'eel'] and [int(d[i][1]) for i in range(3)] == [0, 1, 2]
+
+
+def test_a_folder_with_no_images_at_all_names_every_class_folder(tmp_path):
+    root = str(tmp_path)
+    for name in ('a', 'b'):
+        os.makedirs(os.path.join(root, name))
+    with pytest.raises(ValueError) as e:
+        data.ImageFolderDataset(root, extensions='.png')
+    message = str(e.value)
+    assert '2 of its 2 class folders hold no images' in message
+    for name in ('a', 'b'):
+        assert os.path.join(root, name) in message
+    assert '(files ending in .png)' in message     # a single extension, as given
+
+
+def test_images_without_class_folders_say_where_to_put_them(tmp_path):
+    root = str(tmp_path)
+    for k in range(3):
+        _jpeg(os.path.join(root, 'img{}.jpg'.format(k)))
+    with pytest.raises(ValueError, match='no class sub-directories') as e:
+        data.ImageFolderDataset(root)
+    message = str(e.value)
+    assert root in message and 'holds 3 image file(s) directly' in message
+    assert os.path.join(root, '<class name>', '<image>.jpg') in message
+
+
+def test_an_empty_list_names_the_list_file(tmp_path):
+    listing = tmp_path / 'train.txt'
+    listing.write_text('\n\n')
+    with pytest.raises(ValueError) as e:
+        data.ImageListDataset(str(listing))
+    assert str(listing) in str(e.value)
+    assert 'lists no images' in str(e.value) and '"relative/path label"' in str(e.value)
+
+
 @pytest.mark.parametrize('name,reason', [
     ('corrupt.jpg', 'cannot decode|not an image'),
     ('truncated.jpg', 'cannot decode'),
