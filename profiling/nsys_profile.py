@@ -36,20 +36,46 @@ def commands(args, script):
     return profile, export, summarize
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if '--' not in argv:
-        raise SystemExit('usage: nsys_profile.py [options] -- script.py [script args]')
-    split = argv.index('--')
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--iterations', metavar='FIRST:LAST',
+USAGE = '%(prog)s [options] [--] script.py [script args ...]'
+
+
+def _window(text):
+    try:
+        first, last = (int(v) for v in text.split(':'))
+    except ValueError:
+        first = last = 0
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(
+            '{!r}: expected FIRST:LAST, 1-based and FIRST <= LAST, e.g. 100:120'.format(text))
+    return text
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(
+        usage=USAGE, description=__doc__.split('\n\n')[0],
+        epilog='\n\n'.join(__doc__.split('\n\n')[1:]) + '\n\nExit status: that of the '
+               'first command that fails, 2 for a usage error.',
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--iterations', metavar='FIRST:LAST', type=_window,
                    help='capture only these iterations (1-based, inclusive)')
-    p.add_argument('-o', '--output', default='fastchain_profile',
-                   help='report path without extension')
-    p.add_argument('--nsys', default=shutil.which('nsys') or 'nsys')
-    p.add_argument('--dry-run', action='store_true')
-    args = p.parse_args(argv[:split])
-    script = argv[split + 1:]
+    p.add_argument('-o', '--output', default='fastchain_profile', metavar='PATH',
+                   help='report path without extension (default: %(default)s)')
+    p.add_argument('--nsys', default=shutil.which('nsys') or 'nsys',
+                   help='the nsys executable (default: the one on PATH)')
+    p.add_argument('--dry-run', action='store_true', help='print the commands, run nothing')
+    p.add_argument('command', nargs=argparse.REMAINDER, metavar='script.py [script args ...]',
+                   help='the training script and its arguments')
+    args = p.parse_args(argv)
+    args.command = args.command[1:] if args.command[:1] == ['--'] else args.command
+    if not args.command:
+        p.error('give the training script to profile: nsys_profile.py [options] script.py '
+                '[script args ...]')
+    return args
+
+
+def main(argv=None):
+    args = parse(sys.argv[1:] if argv is None else argv)
+    script = args.command
     env = dict(os.environ)
     # nsys matches --nvtx-capture against registered strings only when this
     # is 0; fastchain registers its range names, so either way works.
@@ -69,7 +95,11 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     for cmd in steps:
         print('+ ' + ' '.join(shlex.quote(c) for c in cmd), flush=True)
-        subprocess.run(cmd, env=env, check=True)
+        code = subprocess.run(cmd, env=env).returncode
+        if code:
+            print('nsys_profile.py: error: `{}` exited with status {}'.format(
+                ' '.join(shlex.quote(c) for c in cmd[:2]), code), file=sys.stderr)
+            return code
     return 0
 
 

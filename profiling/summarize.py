@@ -9,13 +9,18 @@ Reads the ``fastchain`` domain's push/pop ranges from ``NVTX_EVENTS``
 category names from NvtxCategory rows, eventType 33; registered strings
 through ``StringIds``) and, when present, device kernels from
 ``CUPTI_ACTIVITY_KIND_KERNEL`` to measure how long the device sat idle.
-Prints the mean time of each phase of a step, its share, the device's idle
-share and a one-line diagnosis.
+Prints the median time of each phase of a step, its share, the one-off
+events (a snapshot, an evaluation: see ``fastchain/nvtx/_summary.py``) by
+name and duration, the device's idle share and a one-line diagnosis.
+
+Exit status 2, with one line on stderr, for a file that is missing or is not
+the SQLite export of an nsys report of a fastchain run.
 """
 
 import argparse
 import collections
 import os
+import pathlib
 import sqlite3
 import sys
 
@@ -24,22 +29,51 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 from fastchain.nvtx import _summary  # noqa: E402
 
 NVTX_CATEGORY, NVTX_PUSH_POP, NVTX_DOMAIN_CREATE = 33, 59, 75
+EXPECTED = ('expected the SQLite export of an Nsight Systems report; make one with '
+            '`nsys export --type sqlite -o report.sqlite report.nsys-rep`')
+SQLITE_MAGIC = b'SQLite format 3\x00'
+
+
+class ReportError(Exception):
+    """The file is not a usable nsys SQLite export of a fastchain run."""
 
 
 def _tables(db):
     return {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
 
 
+def check_file(path):
+    """Raise :class:`ReportError` unless ``path`` is an SQLite file."""
+    if not os.path.exists(path):
+        raise ReportError('no such file ({})'.format(EXPECTED))
+    if os.path.isdir(path):
+        raise ReportError('a folder, not a file ({})'.format(EXPECTED))
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as e:
+        raise ReportError('cannot be read: {}'.format(e.strerror or e))
+    if head != SQLITE_MAGIC:
+        if path.endswith(('.nsys-rep', '.qdrep')):
+            raise ReportError('an Nsight Systems report, not its SQLite export: run '
+                              '`nsys export --type sqlite -o {}.sqlite {}` and pass the '
+                              '.sqlite file'.format(os.path.splitext(path)[0], path))
+        raise ReportError('{} ({})'.format(
+            'an empty file' if not head else 'not an SQLite file', EXPECTED))
+
+
 def read_ranges(db, domain='fastchain'):
     """fastchain's ranges as summary Ranges (thread = globalTid)."""
     tables = _tables(db)
     if 'NVTX_EVENTS' not in tables:
-        raise SystemExit('no NVTX_EVENTS table: was the report taken with --trace=nvtx?')
+        raise ReportError('no NVTX_EVENTS table: not an nsys export, or the report was '
+                          'taken without --trace=nvtx ({})'.format(EXPECTED))
     row = db.execute('SELECT domainId FROM NVTX_EVENTS WHERE eventType = ? AND text = ?',
                      (NVTX_DOMAIN_CREATE, domain)).fetchone()
     if row is None:
-        raise SystemExit('no {!r} NVTX domain in this report: run the training with '
-                         'fastchain.enable(nvtx=True) (on by default under nsys)'.format(domain))
+        raise ReportError('no {!r} NVTX domain in this report: run the training with '
+                          'fastchain.enable(nvtx=True) (on by default under nsys)'
+                          .format(domain))
     domain_id = row[0]
     strings = dict(db.execute('SELECT id, value FROM StringIds')) \
         if 'StringIds' in tables else {}
@@ -73,21 +107,38 @@ def read_kernels(db):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0],
+        epilog='Exit status: 0, or 2 for a usage error or a file that is not an nsys '
+               'SQLite export of a fastchain run (one line on stderr says why).')
     p.add_argument('sqlite', help='the file written by `nsys export --type sqlite`')
     p.add_argument('--skip', type=int, default=1, help='warm-up steps to leave out')
     p.add_argument('--png', help='also draw the breakdown here')
     args = p.parse_args(argv)
-    if not os.path.exists(args.sqlite):
-        raise SystemExit('{}: no such file'.format(args.sqlite))
-    db = sqlite3.connect('file:{}?mode=ro'.format(args.sqlite), uri=True)
-    result = _summary.summarize(read_ranges(db), kernels=read_kernels(db), skip=args.skip)
+    try:
+        check_file(args.sqlite)
+        path = pathlib.Path(args.sqlite).resolve().as_uri() + '?mode=ro'
+        db = sqlite3.connect(path, uri=True)
+        try:
+            ranges, kernels = read_ranges(db), read_kernels(db)
+        finally:
+            db.close()
+    except ReportError as e:
+        _fail('{}: {}'.format(args.sqlite, e))
+    except sqlite3.DatabaseError as e:
+        _fail('{}: unreadable as SQLite: {} ({})'.format(args.sqlite, e, EXPECTED))
+    result = _summary.summarize(ranges, kernels=kernels, skip=args.skip)
     print(_summary.format_summary(result))
     if args.png:
-        _summary.plot(result, args.png)
-        print('chart: ' + args.png)
+        drawn = _summary.plot(result, args.png)
+        print('chart: ' + (drawn or 'not drawn (no step recorded, or matplotlib missing)'))
     return result
 
+
+def _fail(message):
+    """One line on stderr and exit status 2: no traceback for a wrong file."""
+    print('summarize.py: error: ' + message, file=sys.stderr)
+    raise SystemExit(2)
 
 if __name__ == '__main__':
     main()

@@ -1,38 +1,111 @@
 #!/usr/bin/env python
-"""Profile a recipe without Nsight Systems: fastchain's built-in timeline.
+"""Profile a training script without Nsight Systems: fastchain's built-in timeline.
 
-    python profiling/timeline.py -o prof/demo -- recipes/resnet50/train.py \\
+    python profiling/timeline.py -o prof/demo recipes/resnet50/train.py \\
         --data demo --all --iterations 30
 
-Runs the recipe with ``--timeline``, which records fastchain's NVTX ranges
-in-process, then writes ``prof/demo.json`` (Chrome trace: open it in
-ui.perfetto.dev or chrome://tracing), ``prof/demo.png`` (per-phase chart)
-and ``prof/demo.txt`` (the step breakdown and diagnosis, also printed).
+Runs the script (any Chainer training script: it needs no flag of its own)
+in this process inside ``fastchain.enable(timeline=PATH.json)``, which
+records fastchain's NVTX ranges in-process. When the script ends, it writes
+PATH.json (Chrome trace: open it in ui.perfetto.dev or chrome://tracing),
+PATH.png (per-phase chart) and PATH.txt (the step breakdown and diagnosis,
+also printed). Like any enable() call, this puts fastchain's default
+accelerators in force for a script that does not call fastchain.enable()
+itself; a script's own enable(...) options take precedence as usual.
+
+Exit status: the script's own (a failing script's partial timeline is still
+written), 2 for a usage error.
 """
 
 import argparse
 import os
-import subprocess
+import runpy
 import sys
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, '..'))
+
+USAGE = '%(prog)s [-h] [-o PATH] [--] script.py [script args ...]'
+
+
+def parser():
+    p = argparse.ArgumentParser(
+        usage=USAGE, description=__doc__.split('\n\n')[0],
+        epilog='\n\n'.join(__doc__.split('\n\n')[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('-o', '--output', default='fastchain_timeline', metavar='PATH',
+                   help='path without extension for the .json, .png and .txt '
+                        '(default: %(default)s)')
+    p.add_argument('command', nargs=argparse.REMAINDER, metavar='script.py [script args ...]',
+                   help='the training script and its arguments')
+    return p
+
+
+def parse(argv):
+    p = parser()
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ['--'] else args.command
+    if not command:
+        p.error('give the training script to run: timeline.py [-o PATH] script.py '
+                '[script args ...]')
+    if not os.path.isfile(command[0]):
+        p.error('{}: no such script'.format(command[0]))
+    args.command = command
+    return args
+
+
+def run_script(command):
+    """Run ``command`` (script.py args) as ``__main__``, as ``python`` would;
+    returns its exit status."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    try:
+        sys.argv = command[:]
+        # The script's folder first, as `python script.py` has it, not this one.
+        sys.path[:] = [os.path.dirname(os.path.abspath(command[0]))] + [
+            p for p in sys.path if p != HERE]
+        runpy.run_path(command[0], run_name='__main__')
+    except SystemExit as e:
+        if e.code is None or e.code == 0:
+            return 0
+        if not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+            return 1
+        return e.code
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if '--' not in argv:
-        raise SystemExit('usage: timeline.py [-o PATH] -- recipe.py [recipe args]')
-    split = argv.index('--')
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('-o', '--output', default='fastchain_timeline',
-                   help='path without extension for the .json, .png and .txt')
-    args = p.parse_args(argv[:split])
-    script = argv[split + 1:]
+    args = parse(sys.argv[1:] if argv is None else argv)
+    import fastchain
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     trace = args.output + '.json'
-    subprocess.run([sys.executable] + script + ['--timeline', trace], check=True)
-    with open(args.output + '.txt') as f:
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', fastchain.FastchainWarning)
+        handle = fastchain.enable(timeline=trace)
+    try:
+        status = run_script(args.command)
+    finally:
+        # Writes the trace, chart and summary, even when the script failed.
+        handle.disable()
+        if sys.exc_info()[0] is not None:
+            print('timeline.py: the script failed; the timeline up to the failure was '
+                  'written to {0}.json and {0}.txt'.format(args.output), file=sys.stderr)
+    saved = handle.resources['timeline'].saved
+    with open(saved['txt']) as f:
         print(f.read())
-    print('trace: {}\nchart: {}.png'.format(trace, args.output))
-    return 0
+    if not saved['summary']['steps']:
+        print('timeline.py: no training step was recorded: fastchain times the update() '
+              'of Chainer StandardUpdaters built while it is enabled; does the script '
+              'train through one, and leave nvtx on?', file=sys.stderr)
+    print('trace: {}\nchart: {}'.format(
+        saved['json'], saved['png'] or 'not drawn (no step recorded, or no matplotlib)'))
+    if status:
+        print('timeline.py: the script exited with status {}'.format(status),
+              file=sys.stderr)
+    return status
 
 
 if __name__ == '__main__':

@@ -104,10 +104,16 @@ def annotate_optimizer(optimizer, changes):
     ref = weakref.ref(optimizer)
 
     def annotated_update(next_, lossfun=None, *args, **kwds):
-        if lossfun is not None:
+        # Not twice: the data-parallel optimizer's first update of a lazily
+        # shaped model calls the loss once without backward, then update()
+        # again with the same (already annotated) loss function.
+        if lossfun is not None and not getattr(lossfun, '_fastchain_nvtx', False):
             inner = lossfun
 
             def lossfun(*a, **k):
+                if state['backward']:     # a loss computed earlier had no backward
+                    state['backward'] = False
+                    ann.pop()
                 ann.push('forward', 'forward')
                 try:
                     loss = inner(*a, **k)
@@ -116,6 +122,7 @@ def annotate_optimizer(optimizer, changes):
                 ann.push('backward', 'backward')
                 state['backward'] = True
                 return loss
+            lossfun._fastchain_nvtx = True
         try:
             return next_(lossfun, *args, **kwds)
         finally:

@@ -3,76 +3,144 @@
 Shared by the built-in timeline and by ``profiling/summarize.py`` (which
 reads the same ranges from an Nsight Systems SQLite export). A step is one
 'step' range (the updater's update) plus the extensions that ran after it;
-its phases are the 'step' range's direct children, and 'other' is the rest.
+its phases are the 'step' range's direct children, and 'other' is the rest
+(gradient allreduce, also shown apart, lies within backward, update or other).
+
+The per-step figures are medians over the measured steps, so that a typical
+step, not an average polluted by rare long events, drives the diagnosis.
+
+One-off events. Each step is split into *events*: its phases by category
+('data', 'forward', ..., 'other') and each extension by name ('extension
+snapshot'), with the time each took in that step (0 where it did not run).
+An event's time in a step is a **one-off** when it is more than
+``ONE_OFF_FACTOR`` (3) times the event's median time over the measured
+steps, *and* longer than that median by more than ``ONE_OFF_MIN_SHARE``
+(25%) of the median step. So an extension that runs in fewer than half of
+the steps (its median is 0: a snapshot, an evaluation every epoch) is a
+one-off wherever it takes over a quarter of a typical step; an event that
+runs every step is one only where it takes over 3x its usual time (an
+epoch-end reshuffle in 'data', a first-call warm-up when ``skip=0``). One-offs
+are listed by name, step and duration; in the per-step figures each counts
+for its median time only. With fewer than 3 measured steps no time can be
+more than 3x a median, so nothing is a one-off.
 """
 
 import collections
+import statistics
 
 Range = collections.namedtuple('Range', 'name category thread start end depth')
 
 PHASES = ('data', 'convert', 'forward', 'backward', 'loss_scale', 'update', 'other',
           'extension')
 
+ONE_OFF_FACTOR = 3.0
+ONE_OFF_MIN_SHARE = 0.25
+ONE_OFF_RULE = ("a phase's or an extension's time in a step that is more than {:g}x its "
+                'median per step and exceeds that median by over {:.0f}% of the median '
+                'step'.format(ONE_OFF_FACTOR, 100 * ONE_OFF_MIN_SHARE))
+
 
 def summarize(ranges, kernels=None, skip=1):
-    """Mean time per phase of a step, shares, device idle time, diagnosis.
+    """Median time per phase of a step, shares, one-offs, device idle, diagnosis.
 
     Args:
         ranges: iterable of :class:`Range` (times in ns, one clock).
         kernels: optional list of (start, end) of device kernels, same clock.
         skip (int): leading steps left out (warm-up: autotune, first calls).
+
+    Returns a dict: ``median_ms`` (per phase, one-offs at their median time),
+    ``share`` (of the sum of those medians, ``total_ms``), ``mean_ms`` (plain
+    mean per phase, one-offs included), ``mean_step_ms``, ``one_offs`` (dicts
+    with name, phase, step, ms, typical_ms; longest first), ``warmup`` ((step,
+    ms) of the steps left out), ``device_idle`` (median share of a step),
+    ``diagnosis`` and ``per_step``.
     """
+    ranges = list(ranges)
     by_thread = collections.defaultdict(list)
     for r in ranges:
         by_thread[r.thread].append(r)
     for rs in by_thread.values():
         rs.sort(key=lambda r: (r.start, -r.end))
-    steps = sorted((r for r in ranges if r.category == 'step'), key=lambda r: r.start)
-    measured = steps[skip:] if len(steps) > skip else steps
-    per_step = []
+    steps = sorted((r for r in ranges if r.category == 'step' and r.name == 'step'),
+                   key=lambda r: r.start)
+    skip = skip if len(steps) > skip else 0
+    per_step, warmup = [], []
     for i, step in enumerate(steps):
-        if step not in measured:
-            continue
         following = steps[i + 1].start if i + 1 < len(steps) else None
-        per_step.append(_phases(step, by_thread[step.thread], following))
-    result = {'steps': len(per_step), 'skipped_steps': len(steps) - len(per_step),
-              'per_step': per_step}
+        phases = _phases(step, by_thread[step.thread], following)
+        phases['index'] = i + 1
+        if i < skip:
+            warmup.append((i + 1, sum(phases[p] for p in PHASES) / 1e6))
+        else:
+            per_step.append(phases)
+    result = {'steps': len(per_step), 'skipped_steps': skip, 'per_step': per_step,
+              'warmup': warmup, 'one_offs': []}
     if not per_step:
-        result.update(mean_ms={}, share={}, total_ms=0.0, device_idle=None,
-                      diagnosis='no training step was recorded')
+        result.update(median_ms={}, mean_ms={}, share={}, total_ms=0.0, mean_step_ms=0.0,
+                      device_idle=None, diagnosis='no training step was recorded')
         return result
-    mean = {p: sum(s[p] for s in per_step) / len(per_step) / 1e6 for p in PHASES}
-    mean['allreduce'] = sum(s['allreduce'] for s in per_step) / len(per_step) / 1e6
-    total = sum(mean[p] for p in PHASES)
-    share = {p: (mean[p] / total if total else 0.0) for p in PHASES}
-    share['allreduce'] = mean['allreduce'] / total if total else 0.0
-    idle = None
-    if kernels:
-        idle = _device_idle(per_step, kernels)
-    result.update(mean_ms=mean, share=share, total_ms=total, device_idle=idle,
-                  diagnosis=diagnose(share, idle))
+    one_offs = _one_offs(per_step)
+    names = PHASES + ('allreduce',)
+    median = {p: statistics.median(s['adjusted'][p] for s in per_step) / 1e6 for p in names}
+    mean = {p: sum(s[p] for s in per_step) / len(per_step) / 1e6 for p in names}
+    total = sum(median[p] for p in PHASES)
+    share = {p: (median[p] / total if total else 0.0) for p in names}
+    idle = _device_idle(per_step, kernels) if kernels else None
+    result.update(median_ms=median, mean_ms=mean, share=share, total_ms=total,
+                  mean_step_ms=sum(mean[p] for p in PHASES), one_offs=one_offs,
+                  device_idle=idle, diagnosis=diagnose(share, idle))
     return result
 
 
 def _phases(step, thread_ranges, following):
     out = dict.fromkeys(PHASES, 0)
     out['allreduce'] = 0
+    events = collections.Counter()      # (phase, name) -> ns in this step
     children = 0
     end = step.end
     for r in thread_ranges:
         if r.start >= step.start and r.end <= step.end and r is not step:
-            if r.depth == step.depth + 1 and r.category in out:
+            if r.depth == step.depth + 1 and r.category in PHASES:
                 out[r.category] += r.end - r.start
+                events[(r.category, r.category)] += r.end - r.start
                 children += r.end - r.start
             if r.category == 'allreduce':
                 out['allreduce'] += r.end - r.start
         elif r.category == 'extension' and r.depth == step.depth and \
                 r.start >= step.end and (following is None or r.end <= following):
             out['extension'] += r.end - r.start
+            events[('extension', r.name)] += r.end - r.start
             end = max(end, r.end)
     out['other'] = max(0, (step.end - step.start) - children)
+    if out['other']:
+        events[('other', 'other')] = out['other']
+    out['events'] = dict(events)
     out['window'] = (step.start, end)
     return out
+
+
+def _one_offs(per_step):
+    """Finds the one-off events (see the module docstring); gives each step
+    ``adjusted`` phases, where a one-off counts for its median time only."""
+    keys = set()
+    for s in per_step:
+        keys.update(s['events'])
+    typical = {k: statistics.median(s['events'].get(k, 0) for s in per_step) for k in keys}
+    floor = ONE_OFF_MIN_SHARE * statistics.median(sum(s[p] for p in PHASES)
+                                                  for s in per_step)
+    found = []
+    for s in per_step:
+        s['adjusted'] = {p: s[p] for p in PHASES + ('allreduce',)}
+        s['one_offs'] = []
+        for key, t in sorted(s['events'].items()):
+            excess = t - typical[key]
+            if t > ONE_OFF_FACTOR * typical[key] and excess > floor:
+                phase, name = key
+                s['adjusted'][phase] -= excess
+                s['one_offs'].append((name, t / 1e6))
+                found.append({'name': name, 'phase': phase, 'step': s['index'],
+                              'ms': t / 1e6, 'typical_ms': typical[key] / 1e6})
+    return sorted(found, key=lambda e: -e['ms'])
 
 
 def _device_idle(per_step, kernels):
@@ -91,11 +159,11 @@ def _device_idle(per_step, kernels):
                 busy += b - a
                 cursor = b
         idle.append(1 - busy / max(1, hi - lo))
-    return sum(idle) / len(idle)
+    return statistics.median(idle)
 
 
 def diagnose(share, device_idle=None):
-    """One line naming what bounds the step."""
+    """One line naming what bounds the (median) step."""
     def pct(x):
         return '{:.0f}%'.format(100 * x)
     if share.get('data', 0) >= 0.2:
@@ -117,29 +185,75 @@ def diagnose(share, device_idle=None):
         pct(compute))
 
 
+def one_off_lines(result):
+    """The one-off events grouped by name, longest in all first: one line each."""
+    groups = collections.OrderedDict()
+    for e in sorted(result['one_offs'], key=lambda e: e['step']):
+        groups.setdefault(e['name'], []).append(e)
+    lines = []
+    for name, events in sorted(groups.items(), key=lambda g: -sum(e['ms'] for e in g[1])):
+        if len(events) == 1:
+            lines.append('{}: {:.1f} ms in step {} (median {:.1f} ms)'.format(
+                name, events[0]['ms'], events[0]['step'], events[0]['typical_ms']))
+            continue
+        shown = events[:6]
+        lines.append('{}: {} times, {:.1f} ms in all (steps {}: {} ms{})'.format(
+            name, len(events), sum(e['ms'] for e in events),
+            ', '.join(str(e['step']) for e in shown),
+            ', '.join('{:.1f}'.format(e['ms']) for e in shown),
+            ', ...' if len(events) > len(shown) else ''))
+    return lines
+
+
 def format_summary(result):
     lines = ['fastchain step breakdown ({} steps, {} warm-up left out)'.format(
         result['steps'], result['skipped_steps'])]
-    if not result['mean_ms']:
-        return '\n'.join(lines + [result['diagnosis']])
-    lines.append('{:12s} {:>10s} {:>7s}'.format('phase', 'ms/step', 'share'))
+    if result['warmup']:
+        lines.append('warm-up left out: ' + ', '.join(
+            'step {} ({:.1f} ms)'.format(i, ms) for i, ms in result['warmup']))
+    if not result['median_ms']:
+        lines.append(result['diagnosis'])
+        lines += _unclosed(result)
+        return '\n'.join(lines)
+    lines.append('{:12s} {:>10s} {:>7s}'.format('phase', 'median ms', 'share'))
     for p in PHASES + ('allreduce',):
-        if p == 'allreduce' and not result['mean_ms'][p]:
+        if p == 'allreduce' and not result['median_ms'][p]:
             continue
         label = p if p != 'allreduce' else '(allreduce)'
         lines.append('{:12s} {:10.2f} {:6.1f}%'.format(
-            label, result['mean_ms'][p], 100 * result['share'][p]))
+            label, result['median_ms'][p], 100 * result['share'][p]))
     lines.append('{:12s} {:10.2f}'.format('total', result['total_ms']))
+    one_offs = result['one_offs']
+    all_ms = sum(e['ms'] for e in one_offs)
+    measured = result['mean_step_ms'] * result['steps']
+    lines.append('one-off events ({}): {}'.format(ONE_OFF_RULE, 'none' if not one_offs else
+                 "{:.1f} ms in all, {:.0f}% of the measured steps' time; each counts in the "
+                 'figures above for its median time only'.format(
+                     all_ms, 100 * all_ms / measured if measured else 0)))
+    lines += ['  ' + line for line in one_off_lines(result)]
+    lines.append('mean step, one-offs included: {:.2f} ms'.format(result['mean_step_ms']))
     if result['device_idle'] is not None:
-        lines.append('device idle: {:.1f}% of each step'.format(100 * result['device_idle']))
+        lines.append('device idle: {:.1f}% of each step (median)'.format(
+            100 * result['device_idle']))
     else:
         lines.append('device idle: n/a (no device kernels in this record)')
     lines.append('diagnosis: ' + result['diagnosis'])
+    lines += _unclosed(result)
     return '\n'.join(lines)
 
 
+def _unclosed(result):
+    if not result.get('unclosed'):
+        return []
+    return ['warning: {} range(s) never closed ({}): pushed without a pop, so they are '
+            'missing and the nesting recorded after them is off'.format(
+                len(result['unclosed']), ', '.join(n for n, _ in result['unclosed']))]
+
+
 def plot(result, path):
-    """A PNG: mean time per phase of a step, and each step's phases."""
+    """A PNG: the median time per phase of a step, and each step's phases,
+    one-off events hatched and named. Returns ``path``, or None where
+    matplotlib is missing or no step was recorded."""
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -155,19 +269,35 @@ def plot(result, path):
                                       gridspec_kw={'height_ratios': [1, 3]})
     left = 0.0
     for p in PHASES:
-        width = result['mean_ms'][p]
+        width = result['median_ms'][p]
         top.barh([0], [width], left=left, color=colours[p], label=p)
         left += width
     top.set_yticks([])
-    top.set_xlabel('ms per step (mean)')
+    top.set_xlabel('ms per step (median; one-off events at their median time)')
     top.set_title(result['diagnosis'], fontsize=10)
     top.legend(ncol=len(PHASES), fontsize=7, loc='upper center', bbox_to_anchor=(0.5, -0.6))
-    steps = range(len(result['per_step']))
-    bottom_acc = [0.0] * len(result['per_step'])
+    per_step = result['per_step']
+    steps = [s['index'] for s in per_step]
+    acc = [0.0] * len(per_step)
     for p in PHASES:
-        values = [s[p] / 1e6 for s in result['per_step']]
-        bottom.bar(steps, values, bottom=bottom_acc, color=colours[p], width=0.9)
-        bottom_acc = [a + v for a, v in zip(bottom_acc, values)]
+        values = [s['adjusted'][p] / 1e6 for s in per_step]
+        bottom.bar(steps, values, bottom=acc, color=colours[p], width=0.9)
+        acc = [a + v for a, v in zip(acc, values)]
+    extra = [sum(s[p] for p in PHASES) / 1e6 - a for s, a in zip(per_step, acc)]
+    if any(s['one_offs'] for s in per_step):
+        # One-offs can dwarf a step: draw them hatched, clipped, and name them.
+        ceiling = 2.5 * max(acc)
+        bottom.bar(steps, [min(e, ceiling - a) for e, a in zip(extra, acc)], bottom=acc,
+                   color='white', edgecolor='#d62728', hatch='//', width=0.9,
+                   label='one-off events (clipped at 2.5x the tallest step)')
+        for x, s, a in zip(steps, per_step, acc):
+            if s['one_offs']:
+                bottom.text(x, a, '\n'.join('{} {:.0f} ms'.format(n, ms)
+                                            for n, ms in s['one_offs']),
+                            rotation=90, va='bottom', ha='center', fontsize=7,
+                            bbox={'facecolor': 'white', 'edgecolor': 'none', 'alpha': 0.8})
+        bottom.set_ylim(0, ceiling * 1.05)
+        bottom.legend(fontsize=7, loc='upper left')
     bottom.set_xlabel('step')
     bottom.set_ylabel('ms')
     fig.tight_layout()

@@ -3,7 +3,9 @@
 It receives the same push/pop/mark calls as NVTX, keeps them in memory with
 ``time.perf_counter_ns`` timestamps, and writes a Chrome-trace JSON (opens in
 Perfetto or chrome://tracing), a PNG chart of the per-phase time of a step,
-and the summary of :mod:`fastchain.nvtx._summary`.
+and the summary of :mod:`fastchain.nvtx._summary` (median per-step figures;
+one-off events such as a snapshot or an evaluation listed by name and
+duration, and hatched and named in the chart).
 """
 
 import json
@@ -24,6 +26,7 @@ class Timeline:
         self._stacks = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self.saved = None       # what save() wrote
 
     def push(self, name, category):
         tid = threading.get_ident()
@@ -64,19 +67,29 @@ class Timeline:
         return {'traceEvents': events, 'displayTimeUnit': 'ms',
                 'otherData': {'source': 'fastchain timeline', 'domain': 'fastchain'}}
 
+    def open_ranges(self):
+        """(name, category) of the ranges pushed and not popped yet, outermost
+        first: at save time, a sign of unbalanced push/pop calls."""
+        return [(name, category) for stack in list(self._stacks.values())
+                for name, category, _ in stack]
+
     def summary(self, skip=1):
-        return _summary.summarize(self.ranges, skip=skip)
+        result = _summary.summarize(self.ranges, skip=skip)
+        result['unclosed'] = self.open_ranges()
+        return result
 
     def save(self, path, skip=1):
         """Write ``path`` (JSON trace), ``path`` with .png (chart) and .txt
-        (summary). Returns the summary."""
+        (summary). Returns the summary; ``self.saved`` holds it too, with the
+        paths written (``png`` is None where no chart could be drawn)."""
         with open(path, 'w') as f:
             json.dump(self.chrome_trace(), f)
         result = self.summary(skip=skip)
         base = os.path.splitext(path)[0]
         with open(base + '.txt', 'w') as f:
             f.write(_summary.format_summary(result) + '\n')
-        _summary.plot(result, base + '.png')
+        png = _summary.plot(result, base + '.png')
+        self.saved = {'summary': result, 'json': path, 'txt': base + '.txt', 'png': png}
         return result
 
 

@@ -1,6 +1,8 @@
 """The built-in timeline and the step summary, on CPU."""
 
 import json
+import re
+import time
 import warnings
 
 import numpy
@@ -17,7 +19,7 @@ from fastchain.nvtx._annotator import annotator
 from fastchain.nvtx._summary import Range
 
 
-def train(tmp_path, iterations=5, **options):
+def train(tmp_path, iterations=5, extend=None, log_every=1, **options):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         handle = fastchain.enable(loader_workers=0, **options)
@@ -28,7 +30,9 @@ def train(tmp_path, iterations=5, **options):
     it = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(x, t), 8)
     trainer = training.Trainer(training.StandardUpdater(it, opt),
                                (iterations, 'iteration'), out=str(tmp_path / 'out'))
-    trainer.extend(extensions.LogReport(trigger=(1, 'iteration')))
+    trainer.extend(extensions.LogReport(trigger=(log_every, 'iteration')))
+    if extend is not None:
+        extend(trainer)
     trainer.run()
     handle.disable()
     return handle
@@ -101,7 +105,7 @@ def test_summary_shares_and_input_bound_diagnosis():
                        ('backward', 2 * ms), ('update', 1 * ms)], extension=0)
     result = _summary.summarize(ranges, skip=1)
     assert result['steps'] == 4
-    assert result['mean_ms']['data'] == pytest.approx(4.0)
+    assert result['median_ms']['data'] == pytest.approx(4.0)
     assert result['share']['data'] == pytest.approx(0.4)
     assert result['diagnosis'] == 'input-bound: 40% of each step is waiting for data'
 
@@ -111,8 +115,9 @@ def test_summary_other_time_extensions_and_compute_bound():
     ranges = steps(3, [('forward', 5 * ms), ('backward', 4 * ms)], extension=1 * ms,
                    gap=1 * ms)
     result = _summary.summarize(ranges, skip=0)
-    assert result['mean_ms']['other'] == pytest.approx(1.0)
-    assert result['mean_ms']['extension'] == pytest.approx(1.0)
+    assert result['median_ms']['other'] == pytest.approx(1.0)
+    assert result['median_ms']['extension'] == pytest.approx(1.0)
+    assert result['one_offs'] == []         # an extension every step is no one-off
     assert result['diagnosis'].startswith('compute-bound: forward, backward and update')
 
 
@@ -123,3 +128,112 @@ def test_device_idle_from_kernels():
     result = _summary.summarize(ranges, kernels=kernels, skip=0)
     assert result['device_idle'] == pytest.approx((0.7 + 0.8) / 2)
     assert result['diagnosis'].startswith('host-bound: the device is idle 75%')
+
+
+PHASES_10MS = [('data', 1_000_000), ('convert', 1_000_000), ('forward', 4_000_000),
+               ('backward', 3_000_000), ('update', 1_000_000)]
+
+
+def test_a_snapshot_once_is_a_one_off_named_in_the_summary_not_the_diagnosis():
+    # Issue #22: 12 steps of 10 ms and one 6.8 s snapshot after step 7 read
+    # "extension-bound" when the figures were means over the steps.
+    ms = 1_000_000
+    ranges, t = [], 0
+    for i in range(12):
+        rs, t = step(t, PHASES_10MS, extension=6800 * ms if i == 6 else 0)
+        ranges += [r._replace(name='extension snapshot') if r.category == 'extension' else r
+                   for r in rs]
+    result = _summary.summarize(ranges, skip=1)
+    assert not result['diagnosis'].startswith('extension-bound')
+    assert result['diagnosis'].startswith('compute-bound')
+    assert result['median_ms']['extension'] == 0
+    assert result['total_ms'] == pytest.approx(10.0)
+    assert [(e['name'], e['step'], e['ms']) for e in result['one_offs']] == [
+        ('extension snapshot', 7, pytest.approx(6800.0))]
+    assert result['mean_step_ms'] == pytest.approx((11 * 10 + 6800) / 11)
+    text = _summary.format_summary(result)
+    assert 'extension snapshot: 6800.0 ms in step 7' in text
+    assert 'more than 3x its median' in text        # the rule is spelled out
+    assert 'diagnosis: compute-bound' in text
+
+
+def test_one_off_rule_a_slow_phase_yes_small_or_regular_events_no():
+    ms = 1_000_000
+    ranges, t = [], 0
+    for i in range(9):
+        phases = [(c, 20 * ms if c == 'data' and i == 4 else n) for c, n in PHASES_10MS]
+        # 'log' every step (jitter 1-1.2 ms); 'tiny' once, under a quarter of a step.
+        rs, t = step(t, phases, extension=(1 + 0.2 * (i % 2)) * ms)
+        ranges += [r._replace(name='extension log') if r.category == 'extension' else r
+                   for r in rs]
+        if i == 2:
+            ranges.append(Range('extension tiny', 'extension', 1, t, t + ms // 10, 0))
+            t += ms // 10
+    result = _summary.summarize(ranges, skip=0)
+    assert [(e['name'], e['step']) for e in result['one_offs']] == [('data', 5)]
+    assert result['median_ms']['data'] == pytest.approx(1.0)
+    assert result['diagnosis'].startswith('compute-bound')
+    assert 'data: 20.0 ms in step 5 (median 1.0 ms)' in _summary.format_summary(result)
+
+
+def test_timeline_of_a_run_with_a_slow_extension_once(tmp_path):
+    def sleep_once(trainer):
+        time.sleep(0.4)
+
+    def extend(trainer):
+        trainer.extend(sleep_once, name='sleep_once', trigger=(6, 'iteration'))
+    path = str(tmp_path / 'trace.json')
+    train(tmp_path, iterations=10, extend=extend, log_every=100, timeline=path)
+    summary = open(str(tmp_path / 'trace.txt')).read()
+    found = re.search(r'extension sleep_once: ([0-9.]+) ms in step (\d+)', summary)
+    assert found, summary
+    assert float(found.group(1)) >= 400 and found.group(2) == '6'
+    diagnosis = summary.split('diagnosis: ')[1]
+    assert not diagnosis.startswith('extension-bound'), summary
+    assert (tmp_path / 'trace.png').exists()
+
+
+def test_summary_warns_of_ranges_left_open():
+    from fastchain.nvtx._timeline import Timeline
+    timeline = Timeline()
+    for _ in range(3):
+        timeline.push('step', 'step')
+        timeline.push('forward', 'forward')
+        timeline.pop()
+        timeline.pop()
+    timeline.push('step', 'step')
+    timeline.push('backward', 'backward')       # never popped
+    text = _summary.format_summary(timeline.summary(skip=0))
+    assert 'fastchain step breakdown (3 steps, 0 warm-up left out)' in text
+    assert 'warning: 2 range(s) never closed (step, backward)' in text
+
+
+def test_the_capture_range_is_not_a_step():
+    # FASTCHAIN_CAPTURE puts a 'capture' range (category 'step') around steps.
+    ranges = [r._replace(depth=r.depth + 1) for r in steps(4, PHASES_10MS)]
+    ranges.append(Range('capture', 'step', 1, 0, max(r.end for r in ranges), 0))
+    result = _summary.summarize(ranges, skip=0)
+    assert result['steps'] == 4 and result['total_ms'] == pytest.approx(10.0)
+
+
+def test_allreduce_between_phases_counts_once_within_the_step():
+    ms = 1_000_000
+    ranges = steps(3, [('forward', 5 * ms), ('allreduce', 2 * ms)])
+    result = _summary.summarize(ranges, skip=0)
+    assert result['median_ms']['allreduce'] == pytest.approx(2.0)
+    assert result['median_ms']['other'] == pytest.approx(2.0)
+    assert result['total_ms'] == pytest.approx(7.0)
+
+
+def test_an_evaluation_every_fourth_step_is_listed_once_with_each_time():
+    ms = 1_000_000
+    ranges, t = [], 0
+    for i in range(1, 13):
+        rs, t = step(t, PHASES_10MS, extension=50 * ms if i % 4 == 0 else 0)
+        ranges += [r._replace(name='extension validation') if r.category == 'extension'
+                   else r for r in rs]
+    result = _summary.summarize(ranges, skip=1)
+    assert [e['step'] for e in result['one_offs']] == [4, 8, 12]
+    assert not result['diagnosis'].startswith('extension-bound')
+    assert _summary.one_off_lines(result) == [
+        'extension validation: 3 times, 150.0 ms in all (steps 4, 8, 12: 50.0, 50.0, 50.0 ms)']
