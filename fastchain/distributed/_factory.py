@@ -21,7 +21,7 @@ gets its share of the node's cores for BLAS/OpenMP threads (see
 ``_threads``).
 """
 
-from fastchain.distributed import _base, _faults, _threads
+from fastchain.distributed import _allocator, _base, _faults, _threads
 
 NAMES = ('auto', 'mpi', 'nccl')
 
@@ -50,6 +50,7 @@ def create_communicator(name='auto', mpi_comm=None, timeout=None):
         raise RuntimeError('fastchain.distributed needs MPI: {}. Fix: {}'.format(
             status.why, status.fix))
     from mpi4py import MPI
+    _allocator.settle()         # after MPI's initialisation (see _allocator)
     mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
     if name == 'auto':
         from fastchain.backends import cuda

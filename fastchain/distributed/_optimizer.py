@@ -106,6 +106,10 @@ def _attach(optimizer, comm, options):
     _patches.attach(optimizer, _all_ranks_any_key(),
                     functools.partial(comm.any, what='loss-scale agreement'))
     state = {'pending': False}
+    # Capturing gradients during backward serves only to start buckets early;
+    # where nothing overlaps (MPI on the CPU, a world of one) the hook is
+    # left out: it only costs a function hook on every backward.
+    captures = sync.overlap_enabled and comm.size > 1
 
     def update_data_parallel(next_, lossfun=None, *args, **kwds):
         if lossfun is None:
@@ -119,8 +123,9 @@ def _attach(optimizer, comm, options):
             loss = inner(*a, **k)
             target.cleargrads()             # what update() does next anyway
             sync.begin_step()
-            capture.refresh()
-            capture.__enter__()             # on for the backward only
+            if captures:
+                capture.refresh()
+                capture.__enter__()         # on for the backward only
             state['pending'] = True
             return loss
         try:
