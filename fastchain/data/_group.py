@@ -15,8 +15,11 @@ def _workers(value):
 
 
 def _resolve(values):
+    from fastchain import _node
     workers = values['loader_workers']
-    workers = available_cores() if workers is None else workers
+    # By default, this process's share of the node's cores (all of them
+    # without a data-parallel job; see fastchain._node).
+    workers = _node.share_of_cores(available_cores()) if workers is None else workers
     prefetch = values['prefetch_to_device']
     # Without workers nothing can load ahead (see check()); two handles can
     # still combine loader_workers=0 with prefetch_to_device=True.
@@ -50,18 +53,21 @@ class LoaderGroup(Group):
         workers, prefetch = _resolve(values)
         if workers > 0 or prefetch:
             from chainer.training.updaters import StandardUpdater
+            asked = 'loader_workers' in explicit and values['loader_workers'] is not None
             plan.wrap(StandardUpdater, '__init__', 'loader',
-                      functools.partial(_updater_layer, (workers, prefetch)))
+                      functools.partial(_updater_layer, (workers, prefetch, asked)))
 
     def states(self, values, explicit):
         from chainer.training.updaters import StandardUpdater
         layer = _patches.in_force(StandardUpdater, '__init__', 'loader')
-        workers, prefetch = layer.args[0] if layer is not None else (0, False)
+        workers, prefetch, asked = layer.args[0] if layer is not None else (0, False, False)
         asked_workers = values['loader_workers']
         loader = State('loader', True, workers > 0, setting=asked_workers,
                        requested='loader_workers' in explicit and bool(asked_workers))
         if not loader.active:
             loader.why = 'loader_workers=0' if asked_workers == 0 else None
+        elif not asked:
+            loader.note = IN_MEMORY_NOTE.format(workers)
         device = State('prefetch_to_device', True, prefetch,
                        requested='prefetch_to_device' in explicit
                        and values['prefetch_to_device'] is True,
@@ -103,17 +109,44 @@ def _move_position(source, target):
     target.serialize(NpzDeserializer(state))
 
 
+IN_MEMORY_NOTE = ('{} workers; an updater whose dataset is arrays in memory already '
+                  '(TupleDataset, DictDataset or a list, and their SubDatasets) keeps its '
+                  'SerialIterator, since fetching an example is only an index and workers '
+                  'would add copying: loader_workers=N uses workers for it anyway')
+
+
+def in_memory(dataset):
+    """True for a dataset whose examples are in memory already: a NumPy
+    array or a list, a TupleDataset or DictDataset of arrays, or a SubDataset
+    (``scatter_dataset``'s shards, ``split_dataset``) of one of those."""
+    import numpy
+    from chainer.datasets import DictDataset, SubDataset, TupleDataset
+    while type(dataset) is SubDataset:
+        dataset = dataset._dataset
+    if isinstance(dataset, (numpy.ndarray, list)):
+        return True
+    if type(dataset) is TupleDataset:
+        return all(isinstance(d, (numpy.ndarray, list)) for d in dataset._datasets)
+    if type(dataset) is DictDataset:
+        return all(isinstance(d, (numpy.ndarray, list)) for d in dataset._datasets.values())
+    return False
+
+
 def _updater_layer(setting, next_, updater, *args, **kwargs):
     """While in force, a StandardUpdater built with a plain SerialIterator
-    gets the multiprocess loader and device prefetch instead. The updater
-    keeps them after the handle is disabled (they hold its position)."""
+    gets the multiprocess loader and device prefetch instead (unless its
+    dataset is in memory already and the workers were not asked for). The
+    updater keeps them after the handle is disabled (they hold its
+    position)."""
     from chainer.iterators import SerialIterator, ShuffleOrderSampler
-    workers, prefetch = setting
+    workers, prefetch, asked = setting
     next_(updater, *args, **kwargs)
     main = updater._iterators['main']
     if type(main) is not SerialIterator or not isinstance(
             main.order_sampler, (type(None), ShuffleOrderSampler)):
         return      # the script chose its iterator or its order: leave it
+    if not asked and in_memory(main.dataset):
+        return      # nothing for workers to do (IN_MEMORY_NOTE)
     main = upgrade_iterator(main, workers)
     if prefetch:
         main = DevicePrefetcher(main, updater.converter, updater.input_device)

@@ -82,6 +82,8 @@ def apply(rank, own, node, environ=None):
         return _applied[0]
     environ = os.environ if environ is None else environ
     threads, what = plan(own, node, environ)
+    from fastchain import _node
+    _node.cores_per_process = plan(own, node, {})[0]    # the share, whatever the threads
     if threads is not None:
         import threadpoolctl
         threadpoolctl.threadpool_limits(threads)
