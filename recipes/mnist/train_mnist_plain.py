@@ -4,13 +4,14 @@ train_mnist.py, its fastchain data-parallel form."""
 
 import argparse
 
-import numpy
 
 import chainer
 import chainer.functions as F
 import chainer.links as L
 from chainer import training
 from chainer.training import extensions
+
+from mnist_data import load
 
 
 class MLP(chainer.Chain):
@@ -27,15 +28,6 @@ class MLP(chainer.Chain):
         return self.l3(h2)
 
 
-def load(path):
-    """MNIST from an .npz (x_train, t_train, x_test, t_test), or downloaded."""
-    if path is None:
-        return chainer.datasets.get_mnist()
-    d = numpy.load(path)
-    return (chainer.datasets.TupleDataset(d['x_train'], d['t_train']),
-            chainer.datasets.TupleDataset(d['x_test'], d['t_test']))
-
-
 def main():
     parser = argparse.ArgumentParser(description='Chainer example: MNIST')
     parser.add_argument('--batchsize', '-b', type=int, default=100)
@@ -43,7 +35,9 @@ def main():
     parser.add_argument('--device', '-d', default='@numpy')
     parser.add_argument('--out', '-o', default='result')
     parser.add_argument('--unit', '-u', type=int, default=1000)
-    parser.add_argument('--data', default=None, help='an .npz instead of downloading')
+    parser.add_argument('--data', default='digits',
+                        help="'digits' (they ship with scikit-learn), a folder of "
+                        "MNIST's four files, or an .npz (see mnist_data.py)")
     args = parser.parse_args()
 
     device = chainer.get_device(args.device)

@@ -63,6 +63,88 @@ def test_two_ranks_and_resume(tmp_path, small_mnist):
         assert [e['epoch'] for e in json.load(f)] == [1, 2, 3]
 
 
+def test_the_default_data_are_real_digits_and_nothing_is_downloaded(tmp_path):
+    # HOME and Chainer's dataset root in tmp_path: nothing may be fetched or
+    # left behind (the old recipe left an empty ~/.chainer/dataset).
+    env = dict(os.environ, HOME=str(tmp_path / 'home'),
+               CHAINER_DATASET_ROOT=str(tmp_path / 'home' / 'datasets'))
+    out = tmp_path / 'out'
+    r = subprocess.run([sys.executable, SCRIPT, '-e', '4', '-u', '100', '-o', str(out)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    acc = accuracy(str(out))
+    assert len(acc) == 4 and acc[-1] > 0.8      # 8x8 digits; chance is 0.1
+    assert not (tmp_path / 'home').exists()
+
+
+def write_idx(folder, gz, n_train=60, n_test=20):
+    """MNIST's four files in IDX form, with images whose class is readable
+    from their brightest row."""
+    import gzip
+    rng = numpy.random.RandomState(1)
+    arrays = {}
+    for prefix, n in (('train', n_train), ('t10k', n_test)):
+        t = rng.randint(0, 10, n).astype(numpy.uint8)
+        x = rng.randint(0, 60, (n, 28, 28)).astype(numpy.uint8)
+        x[numpy.arange(n), t * 2] = 255
+        arrays[prefix] = x, t
+        for kind, body, header in (
+                ('images-idx3-ubyte', x, [0x803, n, 28, 28]),
+                ('labels-idx1-ubyte', t, [0x801, n])):
+            raw = b''.join(v.to_bytes(4, 'big') for v in header) + body.tobytes()
+            name = folder / '{}-{}{}'.format(prefix, kind, '.gz' if gz else '')
+            with (gzip.open if gz else open)(name, 'wb') as f:
+                f.write(raw)
+    return arrays
+
+
+@pytest.mark.parametrize('gz', [False, True])
+def test_mnists_own_files_are_read_and_converted(tmp_path, gz):
+    sys.path.insert(0, HERE)
+    try:
+        import mnist_data
+    finally:
+        sys.path.remove(HERE)
+    arrays = write_idx(tmp_path, gz)
+    from chainer.dataset import concat_examples
+    train, test = mnist_data.read(str(tmp_path))
+    x, t = concat_examples(train[:])
+    assert x.shape == (60, 784) and x.dtype == numpy.float32 and t.dtype == numpy.int32
+    numpy.testing.assert_array_equal(t, arrays['train'][1])
+    numpy.testing.assert_array_equal(x, arrays['train'][0].reshape(60, -1) / numpy.float32(255))
+    # The converter writes the same arrays into one .npz, which --data reads.
+    npz = tmp_path / 'mnist.npz'
+    r = subprocess.run([sys.executable, os.path.join(HERE, 'mnist_data.py'), str(tmp_path),
+                        str(npz)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and '60 training and 20 test images' in r.stdout, r.stderr
+    again, again_test = mnist_data.read(str(npz))
+    numpy.testing.assert_array_equal(concat_examples(again[:])[0], x)
+    numpy.testing.assert_array_equal(concat_examples(again_test[:])[1],
+                                     concat_examples(test[:])[1])
+
+
+@pytest.mark.parametrize('case, expected', [
+    ('mnist', 'MNIST does not ship with fastchain and the recipe never downloads it'),
+    ('missing', 'no such file or folder'),
+    ('no_files', 'no train-images-idx3-ubyte (or train-images-idx3-ubyte.gz)'),
+    ('corrupt', 'not an IDX image file'),
+    ('truncated', 'the file is truncated or corrupt'),
+])
+def test_data_that_cannot_be_read_is_named_with_the_fix(tmp_path, case, expected):
+    spec = str(tmp_path / 'nowhere') if case == 'missing' else str(tmp_path)
+    if case == 'mnist':
+        spec = 'mnist'
+    if case in ('corrupt', 'truncated'):
+        write_idx(tmp_path, gz=False)
+        name = tmp_path / 'train-images-idx3-ubyte'
+        raw = name.read_bytes()
+        name.write_bytes(b'<html>' + raw[6:] if case == 'corrupt' else raw[:-10])
+    r = subprocess.run([sys.executable, SCRIPT, '--data', spec, '-o', str(tmp_path / 'o')],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr
+    assert expected in r.stderr and '--data' in r.stderr, r.stderr
+
+
 def test_readme_shows_the_current_diff():
     plain = open(os.path.join(HERE, 'train_mnist_plain.py')).read().splitlines(True)
     ours = open(os.path.join(HERE, 'train_mnist.py')).read().splitlines(True)
