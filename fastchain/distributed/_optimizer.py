@@ -50,6 +50,12 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
         fp16_allreduce (bool): send gradients as fp16 (half the bytes).
         overlap (bool): start each bucket's allreduce during backward
             (default: where the communicator progresses on its own: NCCL).
+
+    Every collective waits at most the communicator's timeout
+    (``FASTCHAIN_COLLECTIVE_TIMEOUT`` seconds, default 300, or
+    ``create_communicator(timeout=...)``); past it the job is aborted, naming
+    the rank and the operation. A rank that exits (``sys.exit()``) while the
+    others wait for it ends the job within seconds.
     """
     if communicator_of(optimizer) is not None:
         raise ValueError('this optimizer is already data-parallel')
