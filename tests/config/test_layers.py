@@ -283,9 +283,11 @@ def probe(tmp):
     with quiet():
         model = L.Classifier(Small())
         opt = chainer.optimizers.MomentumSGD().setup(model)
-    it = chainer.iterators.SerialIterator(
+    # A dataset that computes its examples (arrays in memory keep their
+    # SerialIterator unless workers are asked for: tests/data/test_group.py).
+    it = chainer.iterators.SerialIterator(chainer.datasets.TransformDataset(
         chainer.datasets.TupleDataset(numpy.zeros((4, 2), numpy.float32),
-                                      numpy.zeros(4, numpy.int32)), 2)
+                                      numpy.zeros(4, numpy.int32)), lambda e: e), 2)
     updater = StandardUpdater(it, opt)
     main = updater.get_iterator('main')
     inner = main.iterator if isinstance(main, DevicePrefetcher) else main
