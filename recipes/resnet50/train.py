@@ -396,8 +396,10 @@ def main(argv=None):
 def snapshot_line(args):
     if args.no_snapshots:
         return 'snapshots: none (--no-snapshots)'
+    # Newest written last (Chainer keeps the newest by time, also those of an
+    # earlier run in the same --out).
     names = sorted((n for n in os.listdir(args.out) if n.startswith('snapshot_iter_')),
-                   key=lambda n: int(n.rsplit('_', 1)[1]))
+                   key=lambda n: os.path.getmtime(os.path.join(args.out, n)))
     if not names:
         return 'snapshots: none written'
     size = os.path.getsize(os.path.join(args.out, names[-1]))
