@@ -9,6 +9,8 @@
 #   make gpu-check  on a GPU machine: GPU tests, then the GPU benchmarks -> benchmarks/results/gpu/
 #   make test-differential  the differential suite at full size (>= 2,000 cases; SEED=... repeats)
 #   make mutation-check     shows the differential suite fails on four known defects put back
+#   make wheelhouse         dist/wheelhouse/: fastchain, Chainer and what an offline GPU node lacks
+#   make wheelhouse-check   a clean Python 3.12 venv with the node's packages installs from it offline
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,7 +25,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.fastchain-setup
 
-.PHONY: setup test test-np1 doctor demo bench gpu-check clean test-differential mutation-check
+.PHONY: setup test test-np1 doctor demo bench gpu-check clean test-differential mutation-check \
+	wheelhouse wheelhouse-check
 
 setup: $(STAMP)
 
@@ -102,5 +105,48 @@ gpu-check: setup
 	$(PY) benchmarks/nvtx_cost.py --results $(GPU_RESULTS)
 	$(PY) benchmarks/summary.py $(GPU_RESULTS)
 
+# --- offline install (../shared/GPU-NODE.md) -----------------------------------
+# dist/wheelhouse/ holds what a machine with no package index needs besides
+# what it has: fastchain's wheel (its Chainer import hook included), Chainer
+# 7.8.1 built into a wheel as `make setup` builds it (setuptools<82, no
+# isolation), and the dependencies the reference GPU node lacks, for CPython
+# $(WHEEL_PY) manylinux x86-64. On the node:
+#   pip install --no-index --find-links dist/wheelhouse fastchain
+WHEEL_PY ?= 3.12
+WHEELHOUSE ?= dist/wheelhouse
+# fastchain's and Chainer's requirements that the node does not have (GPU-NODE.md:
+# it has numpy, pillow, filelock, protobuf, six, typing-extensions, mpi4py, ...).
+NODE_LACKS ?= nvtx simplejpeg threadpoolctl packaging setuptools
+# The node's own packages, for wheelhouse-check's stand-in of it.
+NODE_HAS ?= numpy pillow filelock protobuf six typing-extensions pyyaml
+WHEEL_PLATFORM := --only-binary=:all: --implementation cp --python-version $(WHEEL_PY) \
+	--abi cp$(subst .,,$(WHEEL_PY)) --platform manylinux2014_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
+
+wheelhouse: setup
+	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
+	$(PIP) wheel --no-deps --no-build-isolation -w $(WHEELHOUSE) "chainer==7.8.1"
+	$(PIP) wheel --no-deps -w $(WHEELHOUSE) .
+	$(PIP) download --no-deps -d $(WHEELHOUSE) $(WHEEL_PLATFORM) $(NODE_LACKS)
+	@du -sh $(WHEELHOUSE); ls $(WHEELHOUSE)
+
+# A clean venv of Python $(WHEEL_PY) gets the node's packages from the index
+# (the node has them already), then fastchain from the wheelhouse alone
+# (--no-index): a missing dependency fails here. Then Chainer and fastchain
+# import (the shims applied by the wheel's import hook, whatever the import
+# order) and train a step with enable(), and the doctor runs.
+WHEELCHECK_VENV ?= dist/wheelhouse-check-venv
+WHEEL_PYTHON := $(shell for p in python$(WHEEL_PY) $$HOME/.pyenv/versions/$(WHEEL_PY)*/bin/python$(WHEEL_PY) \
+	  /usr/bin/python$(WHEEL_PY); do $$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; break; }; done)
+
+wheelhouse-check: wheelhouse
+	@test -n "$(WHEEL_PYTHON)" || { echo "wheelhouse-check: no Python $(WHEEL_PY) here"; exit 1; }
+	rm -rf $(WHEELCHECK_VENV) && $(WHEEL_PYTHON) -m venv $(WHEELCHECK_VENV)
+	$(WHEELCHECK_VENV)/bin/python -m pip --disable-pip-version-check -q install $(NODE_HAS)
+	$(WHEELCHECK_VENV)/bin/python -m pip --disable-pip-version-check -q install \
+	  --no-index --find-links $(WHEELHOUSE) fastchain
+	cd $(WHEELCHECK_VENV) && ./bin/python $(CURDIR)/tests/wheelhouse_check.py
+	$(WHEELCHECK_VENV)/bin/fastchain doctor > /dev/null && echo "wheelhouse-check: doctor ran"
+
 clean:
-	rm -rf .venv .venv-np1 .pytest_cache result recipes/*/.data benchmarks/.cache
+	rm -rf .venv .venv-np1 .pytest_cache result recipes/*/.data benchmarks/.cache dist
