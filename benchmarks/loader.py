@@ -176,7 +176,11 @@ def main(argv=None):
     workers = args.workers or available_cores()
     n_images = args.images or (250 if args.quick else 1000)
     windows = args.windows or (4 if args.quick else 7)
-    window_batches = 8 if args.quick else 16
+    # A window is timed for at least this long (whole batches): at ~2,000
+    # images/s, the 8 batches a quick window used to be took 0.13 s, and the
+    # float path's median over such windows swung from 0.29 to 0.39 of the
+    # limit while a longer, isolated run gave 0.9 (DEVELOPERS.md).
+    window_seconds = 1.5 if args.quick else 3.0
     warmup_batches = 3 if args.quick else 6
     paths = dataset_dir(n_images)
     files = [os.path.join(paths['root'], l.split()[0])
@@ -207,12 +211,15 @@ def main(argv=None):
                 for _ in range(warmup_batches):
                     step()
                 startup.setdefault(name, round(time.perf_counter() - t0, 3))
-                seconds, _ = _common.timed(lambda: [step() for _ in range(window_batches)])
+                batches, start = 0, time.perf_counter()
+                while time.perf_counter() - start < window_seconds:
+                    step()
+                    batches += 1
+                seconds = time.perf_counter() - start
             finally:
                 close()
-            rows.add(name, window_batches * args.batch / seconds)
-        seconds = window_batches * args.batch / rows.median('fastchain')
-        rows.add('limit', limit_rate(files, workers, max(1.0, seconds)))
+            rows.add(name, batches * args.batch / seconds)
+        rows.add('limit', limit_rate(files, workers, window_seconds))
         print('window {}/{}: '.format(w + 1, windows) + ', '.join(
             '{} {:.0f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
 
@@ -223,7 +230,7 @@ def main(argv=None):
         ratios[name + '/limit'] = rows.ratio(name, 'limit')
     config = {'images': n_images, 'image_sides_px': [300, 640], 'batch': args.batch,
               'crop': CROP, 'workers': workers, 'windows': windows,
-              'window_batches': window_batches, 'warmup_batches': warmup_batches,
+              'window_seconds': window_seconds, 'warmup_batches': warmup_batches,
               'startup_seconds_first_window': startup,
               'decoders_single_process_images_per_s': decoder_rates(files)}
     notes = ['Every variant but fastchain_uint8 outputs normalised float32 224x224 '
