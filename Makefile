@@ -81,6 +81,7 @@ demo: setup
 BENCHMARKS := loader overhead allreduce scaling nvtx_cost ladder
 
 bench: setup
+	$(PIP) install -e ".[$(EXTRAS),bench]"
 	@for b in $(BENCHMARKS); do \
 	  echo "== benchmarks/$$b.py --quick"; \
 	  $(PY) benchmarks/$$b.py --quick || exit 1; \

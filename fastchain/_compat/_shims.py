@@ -117,6 +117,42 @@ def _pad_sequence_after(module):
     cls.forward = forward_with_cast_padding
 
 
+# --- CuPy 14 removed cuDNN (chainer.backends.cuda) ----------------------------
+
+def _cupy_major():
+    """The installed CuPy's major version, read from the package metadata
+    (without importing CuPy), or None."""
+    import importlib.metadata
+    for dist in ('cupy-cuda13x', 'cupy-cuda12x', 'cupy-cuda11x', 'cupy'):
+        try:
+            return int(importlib.metadata.version(dist).split('.')[0])
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            continue
+    return None
+
+
+CUPY14_CUDNN_WHY = ('CuPy 14 removed all cuDNN support (its upgrade guide): Chainer runs '
+                    'convolutions as im2col + GEMM and BatchNormalization, pooling and '
+                    'softmax with its own kernels')
+
+
+def _cupy14_after(module):
+    # Chainer's `import cupy.cudnn` failed inside a try: cudnn_enabled is False
+    # and the name `cudnn` was never bound, so should_use_cudnn_tensor_core
+    # (public, chainer.should_use_cudnn_tensor_core) raised NameError.
+    module.cudnn = None
+    module.cudnn_unavailable_reason = CUPY14_CUDNN_WHY
+    original = module.should_use_cudnn_tensor_core
+
+    def should_use_cudnn_tensor_core(dtype):
+        if not module.cudnn_enabled:
+            return False
+        return original(dtype)
+    should_use_cudnn_tensor_core.__wrapped__ = original
+    should_use_cudnn_tensor_core.__doc__ = original.__doc__
+    module.should_use_cudnn_tensor_core = should_use_cudnn_tensor_core
+
+
 def _missing(attr):
     return lambda: not hasattr(numpy, attr)
 
@@ -151,6 +187,19 @@ SHIMS = [
     Shim('pad_sequence-wrap', 'chainer.functions.array.pad_sequence',
          'NumPy 2 raises on out-of-range int padding (pad_sequence)',
          lambda: _NUMPY2, after=_pad_sequence_after),
+    # Chainer's warning told a CuPy 14 user to reinstall CuPy after cuDNN,
+    # which cannot help: say what happened instead.
+    Shim('cupy14-cudnn', 'chainer.backends.cuda', CUPY14_CUDNN_WHY,
+         lambda: (_cupy_major() or 0) >= 14,
+         rewrites=[("            'cuDNN is not enabled.\\n'\n"
+                    "            'Please reinstall CuPy after you install cudnn\\n'\n"
+                    "            '(see https://docs-cupy.chainer.org/en/stable/install.html'\n"
+                    "            '#install-cudnn).')\n",
+                    "            'cuDNN is not enabled: CuPy 14 removed all cuDNN support, so '\n"
+                    "            'Chainer runs convolutions as im2col + GEMM and its other '\n"
+                    "            'cuDNN functions with its own kernels. `fastchain doctor` '\n"
+                    "            'says what brings cuDNN back.')\n", 1)],
+         after=_cupy14_after),
     Shim('array-copy-false', 'chainermn.communicators._memory_utility',
          'NumPy 2 array(copy=False) refuses to copy (chainermn unpack_params)',
          lambda: _NUMPY2,

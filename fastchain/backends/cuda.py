@@ -4,13 +4,60 @@ Every function here is safe to call with no CuPy, with CuPy but no driver, and
 with CuPy 14 (which has no cuDNN). Results are cached for the process.
 """
 
+import ctypes
 import functools
 
 from fastchain.backends._status import Status
 
-GPU_EXTRA = 'pip install "fastchain[gpu]" (cupy-cuda12x) on a machine with an NVIDIA GPU'
-CUDNN_FIX = ('cuDNN needs CuPy 13: pip install "cupy-cuda12x<14" "nvidia-cudnn-cu12<9" '
-             '(CuPy 14 removed cuDNN support)')
+# CuPy's wheels per CUDA major version (CuPy 14 is the only CuPy for CUDA 13).
+CUPY_PACKAGES = {13: 'cupy-cuda13x', 12: 'cupy-cuda12x', 11: 'cupy-cuda11x'}
+CUDNN_FIX = ('cuDNN needs CuPy 13 (CuPy 14 removed cuDNN support): on a CUDA 12 driver, pip '
+             'install "cupy-cuda12x<14" "nvidia-cudnn-cu12<9"; for CUDA 13 there is no CuPy '
+             'with cuDNN')
+
+
+@functools.lru_cache(maxsize=None)
+def driver_cuda_version():
+    """The CUDA version the NVIDIA driver offers, as ``(major, minor)``, read
+    from the driver library itself (no CuPy needed); None without a driver."""
+    try:
+        libcuda = ctypes.CDLL('libcuda.so.1')
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0 or not version.value:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return version.value // 1000, (version.value % 1000) // 10
+
+
+def cupy_package():
+    """``(distribution, version)`` of the installed CuPy, or ``(None, None)``."""
+    import importlib.metadata
+    for dist in list(CUPY_PACKAGES.values()) + ['cupy']:
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None, None
+
+
+def gpu_fix():
+    """How to get CuPy here: the package for the CUDA the driver offers."""
+    driver = driver_cuda_version()
+    if driver is None:
+        return ('on a machine with an NVIDIA GPU: pip install cupy-cuda13x (a CUDA 13 '
+                'driver, 580 or newer; the gpu extra) or cupy-cuda12x (a CUDA 12 driver)')
+    package = CUPY_PACKAGES.get(driver[0])
+    if package is None:
+        return 'the driver offers CUDA {}.{}: update it to a CUDA 12 or 13 driver'.format(
+            *driver)
+    return 'pip install {} (the driver offers CUDA {}.{})'.format(package, *driver)
+
+
+def _nccl_fix():
+    driver = driver_cuda_version()
+    major = driver[0] if driver is not None and driver[0] in (12, 13) else 13
+    return 'pip install nvidia-nccl-cu{}'.format(major)
 
 
 def _cupy_module():
@@ -28,7 +75,7 @@ def cupy_status():
     if cupy is None:
         missing = isinstance(error, ModuleNotFoundError)
         return Status(False, why='CuPy is not installed' if missing else
-                      'CuPy failed to import: {}'.format(error), fix=GPU_EXTRA)
+                      'CuPy failed to import: {}'.format(error), fix=gpu_fix())
     version = cupy.__version__
     try:
         # On CuPy 13 without a driver this raises instead of returning False.
@@ -45,7 +92,7 @@ def cupy_status():
             detail[key] = None
             detail[key + '_error'] = str(e)
     return Status(ok, version=version, why=why,
-                  fix=None if ok else 'check `nvidia-smi`; then ' + GPU_EXTRA,
+                  fix=None if ok else 'check `nvidia-smi`; then ' + gpu_fix(),
                   detail=detail)
 
 
@@ -86,7 +133,7 @@ def cudnn_status():
     """cuDNN usable by Chainer (needs a GPU and CuPy 13's cuDNN bindings)."""
     cupy, _ = _cupy_module()
     if cupy is None:
-        return Status(False, why='CuPy is not installed', fix=GPU_EXTRA)
+        return Status(False, why='CuPy is not installed', fix=gpu_fix())
     major = int(cupy.__version__.split('.')[0])
     try:
         import cupy.cuda.cudnn as libcudnn
@@ -111,7 +158,7 @@ def nccl_status():
     """NCCL through CuPy's bindings."""
     cupy, _ = _cupy_module()
     if cupy is None:
-        return Status(False, why='CuPy is not installed', fix=GPU_EXTRA)
+        return Status(False, why='CuPy is not installed', fix=gpu_fix())
     try:
         from cupy.cuda import nccl
         if not getattr(nccl, 'available', True):
@@ -119,7 +166,7 @@ def nccl_status():
         version = str(nccl.get_version())
     except Exception as e:
         return Status(False, why='NCCL is not usable: {}'.format(e),
-                      fix='pip install nvidia-nccl-cu12')
+                      fix=_nccl_fix())
     if not available():
         return Status(False, version=version, why=cupy_status().why,
                       fix=cupy_status().fix)

@@ -93,7 +93,7 @@ def report(mpi=False, preview=False):
         'executable': sys.executable,
         'machine': machine(),
         'packages': {name: _dist_version(name) for name in
-                     ('chainer', 'numpy', 'cupy-cuda12x', 'setuptools',
+                     ('chainer', 'numpy', 'cupy-cuda13x', 'cupy-cuda12x', 'setuptools',
                       'mpi4py', 'mpich', 'nvtx', 'pillow')},
         'dependencies': deps,
         'shims': _compat.applied(),

@@ -108,3 +108,50 @@ def test_rewrite_refuses_a_source_it_was_not_written_for():
     assert shim.rewrite('old old') == 'new new'
     with pytest.raises(ImportError, match='expected 2 occurrence.*found 1'):
         shim.rewrite('old')
+
+
+# --- CuPy 14 (no CuPy here: the shim's parts are checked on Chainer's source
+# and on a stand-in of the module as CuPy 14 leaves it) -------------------------
+
+def _cupy14_shim():
+    return next(s for s in _shims.SHIMS if s.name == 'cupy14-cudnn')
+
+
+def test_cupy14_rewrite_matches_chainers_source_and_says_what_happened():
+    import chainer.backends.cuda
+    with open(chainer.backends.cuda.__file__) as f:
+        source = f.read()
+    rewritten = _cupy14_shim().rewrite(source)      # raises unless found exactly once
+    compile(rewritten, chainer.backends.cuda.__file__, 'exec')
+    assert 'Please reinstall CuPy after you install cudnn' not in rewritten
+    assert 'CuPy 14 removed all cuDNN support' in rewritten
+
+
+def test_cupy14_after_binds_cudnn_and_keeps_tensor_core_query_from_raising():
+    import types
+    module = types.ModuleType('stand_in')
+    module.cudnn_enabled = False        # as Chainer leaves it when cupy.cudnn is gone
+
+    def should_use_cudnn_tensor_core(dtype):
+        return cudnn.is_tensor_core_available(dtype)    # noqa: F821 (unbound, as there)
+    module.should_use_cudnn_tensor_core = should_use_cudnn_tensor_core
+    with pytest.raises(NameError):
+        module.should_use_cudnn_tensor_core(numpy.float16)
+    _cupy14_shim().after(module)
+    assert module.cudnn is None and 'CuPy 14' in module.cudnn_unavailable_reason
+    assert module.should_use_cudnn_tensor_core(numpy.float16) is False
+
+
+@pytest.mark.parametrize('installed, needed', [
+    ({}, False), ({'cupy-cuda12x': '13.6.0'}, False), ({'cupy-cuda13x': '14.2.0'}, True),
+    ({'cupy-cuda12x': '14.0.1'}, True),
+])
+def test_cupy14_shim_is_needed_exactly_from_cupy_14(monkeypatch, installed, needed):
+    import importlib.metadata
+
+    def version(name):
+        if name in installed:
+            return installed[name]
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, 'version', version)
+    assert _cupy14_shim().needed() is needed

@@ -11,7 +11,8 @@ from fastchain.backends import cuda
 
 @pytest.fixture(autouse=True)
 def fresh_probes():
-    for f in (cuda.cupy_status, cuda.gpus, cuda.cudnn_status, cuda.nccl_status):
+    for f in (cuda.cupy_status, cuda.gpus, cuda.cudnn_status, cuda.nccl_status,
+              cuda.driver_cuda_version):
         f.cache_clear()
     yield
     for f in (cuda.cupy_status, cuda.gpus, cuda.cudnn_status, cuda.nccl_status):
@@ -49,10 +50,46 @@ def test_this_machine_without_cupy_says_so():
     except ImportError:
         pass
     s = cuda.cupy_status()
-    assert not s.available and s.why == 'CuPy is not installed' and 'fastchain[gpu]' in s.fix
+    assert not s.available and s.why == 'CuPy is not installed'
+    assert s.fix == cuda.gpu_fix() and 'cupy-cuda1' in s.fix
     assert cuda.gpus() == []
     assert not cuda.cudnn_status().available
     assert not cuda.nccl_status().available
+
+
+@pytest.mark.parametrize('driver, expected', [
+    (None, 'pip install cupy-cuda13x (a CUDA 13 driver'),
+    ((13, 0), 'pip install cupy-cuda13x (the driver offers CUDA 13.0)'),
+    ((12, 8), 'pip install cupy-cuda12x (the driver offers CUDA 12.8)'),
+    ((10, 2), 'the driver offers CUDA 10.2: update it'),
+])
+def test_the_fix_names_the_cupy_for_the_drivers_cuda(monkeypatch, driver, expected):
+    monkeypatch.setattr(cuda, 'driver_cuda_version', lambda: driver)
+    assert expected in cuda.gpu_fix()
+    assert cuda._nccl_fix() == 'pip install nvidia-nccl-cu{}'.format(
+        12 if driver == (12, 8) else 13)
+
+
+def test_this_machine_has_no_driver_to_read():
+    # No NVIDIA driver here: the probe says so instead of raising.
+    if cuda.driver_cuda_version() is not None:
+        pytest.skip('an NVIDIA driver is installed here')
+    assert 'on a machine with an NVIDIA GPU' in cuda.gpu_fix()
+
+
+@pytest.mark.parametrize('installed, expected', [
+    ({}, (None, None)), ({'cupy-cuda13x': '14.2.0'}, ('cupy-cuda13x', '14.2.0')),
+    ({'cupy-cuda12x': '13.6.0'}, ('cupy-cuda12x', '13.6.0')),
+])
+def test_either_cupy_package_is_recognised(monkeypatch, installed, expected):
+    import importlib.metadata
+
+    def version(name):
+        if name in installed:
+            return installed[name]
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, 'version', version)
+    assert cuda.cupy_package() == expected
 
 
 def test_cupy13_without_a_driver_raises_in_is_available(monkeypatch):
