@@ -40,14 +40,14 @@ class PreparedBatch(list):
 class _Passthrough(convert.Converter):
     """The converter to give the updater: prepared batches pass through."""
 
-    def __init__(self, converter):
+    def __init__(self, converter, edge=None):
         self.converter = converter
+        self.edge = edge
 
     def __call__(self, batch, device=None):
         if isinstance(batch, PreparedBatch):
             if batch.event is not None:     # CUDA: the copy must be done
-                import cupy
-                cupy.cuda.get_current_stream().wait_event(batch.event)
+                self.edge.consume(batch)
             return batch.arrays
         return convert._call_converter(self.converter, batch, device)
 
@@ -95,7 +95,10 @@ class DevicePrefetcher(iterator_module.Iterator):
                              'got {!r}'.format(depth))
         self.iterator = iterator
         self.device = None if device is None else chainer.get_device(device)
-        self.converter = _Passthrough(converter)
+        # Made here, not in the thread: a CUDA stream belongs to the device
+        # current where it is made (the thread's is device 0).
+        self._edge = _cuda_edge(self.device)
+        self.converter = _Passthrough(converter, self._edge)
         self._convert = converter
         self.depth = depth
         self.batch_size = iterator.batch_size
@@ -140,7 +143,7 @@ class DevicePrefetcher(iterator_module.Iterator):
 
     def _run(self):
         it = self.iterator
-        edge = _cuda_edge(self.device)
+        edge = self._edge
         try:
             while not self._stop.is_set():
                 if not self._may_fetch_ahead():
@@ -273,19 +276,61 @@ class _Done:
 
 
 def _cuda_edge(device):
-    """The GPU edge: a side stream for the copy, an event for the consumer."""
+    """The GPU edge for ``device``, or a no-op one on the CPU."""
     if device is None or device.xp is numpy or device.xp is not _cupy():
         return _no_edge
     import cupy
-    stream = cupy.cuda.Stream(non_blocking=True)
+    return CudaEdge(cupy, device.device.id)
+
+
+class CudaEdge:
+    """A prefetcher's GPU edge (not run on a GPU yet: tested with a stand-in).
+
+    - The copies run on a side stream made on the target device (each
+      data-parallel rank has its own, ``@cupy:<local rank>``), under that
+      device, and each batch's copy ends with an event that the training
+      stream waits on before using the arrays (:meth:`consume`).
+    - A batch's memory comes from CuPy's pool for the side stream, so once
+      freed it goes to the next copy with no ordering against the steps that
+      read it. So the arrays of each batch handed out are held here until the
+      side stream has waited on an event of the training stream recorded
+      after that batch's step was enqueued: when batch k is consumed, an
+      event is recorded (step k-1 is enqueued by then) and batch k-1 is
+      retired with it; before its next copy, the side stream waits on the
+      newest retirement event and only then lets go of those arrays.
+    """
+
+    def __init__(self, cupy, device_id):
+        self.cupy = cupy
+        self.device_id = device_id
+        with cupy.cuda.Device(device_id):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._held = None           # the arrays of the batch in use
+        self._retired = []          # (event, arrays) the side stream has not waited on
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def on_side_stream():
+    def __call__(self):
+        """In the prefetch thread: convert and copy one batch."""
         done = _Done()
-        with cupy.cuda.Device(device.device.id), stream:
+        with self.cupy.cuda.Device(self.device_id), self.stream:
+            with self._lock:
+                retired, self._retired = self._retired, []
+            if retired:
+                self.stream.wait_event(retired[-1][0])
+            del retired                 # their memory may be reused from here on
             yield done
-            done.event = stream.record()
-    return on_side_stream
+            done.event = self.stream.record()
+
+    def consume(self, batch):
+        """In the training loop, on its stream: wait for ``batch``'s copy."""
+        stream = self.cupy.cuda.get_current_stream()
+        stream.wait_event(batch.event)
+        event = stream.record()
+        with self._lock:
+            if self._held is not None:
+                self._retired.append((event, self._held))
+            self._held = batch.arrays
 
 
 def _cupy():

@@ -218,3 +218,84 @@ def test_nothing_is_fetched_ahead_where_loading_may_draw_from_the_global_rng():
     assert it.iterator.current_position == it.current_position == 8
     assert all(isinstance(b, data.PreparedBatch) and b.arrays.shape == (5, 2)
                for b in batches)
+
+
+# --- the GPU edge with a stand-in of CuPy's streams (no GPU here) -------------
+
+class _FakeCuda:
+    """Just what CudaEdge calls: devices, streams, events, with a log."""
+
+    def __init__(self):
+        self.log, self.device, self.stream_stack = [], 0, []
+        fake = self
+
+        class Device:
+            def __init__(self, i):
+                self.i = i
+
+            def __enter__(self):
+                self.previous, fake.device = fake.device, self.i
+
+            def __exit__(self, *exc):
+                fake.device = self.previous
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                self.device, self.name = fake.device, 'side'
+
+            def __enter__(self):
+                fake.stream_stack.append(self)
+
+            def __exit__(self, *exc):
+                fake.stream_stack.pop()
+
+            def record(self):
+                fake.log.append(('record', self.name, len(fake.log)))
+                return ('event', self.name, len(fake.log) - 1)
+
+            def wait_event(self, event):
+                fake.log.append(('wait', self.name, event))
+
+        self.compute = Stream()
+        self.compute.name = 'compute'
+        self.cuda = type('cuda', (), {})()
+        self.cuda.Device, self.cuda.Stream = Device, Stream
+        self.cuda.get_current_stream = lambda: (
+            fake.stream_stack[-1] if fake.stream_stack else fake.compute)
+
+
+class _Arrays:
+    pass
+
+
+def test_the_gpu_edge_copies_on_the_target_device_and_frees_no_batch_early():
+    import weakref
+    from fastchain.data._prefetch import CudaEdge, PreparedBatch
+    fake = _FakeCuda()
+    edge = CudaEdge(fake, 1)            # made where device 0 is current
+    assert edge.stream.device == 1      # ... but the stream belongs to device 1
+
+    def copy(name):
+        batch = PreparedBatch([name])
+        with edge() as done:
+            assert fake.device == 1 and fake.cuda.get_current_stream() is edge.stream
+            fake.log.append(('alloc', name))
+            batch.arrays = _Arrays()
+        batch.event = done.event
+        return batch
+
+    b1 = copy('b1')
+    edge.consume(b1)                    # the training stream waits on b1's copy
+    assert fake.log[-2] == ('wait', 'compute', b1.event)
+    b2 = copy('b2')
+    gone1 = weakref.ref(b1.arrays)
+    del b1
+    assert gone1() is not None          # held: step 1 may still read it
+    edge.consume(b2)                    # step 1 is enqueued: b1 retires with this event
+    retire_event = fake.log[-1]
+    assert retire_event[:2] == ('record', 'compute')
+    assert gone1() is not None          # not yet: the side stream has not waited
+    copy('b3')
+    waited = fake.log.index(('wait', 'side', ('event', 'compute', retire_event[2])))
+    assert waited < fake.log.index(('alloc', 'b3'))   # waits before its allocation
+    assert gone1() is None              # and only then lets b1's memory go
