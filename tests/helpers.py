@@ -113,3 +113,15 @@ def assert_same(ordinary, cached, where=''):
         numpy.testing.assert_array_equal(q.array, p.array, err_msg='{} {}'.format(name, where))
     for (name, a), (_, b) in zip(persistents(ordinary), persistents(cached)):
         numpy.testing.assert_array_equal(b, a, err_msg='{} {}'.format(name, where))
+
+
+def pretend_installed(monkeypatch, installed):
+    """``importlib.metadata.version`` answers as if only ``installed``
+    ({distribution: version}) were installed."""
+    import importlib.metadata
+
+    def version(name):
+        if name in installed:
+            return installed[name]
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, 'version', version)

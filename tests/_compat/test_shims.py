@@ -147,11 +147,6 @@ def test_cupy14_after_binds_cudnn_and_keeps_tensor_core_query_from_raising():
     ({'cupy-cuda12x': '14.0.1'}, True),
 ])
 def test_cupy14_shim_is_needed_exactly_from_cupy_14(monkeypatch, installed, needed):
-    import importlib.metadata
-
-    def version(name):
-        if name in installed:
-            return installed[name]
-        raise importlib.metadata.PackageNotFoundError(name)
-    monkeypatch.setattr(importlib.metadata, 'version', version)
+    from tests.helpers import pretend_installed
+    pretend_installed(monkeypatch, installed)
     assert _cupy14_shim().needed() is needed

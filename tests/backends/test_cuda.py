@@ -82,13 +82,8 @@ def test_this_machine_has_no_driver_to_read():
     ({'cupy-cuda12x': '13.6.0'}, ('cupy-cuda12x', '13.6.0')),
 ])
 def test_either_cupy_package_is_recognised(monkeypatch, installed, expected):
-    import importlib.metadata
-
-    def version(name):
-        if name in installed:
-            return installed[name]
-        raise importlib.metadata.PackageNotFoundError(name)
-    monkeypatch.setattr(importlib.metadata, 'version', version)
+    from tests.helpers import pretend_installed
+    pretend_installed(monkeypatch, installed)
     assert cuda.cupy_package() == expected
 
 
