@@ -11,9 +11,9 @@ from fastchain.backends._status import Status
 
 # CuPy's wheels per CUDA major version (CuPy 14 is the only CuPy for CUDA 13).
 CUPY_PACKAGES = {13: 'cupy-cuda13x', 12: 'cupy-cuda12x', 11: 'cupy-cuda11x'}
-CUDNN_FIX = ('cuDNN needs CuPy 13 (CuPy 14 removed cuDNN support): on a CUDA 12 driver, pip '
-             'install "cupy-cuda12x<14" "nvidia-cudnn-cu12<9"; for CUDA 13 there is no CuPy '
-             'with cuDNN')
+CUDNN_FIX = ('cuDNN needs CuPy 13 (CuPy 14 removed cuDNN support): pip install '
+             '"cupy-cuda12x<14" "nvidia-cudnn-cu12<9" (CUDA 12 builds, which CUDA 12 and 13 '
+             'drivers run)')
 
 
 @functools.lru_cache(maxsize=None)

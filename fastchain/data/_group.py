@@ -15,16 +15,21 @@ def _workers(value):
 
 
 def _resolve(values):
-    from fastchain import _node
+    """(workers, prefetch): ``workers`` None means this process's share of
+    the node's cores, counted when an updater is built (a communicator made
+    after ``enable()`` still counts: see fastchain._node)."""
     workers = values['loader_workers']
-    # By default, this process's share of the node's cores (all of them
-    # without a data-parallel job; see fastchain._node).
-    workers = _node.share_of_cores(available_cores()) if workers is None else workers
     prefetch = values['prefetch_to_device']
     # Without workers nothing can load ahead (see check()); two handles can
     # still combine loader_workers=0 with prefetch_to_device=True.
-    prefetch = workers > 0 if prefetch is None else prefetch and workers > 0
+    some = workers is None or workers > 0
+    prefetch = some if prefetch is None else prefetch and some
     return workers, prefetch
+
+
+def default_workers():
+    from fastchain import _node
+    return _node.share_of_cores(available_cores())
 
 
 class LoaderGroup(Group):
@@ -51,9 +56,12 @@ class LoaderGroup(Group):
 
     def plan(self, values, explicit, plan):
         workers, prefetch = _resolve(values)
-        if workers > 0 or prefetch:
+        if workers is None or workers > 0 or prefetch:
             from chainer.training.updaters import StandardUpdater
-            asked = 'loader_workers' in explicit and values['loader_workers'] is not None
+            # Workers asked for, or device prefetch (which needs them): used
+            # even for a dataset in memory.
+            asked = ('loader_workers' in explicit and values['loader_workers'] is not None) \
+                or ('prefetch_to_device' in explicit and values['prefetch_to_device'] is True)
             plan.wrap(StandardUpdater, '__init__', 'loader',
                       functools.partial(_updater_layer, (workers, prefetch, asked)))
 
@@ -62,12 +70,13 @@ class LoaderGroup(Group):
         layer = _patches.in_force(StandardUpdater, '__init__', 'loader')
         workers, prefetch, asked = layer.args[0] if layer is not None else (0, False, False)
         asked_workers = values['loader_workers']
-        loader = State('loader', True, workers > 0, setting=asked_workers,
+        loader = State('loader', True, workers is None or workers > 0, setting=asked_workers,
                        requested='loader_workers' in explicit and bool(asked_workers))
         if not loader.active:
             loader.why = 'loader_workers=0' if asked_workers == 0 else None
         elif not asked:
-            loader.note = IN_MEMORY_NOTE.format(workers)
+            loader.note = IN_MEMORY_NOTE.format(default_workers() if workers is None
+                                                else workers)
         device = State('prefetch_to_device', True, prefetch,
                        requested='prefetch_to_device' in explicit
                        and values['prefetch_to_device'] is True,
@@ -140,6 +149,7 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     position)."""
     from chainer.iterators import SerialIterator, ShuffleOrderSampler
     workers, prefetch, asked = setting
+    workers = default_workers() if workers is None else workers
     next_(updater, *args, **kwargs)
     main = updater._iterators['main']
     if type(main) is not SerialIterator or not isinstance(

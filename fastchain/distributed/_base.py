@@ -142,14 +142,14 @@ class CommunicatorBase(abc.ABC):
         data = numpy.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),
                                 numpy.uint8)
         self._wait(self.mpi_comm.Isend(numpy.array([data.size], numpy.int64), dest,
-                                       tag=71), what)
-        self._wait(self.mpi_comm.Isend(data, dest, tag=72), what)
+                                       tag=71), what, peer=dest)
+        self._wait(self.mpi_comm.Isend(data, dest, tag=72), what, peer=dest)
 
     def recv_obj(self, source, what='recv_obj'):
         size = numpy.zeros(1, numpy.int64)
-        self._wait(self.mpi_comm.Irecv(size, source, tag=71), what)
+        self._wait(self.mpi_comm.Irecv(size, source, tag=71), what, peer=source)
         data = numpy.empty(int(size[0]), numpy.uint8)
-        self._wait(self.mpi_comm.Irecv(data, source, tag=72), what)
+        self._wait(self.mpi_comm.Irecv(data, source, tag=72), what, peer=source)
         return pickle.loads(data.tobytes())
 
     def allgather_obj(self, obj, what='allgather_obj'):
@@ -216,7 +216,7 @@ class CommunicatorBase(abc.ABC):
 
     # -- waiting and giving up -----------------------------------------------
 
-    def _wait(self, request, what):
+    def _wait(self, request, what, peer=None):
         """Wait for an mpi4py request for at most ``timeout`` seconds.
 
         Polls without sleeping: MPI moves a non-blocking collective forward
@@ -232,18 +232,19 @@ class CommunicatorBase(abc.ABC):
             if now > deadline:
                 self.abort_timeout(what)
             if now - start > 0.01:
-                self.check_peers(what, start)
+                self.check_peers(what, start, peer)
             if now - start > 1.0:
                 time.sleep(1e-3)
 
-    def check_peers(self, what, waiting_since):
+    def check_peers(self, what, waiting_since, peer=None):
         """Abort the job if a peer has ended its process while this rank
         has waited for it in ``what`` since ``waiting_since`` (see
-        ``_departures``)."""
+        ``_departures``): any peer in a collective, ``peer`` in a
+        point-to-point wait."""
         if self._departures is None:
             return
         left = self._departures.overdue(waiting_since)
-        if left is not None:
+        if left is not None and (peer is None or left == peer):
             message = ('fastchain: rank {} of {}: rank {} has ended its process (sys.exit() '
                        'or the end of its script) while this rank waits for it in {}. '
                        "Aborting the job; rank {}'s own output says why it ended.".format(

@@ -1,13 +1,15 @@
 """Learning that a peer has ended its process while this one waits for it.
 
 A rank that leaves by ``sys.exit()`` (or ``raise SystemExit``, or the end
-of its script, while the others still train) raises nothing that the job's
-excepthook sees: Python exits normally, and the ranks still waiting for it
-in a collective would wait until the collective timeout. So every
-communicator of more than one process keeps a receive posted on a
-duplicate of its MPI communicator, and a process that exits with a live
-communicator (the atexit hook in ``_faults``) sends its rank to every peer
-there first. A rank waiting in a collective checks for such a message, and
+of its script, while the others still train) with its communicator alive
+raises nothing that the job's excepthook sees: Python exits normally, and the ranks still waiting for it
+in a collective would wait until the collective timeout. (A communicator
+finalised first, as a ``with`` block does, says nothing: its rank left
+deliberately, and the others' next collective times out.) So every
+communicator of more than one process listens (``Iprobe``) on a duplicate
+of its MPI communicator, and a process that exits with a live communicator
+(the atexit hook in ``_faults``) sends its rank to every peer there first. A rank waiting in a collective (or for that very rank in a
+point-to-point wait) checks for such a message, and
 if the collective has still not completed ``GRACE`` seconds after it knew
 (a peer's last collective may complete here just after the peer left), it
 aborts the job naming the rank that left.
@@ -30,21 +32,26 @@ PATIENCE = 1.0
 class Departures:
 
     def __init__(self, mpi_comm):
-        from mpi4py import MPI
         self._comm = mpi_comm.Dup()
         self._rank, self._size = mpi_comm.rank, mpi_comm.size
-        self._buf = numpy.full(1, -1, numpy.int32)
-        self._request = self._comm.Irecv(self._buf, source=MPI.ANY_SOURCE, tag=TAG)
         self._lock = threading.Lock()
         self._closed = False
         self.left = None        # (rank, time.monotonic() when this process learnt it)
 
     def check(self):
-        """``(rank, noticed_at)`` of a peer that has ended its process, or None."""
+        """``(rank, noticed_at)`` of a peer that has ended its process, or None.
+
+        Probes for the message rather than keeping a receive posted: nothing
+        is left pending if the script finalises MPI itself.
+        """
+        from mpi4py import MPI
         with self._lock:
-            if self.left is None and self._request is not None and self._request.Test():
-                self.left = (int(self._buf[0]), time.monotonic())
-                self._request = None
+            if self.left is None and not self._closed and not MPI.Is_finalized():
+                status = MPI.Status()
+                if self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
+                    buf = numpy.zeros(1, numpy.int32)
+                    self._comm.Recv(buf, source=status.Get_source(), tag=TAG)
+                    self.left = (int(buf[0]), time.monotonic())
             return self.left
 
     def overdue(self, waiting_since):
@@ -59,9 +66,10 @@ class Departures:
         """Tell every peer this process is ending (at exit; MPI still up)."""
         from mpi4py import MPI
         with self._lock:
-            if self._closed:
+            if self._closed or MPI.Is_finalized():     # the script finalised MPI itself
+                self._closed = True
                 return
-            self._close_receive()
+            self._closed = True
             message = numpy.array([self._rank], numpy.int32)
             try:
                 sends = [self._comm.Isend(message, dest=r, tag=TAG)
@@ -71,18 +79,11 @@ class Departures:
                     time.sleep(1e-3)
             except MPI.Exception:
                 pass        # a peer already gone: there is no one to tell
-            self._closed = True
 
     def close(self):
         """At ``finalize()``: stop listening (nothing is announced)."""
+        from mpi4py import MPI
         with self._lock:
-            if not self._closed:
-                self._close_receive()
+            if not self._closed and not MPI.Is_finalized():
                 self._comm.Free()
-                self._closed = True
-
-    def _close_receive(self):
-        if self._request is not None:
-            self._request.Cancel()
-            self._request.Wait()
-            self._request = None
+            self._closed = True

@@ -4,7 +4,8 @@ OpenBLAS, MKL and OpenMP size their thread pools by the cores a process
 sees, so N processes of a data-parallel job on one node start N times as
 many threads as there are cores, and the threads of one process spin while
 another's compute: on the project's 2-core machine, the MNIST recipe on 2
-ranks took 10.6-15.4 s, and 2.3-2.4 s with one thread per rank.
+ranks took 5.7-6.1 s, and 2.4-3.1 s with one thread per rank set by hand
+(issue #22's runs: 10.6-15.4 s and 2.3-2.4 s).
 
 When a communicator of more than one process is made, each process gets
 ``cores of the node // processes on the node`` threads (at least 1), or the
@@ -63,6 +64,9 @@ def plan(own, node, environ):
         if environ.get(name):
             return None, 'as {}={} sets them'.format(name, environ[name])
     node = [frozenset(s) for s in node]
+    if len(node) == 1:
+        return max(1, len(own)), 'one process on this node, with its {} cores'.format(
+            len(own))
     disjoint = sum(len(s) for s in node) == len(frozenset().union(*node))
     if disjoint:        # bound by the launcher: each process owns its CPUs
         return max(1, len(own)), '{} process(es) on this node, each bound to its own ' \

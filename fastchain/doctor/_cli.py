@@ -18,7 +18,10 @@ def _outcome(call, s):
     """One line: what ``call`` does here (``enable(fp16=True): on``, ...)."""
     line = '{}: {}'.format(call, 'on' if s['active'] else 'off')
     if s['active'] and s.get('note'):
-        return line + '  - warning: ' + s['note']
+        # A note enable() also warns with is a warning (fp16 on a CPU); others
+        # (the loader keeping in-memory datasets serial) are notes.
+        said = any(s['note'] in w for w in s.get('warnings') or ())
+        return line + ('  - warning: ' if said else '  - note: ') + s['note']
     return line + _why(s)
 
 

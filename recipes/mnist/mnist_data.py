@@ -56,26 +56,34 @@ def read(spec='digits'):
         x, t = x[order], t[order]
         return (chainer.datasets.TupleDataset(x[:-300], t[:-300]),
                 chainer.datasets.TupleDataset(x[-300:], t[-300:]))
-    if spec == 'mnist':
+    if spec == 'mnist' and not os.path.exists(spec):
         raise DataError(HOW_TO_GET_MNIST)
     if os.path.isdir(spec):
         arrays = read_idx_folder(spec)
     elif os.path.isfile(spec):
-        try:
-            with numpy.load(spec) as f:
-                arrays = {k: f[k] for k in FILES}
-        except KeyError as e:
-            raise DataError('{}: no array {} (an .npz needs x_train, t_train, x_test, '
-                            't_test)'.format(spec, e)) from None
-        except (ValueError, OSError) as e:
-            raise DataError('{}: not an .npz file ({}). {}'.format(
-                spec, e, HOW_TO_GET_MNIST)) from None
+        arrays = _read_npz(spec)
     else:
         raise DataError("--data {}: no such file or folder; expected 'digits', a folder "
                         'with MNIST\'s four files, or an .npz. {}'.format(spec,
                                                                         HOW_TO_GET_MNIST))
     return (chainer.datasets.TupleDataset(arrays['x_train'], arrays['t_train']),
             chainer.datasets.TupleDataset(arrays['x_test'], arrays['t_test']))
+
+
+def _read_npz(path):
+    import zipfile
+    try:
+        f = numpy.load(path)
+        if not isinstance(f, numpy.lib.npyio.NpzFile):
+            raise ValueError('one array, not an archive of four')
+        with f:
+            return {k: f[k] for k in FILES}
+    except KeyError as e:
+        raise DataError('{}: no array {} (an .npz needs x_train, t_train, x_test, '
+                        't_test)'.format(path, e)) from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, AttributeError) as e:
+        raise DataError('{}: not a readable .npz file ({}). {}'.format(
+            path, e, HOW_TO_GET_MNIST)) from None
 
 
 def _digits():

@@ -305,11 +305,28 @@ def test_a_dataset_in_memory_keeps_its_serial_iterator_unless_workers_are_asked_
     assert report['note'] is None
 
 
-def test_the_default_worker_count_is_this_processes_share_of_the_node(monkeypatch):
+def test_the_default_worker_count_is_this_processes_share_when_the_updater_is_built(
+        monkeypatch):
     from fastchain import _node
     from fastchain.data import _group
     monkeypatch.setattr(_group, 'available_cores', lambda: 8)
-    assert _group._resolve({'loader_workers': None, 'prefetch_to_device': None}) == (8, True)
-    monkeypatch.setattr(_node, 'cores_per_process', 2)      # 4 processes on the node
-    assert _group._resolve({'loader_workers': None, 'prefetch_to_device': None}) == (2, True)
+    dataset = chainer.datasets.TransformDataset(_arrays(), lambda e: e)
+    with fastchain.enable(prefetch_to_device=False):
+        # A communicator made after enable() (4 processes on the node)
+        # still counts: the share is read when the updater is built.
+        monkeypatch.setattr(_node, 'cores_per_process', 2)
+        model = L.Classifier(L.Linear(3, 2))
+        updater = chainer.training.StandardUpdater(
+            chainer.iterators.SerialIterator(dataset, 4),
+            chainer.optimizers.SGD(0.1).setup(model))
+    assert updater.get_iterator('main').n_workers == 2
+    updater.finalize()
+    monkeypatch.setattr(_node, 'cores_per_process', None)
+    assert _group.default_workers() == 8
     assert _group._resolve({'loader_workers': 3, 'prefetch_to_device': None}) == (3, True)
+
+
+def test_asking_for_device_prefetch_uses_workers_for_a_dataset_in_memory_too():
+    main, report = _main_iterator_under(_arrays(), prefetch_to_device=True)
+    assert isinstance(main, data.DevicePrefetcher)
+    assert report['note'] is None

@@ -85,6 +85,40 @@ def test_a_rank_that_exits_ends_every_rank_in_seconds(how, tmp_path):
     assert r.seconds < 30
 
 
+FINALIZES = '''
+import numpy
+from mpi4py import MPI
+from fastchain import distributed
+comm = distributed.create_communicator('mpi')
+comm.allreduce(numpy.ones(2, 'f'), 'one allreduce')
+MPI.Finalize()          # the script's own; fastchain says nothing at exit after it
+print('done', comm.rank, flush=True)
+'''
+
+POINT_TO_POINT = '''
+import time
+from fastchain import distributed
+comm = distributed.create_communicator('mpi', timeout=30)
+if comm.rank == 1:
+    time.sleep(2.5)     # rank 0 has long ended (normally) by now
+    comm.send_obj('late', 2, what='rank 1 to rank 2')
+elif comm.rank == 2:
+    assert comm.recv_obj(1, what='rank 2 from rank 1') == 'late'
+print('done', comm.rank, flush=True)
+'''
+
+
+@pytest.mark.parametrize('script, n', [(FINALIZES, 2), (POINT_TO_POINT, 3)])
+def test_a_rank_that_ends_normally_never_aborts_the_others(script, n):
+    # A script that finalises MPI itself; and, with 3 ranks, rank 0 ending
+    # while ranks 1 and 2 still talk to each other (not waiting for rank 0).
+    r = subprocess.run([mpi.mpiexec_path(), '-n', str(n), sys.executable, '-c', script],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.split('\n'))[1:] == ['done {}'.format(k) for k in range(n)]
+    assert 'has ended its process' not in r.stderr and 'finalizing' not in r.stderr
+
+
 THREADS = '''
 import os, sys, threadpoolctl
 from fastchain import distributed

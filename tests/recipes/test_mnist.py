@@ -98,6 +98,19 @@ def write_idx(folder, gz, n_train=60, n_test=20):
     return arrays
 
 
+def test_a_folder_named_mnist_is_read_not_refused(tmp_path, monkeypatch):
+    sys.path.insert(0, HERE)
+    try:
+        import mnist_data
+    finally:
+        sys.path.remove(HERE)
+    (tmp_path / 'mnist').mkdir()
+    write_idx(tmp_path / 'mnist', gz=True)
+    monkeypatch.chdir(tmp_path)
+    train, test = mnist_data.read('mnist')
+    assert len(train) == 60 and len(test) == 20
+
+
 @pytest.mark.parametrize('gz', [False, True])
 def test_mnists_own_files_are_read_and_converted(tmp_path, gz):
     sys.path.insert(0, HERE)
@@ -129,11 +142,20 @@ def test_mnists_own_files_are_read_and_converted(tmp_path, gz):
     ('no_files', 'no train-images-idx3-ubyte (or train-images-idx3-ubyte.gz)'),
     ('corrupt', 'not an IDX image file'),
     ('truncated', 'the file is truncated or corrupt'),
+    ('bad_npz', 'not a readable .npz file'),
+    ('npy', 'not a readable .npz file (one array, not an archive of four)'),
 ])
 def test_data_that_cannot_be_read_is_named_with_the_fix(tmp_path, case, expected):
     spec = str(tmp_path / 'nowhere') if case == 'missing' else str(tmp_path)
     if case == 'mnist':
         spec = 'mnist'
+    if case == 'bad_npz':
+        numpy.savez(tmp_path / 'm.npz', x_train=numpy.zeros(3))
+        spec = str(tmp_path / 'm.npz')
+        (tmp_path / 'm.npz').write_bytes((tmp_path / 'm.npz').read_bytes()[:40])
+    if case == 'npy':
+        numpy.save(tmp_path / 'm.npy', numpy.zeros(3))
+        spec = str(tmp_path / 'm.npy')
     if case in ('corrupt', 'truncated'):
         write_idx(tmp_path, gz=False)
         name = tmp_path / 'train-images-idx3-ubyte'
