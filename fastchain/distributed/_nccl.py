@@ -4,17 +4,24 @@ NCCL is set up lazily, on the first collective, because a NCCL communicator
 belongs to the device that is current when it is made: the script must first
 pick its GPU (``comm.device().use()``, by local rank). Collectives run on a
 side stream that first waits for the compute stream, so the allreduce of a
-bucket overlaps the rest of backward; waiting polls an event against the
-timeout instead of blocking in the driver.
+bucket overlaps the rest of backward. Waiting for one costs the host
+nothing: the compute stream waits on the allreduce's event (a stream
+dependency, no host synchronisation per bucket), and a watchdog thread
+checks the events still pending against the timeout (and for a peer that
+has left), aborting the job past it, since a stream stuck on a dead peer
+would otherwise block the host at its next synchronisation for ever.
 
 Not run here: these machines have no GPU. The logic above it (buckets,
 ordering, averaging, loss-scale agreement) is the same code the MPI
 communicator's tests run.
 """
 
+import threading
 import time
 
 from fastchain.distributed._base import CommunicatorBase
+
+TICK = 0.1      # seconds between the watchdog's looks at the pending events
 
 
 class NcclCommunicator(CommunicatorBase):
@@ -39,12 +46,14 @@ class NcclCommunicator(CommunicatorBase):
                 'process per GPU (mpiexec -n {} ...)'.format(self.intra_size, n_gpus, n_gpus))
         self._nccl = None
         self._stream = None
+        self._pending = _Pending(self)
 
     def device(self):
         import chainer
         return chainer.get_device('@cupy:{}'.format(self.intra_rank))
 
     def _finalize_core(self):
+        self._pending.stop()
         if self._nccl is not None:
             self._poll(self._stream.record(), 'collectives in flight at finalize')
             self._nccl.destroy()
@@ -83,10 +92,12 @@ class NcclCommunicator(CommunicatorBase):
         return self._stream.record(), what
 
     def allreduce_wait(self, handle):
+        """The compute stream waits for the allreduce (no host wait); the
+        watchdog keeps the deadline."""
         import cupy
         event, what = handle
-        self._poll(event, what)
         cupy.cuda.get_current_stream().wait_event(event)
+        self._pending.add(event, what)
 
     def _poll(self, event, what):
         start = time.monotonic()
@@ -98,3 +109,47 @@ class NcclCommunicator(CommunicatorBase):
             if now - start > 0.01:
                 self.check_peers(what, start)
             time.sleep(1e-4)
+
+
+class _Pending:
+    """Allreduce events the compute stream waits on, watched by a thread
+    against the collective timeout (started with the first one)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.events = []            # [(event, what, started)]
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = None
+
+    def add(self, event, what):
+        with self.lock:
+            self.events.append((event, what, time.monotonic()))
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._watch, daemon=True,
+                                               name='fastchain-nccl-watchdog')
+                self.thread.start()
+
+    def stop(self):
+        self.stopped.set()
+
+    def look(self):
+        """One look: drop completed events; abort past the deadline (or for a
+        peer that has left). Returns how many are still pending."""
+        now = time.monotonic()
+        with self.lock:
+            self.events = [e for e in self.events if not e[0].done]
+            oldest = self.events[0] if self.events else None
+            pending = len(self.events)
+        if oldest is not None:
+            event, what, started = oldest
+            if now - started > self.comm.timeout:
+                self.comm.abort_timeout(what)
+            self.comm.check_peers(what, started)
+        return pending
+
+    def _watch(self):
+        import cupy
+        with cupy.cuda.Device(self.comm.intra_rank):     # the events' device
+            while not self.stopped.wait(TICK):
+                self.look()
