@@ -95,15 +95,7 @@ gpu-check: setup
 	$(PIP) install -e ".[$(EXTRAS),gpu]"
 	@$(PY) -c "import sys; from fastchain.backends import cuda; s = cuda.cupy_status(); \
 	  sys.exit(0 if s.available else 'gpu-check: CuPy cannot use the GPU: {} (fix: {})'.format(s.why, s.fix))"
-	$(VENV)/bin/pytest -m gpu -rs
-	mkdir -p $(GPU_RESULTS)
-	$(PY) benchmarks/ladder.py --results $(GPU_RESULTS)
-	$(PY) benchmarks/allreduce.py --communicator nccl \
-	  --processes $$($(PY) -c "from fastchain.backends import cuda; print(len(cuda.gpus()))") \
-	  --results $(GPU_RESULTS)
-	$(PY) benchmarks/overhead.py --results $(GPU_RESULTS)
-	$(PY) benchmarks/loader.py --results $(GPU_RESULTS)
-	$(PY) benchmarks/nvtx_cost.py --results $(GPU_RESULTS)
+	$(PY) benchmarks/gpu_check.py --results $(GPU_RESULTS) $(GPU_CHECK_ARGS)
 	$(PY) benchmarks/summary.py $(GPU_RESULTS)
 
 # --- offline install (../shared/GPU-NODE.md) -----------------------------------
