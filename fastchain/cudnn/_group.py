@@ -5,6 +5,20 @@ from fastchain.config._options import Group, Option, State, boolean
 
 _MODES = ('always', 'auto', 'never')
 WORKSPACE = 'chainer.backends.cuda.max_workspace_size'
+TF32 = 'cupy fp32 GEMM compute type (TF32)'
+COMPUTE_TYPE_TF32 = 7       # CuPy's _routines_linalg (not exported to Python by name)
+
+
+def tf32_accessors():
+    """(get, set) of CuPy's compute type for fp32 GEMMs. ``tensor_cores=True``
+    sets TF32 there: on CuPy 14 (no cuDNN) it is the only way fp32 work
+    reaches TensorCores, for 2-D GEMMs (``F.linear``, im2col convolutions);
+    batched matmul ignores it. CuPy itself keeps the default on GPUs below
+    sm_80, with a warning."""
+    import numpy
+    import cupy
+    return (lambda: cupy._core.get_compute_type(numpy.float32),
+            lambda v: cupy._core.set_compute_type(numpy.float32, v))
 
 
 def _workspace(value):
@@ -57,6 +71,10 @@ class CudnnGroup(Group):
             plan.config('autotune', autotune)
         if values['tensor_cores'] is not None:
             plan.config('use_cudnn_tensor_core', values['tensor_cores'])
+        if values['tensor_cores'] == 'always' and cuda.available():
+            # Changes fp32 results (a 10-bit mantissa in the products): only
+            # where asked for in so many words.
+            plan.value(TF32, *tf32_accessors(), COMPUTE_TYPE_TF32)
         if values['workspace_size'] is not None:
             plan.value(WORKSPACE, *workspace_accessors(), values['workspace_size'])
 
@@ -72,6 +90,13 @@ class CudnnGroup(Group):
             s.setting = values[name]
             s.requested = name in explicit and values[name] not in (False, 'never')
             s.active = s.available and on
+        tc = states['tensor_cores']
+        if not tc.active and cuda.tensor_cores_available() and _tf32_in_force():
+            # No cuDNN (CuPy 14): fp32 GEMMs on TensorCores through TF32.
+            tc.available = tc.active = True
+            tc.why = tc.fix = None
+            tc.note = ('TF32 for fp32 2-D GEMMs (CuPy, no cuDNN); fp16 GEMMs use '
+                       'TensorCores whatever this option')
         size = values['workspace_size']
         if size is not None:
             cudnn = states['cudnn']
@@ -81,6 +106,11 @@ class CudnnGroup(Group):
                 requested='workspace_size' in explicit, why=cudnn.why, fix=cudnn.fix,
                 setting=size)
         return list(states.values())
+
+
+def _tf32_in_force():
+    from fastchain.config import _patches
+    return TF32 in _patches.value_labels()
 
 
 GROUP = CudnnGroup()

@@ -133,3 +133,35 @@ def test_pre_volta_gpu_has_no_tensor_cores(monkeypatch):
 def test_real_gpu_is_listed():
     found = cuda.gpus()
     assert found and all(g['memory_bytes'] > 0 for g in found)
+
+
+def _with_compute_types(cupy):
+    """CuPy's fp32 GEMM compute type, as _routines_linalg keeps it."""
+    state = {'fp32': 1}                 # COMPUTE_TYPE_DEFAULT
+    calls = []
+
+    def set_compute_type(dtype, value):
+        calls.append(value)
+        state['fp32'] = value
+    cupy._core = types.SimpleNamespace(get_compute_type=lambda dtype: state['fp32'],
+                                       set_compute_type=set_compute_type)
+    return state, calls
+
+
+def test_tensor_cores_true_sets_tf32_on_cupy14_and_disable_restores_it(monkeypatch):
+    import warnings
+    import fastchain
+    cupy = fake_cupy(monkeypatch, '14.2.0', lambda: True,
+                     devices=[{'name': b'H100', 'major': 9, 'minor': 0,
+                               'totalGlobalMem': 80 << 30}])
+    state, calls = _with_compute_types(cupy)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with fastchain.enable(tensor_cores='auto', loader_workers=0) as h:
+            assert calls == []          # 'auto' never changes fp32 results
+            assert not h.report()['tensor_cores']['active']
+        with fastchain.enable(tensor_cores=True, loader_workers=0) as h:
+            assert state['fp32'] == 7   # COMPUTE_TYPE_TF32
+            report = h.report()['tensor_cores']
+            assert report['active'] and 'TF32' in report['note']
+    assert state['fp32'] == 1 and calls == [7, 1]
