@@ -23,7 +23,10 @@ def test_the_steps_run_and_report_on_a_cpu(tmp_path):
     steps = json.loads((out / 'gpu_check.json').read_text())['steps']
     assert steps['doctor']['status'] == 'ok'
     assert json.loads((out / 'doctor.json').read_text())['fastchain']
-    assert steps['gpu_tests']['status'] == 'skipped: needs a GPU (--device @cupy:0)'
+    # The GPU tests' files collect (without hypothesis, which the node lacks)
+    # and skip here with their reason.
+    assert steps['gpu_tests']['status'] == 'ok', steps['gpu_tests']
+    assert 'needs a CUDA GPU' in (out / 'logs' / 'gpu_tests.log').read_text()
     nvtx = steps['nvtx']
     if nvtx['status'].startswith('skipped'):
         assert 'recorder not built' in nvtx['status']
