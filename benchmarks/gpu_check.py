@@ -144,15 +144,16 @@ def run_step(name, argv, env, seconds, out):
                            env=dict(os.environ, **env), cwd=ROOT)
         status, text = ('ok' if r.returncode == 0 else 'failed ({})'.format(r.returncode),
                         r.stdout + r.stderr)
+        stdout = r.stdout
     except subprocess.TimeoutExpired as e:
         status = 'timed out after {} s'.format(seconds)
-        text = (e.stdout or b'').decode(errors='replace') + (e.stderr or b'').decode(
-            errors='replace')
+        stdout = (e.stdout or b'').decode(errors='replace')
+        text = stdout + (e.stderr or b'').decode(errors='replace')
     with open(log, 'w') as f:
         f.write(' '.join(argv) + '\n\n' + text)
     if name == 'doctor' and status == 'ok':
         with open(os.path.join(out, 'doctor.json'), 'w') as f:
-            f.write(text[text.index('{'):] if '{' in text else text)
+            f.write(stdout)         # the JSON alone (warnings went to stderr)
     return {'status': status, 'seconds': round(time.monotonic() - start, 1),
             'figures': figures(name, text, out), 'log': os.path.relpath(log, out)}
 
