@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -98,16 +97,8 @@ def nvtx_tool(out):
     """Builds tests/nvtx/nvtx_recorder.c with the node's compiler; its path,
     or a reason it could not be built."""
     sys.path.insert(0, ROOT)
-    from tests.nvtx.conftest import nvtx_include_dir
-    cc = shutil.which('cc') or shutil.which('gcc')
-    include = nvtx_include_dir()
-    if cc is None or include is None:
-        return None, 'no C compiler' if cc is None else 'no NVTX headers'
-    lib = os.path.join(out, 'logs', 'libnvtx_recorder.so')
-    r = subprocess.run([cc, '-shared', '-fPIC', '-O2', '-I', include, '-o', lib,
-                        os.path.join(ROOT, 'tests', 'nvtx', 'nvtx_recorder.c'), '-lpthread'],
-                       capture_output=True, text=True, timeout=120)
-    return (lib, None) if r.returncode == 0 else (None, r.stderr.strip()[-500:])
+    from tests.nvtx.conftest import build_recorder
+    return build_recorder(os.path.join(out, 'logs', 'libnvtx_recorder.so'))
 
 
 def figures(name, text, out):

@@ -7,7 +7,17 @@ threads and the loader's default worker count both use it, so N processes
 on a node do not each take every core.
 """
 
+import os
+
 cores_per_process = None
+
+
+def own_cores():
+    """The CPUs this process may run on."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:         # not Linux
+        return frozenset(range(os.cpu_count() or 1))
 
 
 def share_of_cores(available):

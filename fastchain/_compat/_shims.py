@@ -122,13 +122,12 @@ def _pad_sequence_after(module):
 def _cupy_major():
     """The installed CuPy's major version, read from the package metadata
     (without importing CuPy), or None."""
-    import importlib.metadata
-    for dist in ('cupy-cuda13x', 'cupy-cuda12x', 'cupy-cuda11x', 'cupy'):
-        try:
-            return int(importlib.metadata.version(dist).split('.')[0])
-        except (importlib.metadata.PackageNotFoundError, ValueError):
-            continue
-    return None
+    from fastchain.backends.cuda import cupy_package
+    _, version = cupy_package()
+    try:
+        return int(version.split('.')[0])
+    except (AttributeError, ValueError):
+        return None
 
 
 CUPY14_CUDNN_WHY = ('CuPy 14 removed all cuDNN support (its upgrade guide): Chainer runs '

@@ -1,7 +1,5 @@
 """A multiprocess prefetching iterator with exact, resumable order."""
 
-import os
-
 import numpy
 
 import chainer
@@ -32,10 +30,8 @@ class DataLoadError(Exception):
 
 
 def available_cores():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    from fastchain._node import own_cores
+    return len(own_cores())
 
 
 def _check_args(dataset, batch_size, n_workers, prefetch, on_error):

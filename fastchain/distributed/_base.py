@@ -27,7 +27,8 @@ import time
 
 import numpy
 
-from fastchain.distributed import _departures, _faults, _threads
+from fastchain import _node
+from fastchain.distributed import _departures, _faults
 
 TIMEOUT_VARIABLE = 'FASTCHAIN_COLLECTIVE_TIMEOUT'
 
@@ -82,7 +83,7 @@ class CommunicatorBase(abc.ABC):
         node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.intra_rank = node.rank
         self.intra_size = node.size
-        own = _threads.own_cores()
+        own = _node.own_cores()
         # The CPU sets of this node's processes (at set-up, before any
         # collective that could time out: Split_type blocks the same way).
         self.node_cores = node.allgather(own) if self.size > 1 else [own]

@@ -21,6 +21,7 @@ gets its share of the node's cores for BLAS/OpenMP threads (see
 ``_threads``).
 """
 
+from fastchain import _node
 from fastchain.distributed import _allocator, _base, _faults, _threads
 
 NAMES = ('auto', 'mpi', 'nccl')
@@ -63,5 +64,5 @@ def create_communicator(name='auto', mpi_comm=None, timeout=None):
         comm = NcclCommunicator(mpi_comm, timeout)
     _faults.hold(comm)
     if comm.size > 1:
-        _threads.apply(comm.rank, _threads.own_cores(), comm.node_cores)
+        _threads.apply(comm.rank, _node.own_cores(), comm.node_cores)
     return comm

@@ -32,14 +32,6 @@ USER_VARIABLES = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS',
 SET_FOR_CHILDREN = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
 
 
-def own_cores():
-    """The CPUs this process may run on."""
-    try:
-        return frozenset(os.sched_getaffinity(0))
-    except AttributeError:         # not Linux
-        return frozenset(range(os.cpu_count() or 1))
-
-
 def plan(own, node, environ):
     """``(threads, what)``: the threads this process should use (None: leave
     them as the environment set them) and a phrase saying why.

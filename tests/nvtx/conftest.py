@@ -28,19 +28,28 @@ def nvtx_include_dir():
     return None
 
 
-@pytest.fixture(scope='session')
-def nvtx_tool(tmp_path_factory):
+def build_recorder(out):
+    """Builds nvtx_recorder.c into ``out``: ``(out, None)``, or ``(None, why)``
+    (also used by benchmarks/gpu_check.py on a GPU node)."""
     cc = shutil.which('cc') or shutil.which('gcc')
     if cc is None:
-        pytest.skip('no C compiler to build the NVTX recording tool')
+        return None, 'no C compiler to build the NVTX recording tool'
     include = nvtx_include_dir()
     if include is None:
-        pytest.skip('no NVTX headers (CUDA toolkit include/nvtx3, or pip install '
-                    'nvidia-nvtx-cu12)')
-    out = str(tmp_path_factory.mktemp('nvtxtool') / 'libnvtx_recorder.so')
-    subprocess.run([cc, '-shared', '-fPIC', '-O2', '-I', include, '-o', out,
-                    os.path.join(HERE, 'nvtx_recorder.c'), '-lpthread'],
-                   check=True, capture_output=True, timeout=120)
+        return None, ('no NVTX headers (CUDA toolkit include/nvtx3, or pip install '
+                      'nvidia-nvtx-cu12)')
+    r = subprocess.run([cc, '-shared', '-fPIC', '-O2', '-I', include, '-o', out,
+                        os.path.join(HERE, 'nvtx_recorder.c'), '-lpthread'],
+                       capture_output=True, text=True, timeout=120)
+    return (out, None) if r.returncode == 0 else (None, r.stderr.strip()[-500:])
+
+
+@pytest.fixture(scope='session')
+def nvtx_tool(tmp_path_factory):
+    out, why = build_recorder(str(tmp_path_factory.mktemp('nvtxtool') /
+                                  'libnvtx_recorder.so'))
+    if out is None:
+        pytest.skip(why)
     return out
 
 
