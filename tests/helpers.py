@@ -125,3 +125,21 @@ def pretend_installed(monkeypatch, installed):
             return installed[name]
         raise importlib.metadata.PackageNotFoundError(name)
     monkeypatch.setattr(importlib.metadata, 'version', version)
+
+
+class Indexed(chainer.dataset.DatasetMixin):
+    """Deterministic: example i is (an array of i, i), 12 of them."""
+
+    def __len__(self):
+        return 12
+
+    def get_example(self, i):
+        return numpy.full(3, i, numpy.float32), numpy.int32(i)
+
+
+class Noisy(Indexed):
+    """Draws from NumPy's global RNG, as an augmentation does."""
+
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        return x + numpy.random.rand(3).astype(numpy.float32), t

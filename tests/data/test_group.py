@@ -14,26 +14,9 @@ from chainer import serializers
 import fastchain
 from fastchain import data
 from fastchain.data._group import upgrade_iterator
+from tests.helpers import Indexed, Noisy
 
-N = 12      # examples
-
-
-class Indexed(chainer.dataset.DatasetMixin):
-    """Deterministic: example i is (an array of i, i)."""
-
-    def __len__(self):
-        return N
-
-    def get_example(self, i):
-        return numpy.full(3, i, numpy.float32), numpy.int32(i)
-
-
-class Noisy(Indexed):
-    """Draws from NumPy's global RNG, as an augmentation does."""
-
-    def get_example(self, i):
-        x, t = super().get_example(i)
-        return x + numpy.random.rand(3).astype(numpy.float32), t
+N = len(Indexed())      # examples
 
 
 def walk(it, n):

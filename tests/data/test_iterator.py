@@ -14,6 +14,7 @@ import chainer
 from chainer import serializers
 
 from fastchain import data
+from tests.helpers import Indexed, Noisy
 
 
 @pytest.fixture
@@ -381,20 +382,6 @@ def test_seek_goes_back_to_a_position_exactly(images, workers):
             it.seek(0, 18)
     finally:
         it.finalize()
-
-
-class Indexed(chainer.dataset.DatasetMixin):
-    def __len__(self):
-        return 12
-
-    def get_example(self, i):
-        return numpy.full(3, i, numpy.float32), numpy.int32(i)
-
-
-class Noisy(Indexed):
-    def get_example(self, i):
-        x, t = super().get_example(i)
-        return x + numpy.random.rand(3).astype(numpy.float32), t
 
 
 @pytest.mark.parametrize('rng', ['seed', 'global'])
