@@ -6,6 +6,7 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
+from fastchain.distributed import CommunicatorBase
 from fastchain.kernels import _bind
 
 
@@ -143,3 +144,35 @@ class Noisy(Indexed):
     def get_example(self, i):
         x, t = super().get_example(i)
         return x + numpy.random.rand(3).astype(numpy.float32), t
+
+
+class OneRank(CommunicatorBase):
+    """A data-parallel communicator of one process (no MPI): the optimizer's
+    layers are real, the averaging is the identity."""
+
+    name = 'one'
+
+    def __init__(self):
+        self.rank, self.size, self.intra_rank, self.intra_size = 0, 1, 0, 1
+        self.timeout = 10.0
+
+    def allgather_obj(self, obj, what=''):
+        return [obj]
+
+    def any(self, flag, what=''):
+        return bool(flag)
+
+    def bcast(self, array, root=0, what=''):
+        return array
+
+    def allreduce_start(self, array, what):
+        return None
+
+    def allreduce_wait(self, handle):
+        pass
+
+    def allgather(self, array, what=''):
+        return array[None].copy()
+
+    def device(self):
+        return chainer.get_device('@numpy')

@@ -12,6 +12,13 @@ The seven changes of a ChainerMN script, in fastchain form::
         extensions.Evaluator(test_iter, model), comm)
     if comm.rank == 0: trainer.extend(extensions.LogReport())        # 6. rank 0 reports
     $ mpiexec -n 4 python train.py    (or: fastchain-run -n 4 train.py)  # 7. launch
+
+Beyond the exact mean gradient every step, a learner (one argument of
+``create_multi_node_optimizer``) sends fewer bytes or synchronises less
+often: ``learner=distributed.QuantizedSGD(bits=1)`` (1-bit SGD with error
+feedback), ``distributed.BlockMomentum(block_size)`` (BMUF),
+``distributed.ModelAveraging(block_size)``; ``distributed_after=N`` is a
+warm start (see ``_learners``).
 """
 
 from fastchain.distributed._base import CollectiveTimeout, CommunicatorBase
@@ -19,10 +26,15 @@ from fastchain.distributed._dataset import scatter_dataset
 from fastchain.distributed._evaluator import create_multi_node_evaluator
 from fastchain.distributed._factory import create_communicator
 from fastchain.distributed._mpi import MpiCommunicator
-from fastchain.distributed._optimizer import create_multi_node_optimizer
+from fastchain.distributed._learners import (AllReduce, BlockMomentum, Learner,
+                                             ModelAveraging, QuantizedSGD)
+from fastchain.distributed._optimizer import create_multi_node_optimizer, learner_of
+from fastchain.distributed._snapshot import multi_node_snapshot
 from fastchain.distributed._sync import GradientSync
 from fastchain.distributed._updater import DataParallelUpdater
 
-__all__ = ['CollectiveTimeout', 'CommunicatorBase', 'DataParallelUpdater', 'GradientSync',
-           'MpiCommunicator', 'create_communicator', 'create_multi_node_evaluator',
-           'create_multi_node_optimizer', 'scatter_dataset']
+__all__ = ['AllReduce', 'BlockMomentum', 'CollectiveTimeout', 'CommunicatorBase',
+           'DataParallelUpdater', 'GradientSync', 'Learner', 'ModelAveraging',
+           'MpiCommunicator', 'QuantizedSGD', 'create_communicator',
+           'create_multi_node_evaluator', 'create_multi_node_optimizer', 'learner_of',
+           'multi_node_snapshot', 'scatter_dataset']

@@ -208,6 +208,11 @@ class CommunicatorBase(abc.ABC):
         """Wait for a started allreduce (at most ``timeout`` seconds)."""
 
     @abc.abstractmethod
+    def allgather(self, array, what='allgather'):
+        """Every rank's ``array`` (the same shape and dtype on every rank),
+        stacked in rank order: shape ``(size,) + array.shape``."""
+
+    @abc.abstractmethod
     def device(self):
         """The Chainer device this process should train on."""
 

@@ -51,6 +51,15 @@ class MpiCommunicator(CommunicatorBase):
     def allreduce_wait(self, handle):
         pass        # allreduce_start completed it
 
+    def allgather(self, array, what='allgather'):
+        out = numpy.empty((self.size,) + array.shape, array.dtype)
+        if self.size == 1:
+            out[0] = array
+            return out
+        with self._watchdog.guard(what):
+            self.mpi_comm.Allgather(_contiguous(array), out)
+        return out
+
     def device(self):
         import chainer
         return chainer.get_device('@numpy')

@@ -72,7 +72,7 @@ class NcclCommunicator(CommunicatorBase):
     def _dtype(self, array):
         from cupy.cuda import nccl
         return {'float16': nccl.NCCL_FLOAT16, 'float32': nccl.NCCL_FLOAT32,
-                'float64': nccl.NCCL_FLOAT64}[array.dtype.name]
+                'float64': nccl.NCCL_FLOAT64, 'uint8': nccl.NCCL_UINT8}[array.dtype.name]
 
     def bcast(self, array, root=0, what='bcast'):
         comm = self._setup()
@@ -90,6 +90,17 @@ class NcclCommunicator(CommunicatorBase):
         comm.allReduce(array.data.ptr, array.data.ptr, array.size, self._dtype(array),
                        nccl.NCCL_SUM, self._stream.ptr)
         return self._stream.record(), what
+
+    def allgather(self, array, what='allgather'):
+        import cupy
+        comm = self._setup()
+        array = cupy.ascontiguousarray(array)
+        out = cupy.empty((self.size,) + array.shape, array.dtype)
+        self._stream.wait_event(cupy.cuda.get_current_stream().record())
+        comm.allGather(array.data.ptr, out.data.ptr, array.size, self._dtype(array),
+                       self._stream.ptr)
+        self._poll(self._stream.record(), what)
+        return out
 
     def allreduce_wait(self, handle):
         """The compute stream waits for the allreduce (no host wait); the

@@ -24,9 +24,13 @@ import time
 import numpy
 
 from fastchain.config import _patches
+from fastchain.distributed import _learners
+from fastchain.distributed._learners import make_learner
 from fastchain.distributed._sync import GradientCapture, GradientSync
 
 COMMUNICATOR = 'communicator'       # attachment key: the optimizer's communicator
+LEARNER = 'learner'                 # attachment key: its distributed learner
+SERIAL_KEY = _learners.SERIAL_KEY
 
 
 def communicator_of(optimizer):
@@ -39,9 +43,15 @@ def gradient_sync_of(optimizer):
     return _patches.attached(optimizer, 'gradient_sync')
 
 
+def learner_of(optimizer):
+    """The :class:`~fastchain.distributed.Learner` of a data-parallel
+    ``optimizer`` (its ``report()`` gives bytes sent and time spent), or None."""
+    return _patches.attached(optimizer, LEARNER)
+
+
 def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduce=False,
-                                overlap=None):
-    """Make ``optimizer`` average gradients over ``comm``; returns it.
+                                overlap=None, learner=None, distributed_after=0):
+    """Make ``optimizer`` data-parallel over ``comm``; returns it.
 
     Args:
         optimizer: a Chainer GradientMethod, set up or not yet.
@@ -50,6 +60,14 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
         fp16_allreduce (bool): send gradients as fp16 (half the bytes).
         overlap (bool): start each bucket's allreduce during backward
             (default: where the communicator progresses on its own: NCCL).
+        learner: how the ranks combine their work (see ``_learners``):
+            ``'allreduce'`` (default: the exact mean gradient every step),
+            ``'1bit'``, or ``distributed.QuantizedSGD(bits,
+            error_feedback)``, ``distributed.BlockMomentum(block_size,
+            ...)``, ``distributed.ModelAveraging(block_size)``.
+        distributed_after (int): warm start: the first this many samples
+            (over all ranks) are trained with exact averaging every step,
+            as one worker with the global batch; then ``learner`` takes over.
 
     Every collective waits at most the communicator's timeout
     (``FASTCHAIN_COLLECTIVE_TIMEOUT`` seconds, default 300, or
@@ -61,9 +79,18 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
         raise ValueError('this optimizer is already data-parallel')
     if bucket_cap_mb <= 0:
         raise ValueError('bucket_cap_mb must be > 0, got {!r}'.format(bucket_cap_mb))
+    if isinstance(distributed_after, bool) or \
+            not isinstance(distributed_after, (int, numpy.integer)) or distributed_after < 0:
+        raise ValueError('distributed_after must be a number of samples >= 0, got {!r}'
+                         .format(distributed_after))
+    learner = make_learner(learner)
+    if learner.optimizer is not None:
+        raise ValueError('this {} already serves another optimizer: make one learner '
+                         'per optimizer'.format(type(learner).__name__))
     _patches.attach(optimizer, COMMUNICATOR, comm)
     options = dict(cap=int(bucket_cap_mb * 2 ** 20),
-                   dtype=numpy.float16 if fp16_allreduce else None, overlap=overlap)
+                   dtype=numpy.float16 if fp16_allreduce else None, overlap=overlap,
+                   learner=learner, distributed_after=int(distributed_after))
     if getattr(optimizer, 'target', None) is not None:
         _attach_when_initialized(optimizer, comm, options)
     else:
@@ -108,37 +135,49 @@ def _attach(optimizer, comm, options):
     sync = GradientSync(comm, list(target.params()), options['cap'], options['dtype'],
                         options['overlap'])
     capture = GradientCapture(sync)
+    learner = options['learner']
+    learner._bind(optimizer, comm, sync, options['distributed_after'])
     _patches.attach(optimizer, 'gradient_sync', sync)
+    _patches.attach(optimizer, LEARNER, learner)
     _patches.attach(optimizer, _all_ranks_any_key(),
                     functools.partial(comm.any, what='loss-scale agreement'))
-    state = {'pending': False}
+    state = {'pending': False, 'exact': True}
     # Capturing gradients during backward serves only to start buckets early;
     # where nothing overlaps (MPI on the CPU, a world of one) the hook is
     # left out: it only costs a function hook on every backward.
     captures = sync.overlap_enabled and comm.size > 1
 
     def update_data_parallel(next_, lossfun=None, *args, **kwds):
+        learner.before_step()
+        exact = state['exact'] = learner.averages_exactly()
+        batch = _batch_size(args, kwds)
         if lossfun is None:
             # Gradients were computed by the caller: average them all now.
             state['pending'] = True
-            sync.begin_step()
-            return next_(None, *args, **kwds)
+            if exact:
+                sync.begin_step()
+            result = next_(None, *args, **kwds)
+            learner.after_step(batch)
+            return result
         inner = lossfun
 
         def lossfun_then_capture(*a, **k):
             loss = inner(*a, **k)
             target.cleargrads()             # what update() does next anyway
-            sync.begin_step()
-            if captures:
-                capture.refresh()
-                capture.__enter__()         # on for the backward only
+            if exact:
+                sync.begin_step()
+                if captures:
+                    capture.refresh()
+                    capture.__enter__()     # on for the backward only
             state['pending'] = True
             return loss
         try:
-            return next_(lossfun_then_capture, *args, **kwds)
+            result = next_(lossfun_then_capture, *args, **kwds)
         finally:
             if capture in _hooks():
                 capture.__exit__(None, None, None)
+        learner.after_step(batch)
+        return result
 
     def reallocate_then_average(next_):
         if state['pending'] and capture in _hooks():
@@ -146,11 +185,41 @@ def _attach(optimizer, comm, options):
         next_()
         if state['pending']:
             state['pending'] = False
-            sync.finish()
+            if state['exact']:
+                learner.exact_average()
+            else:
+                learner.average_gradients()
+
+    def serialize(next_, serializer):
+        next_(serializer)
+        try:
+            sub = serializer[SERIAL_KEY]
+            learner.serialize(sub)
+        except KeyError:
+            # A snapshot written before learners were saved, or by another
+            # learner: nothing of this one's is in it.
+            if learner.per_rank_state or learner.distributed_after:
+                raise ValueError(
+                    'this snapshot holds no state of the {} learner (it was written with '
+                    'another learner or an older fastchain); resume it with the learner it '
+                    'was written with'.format(learner.name))
 
     _patches.wrap(optimizer, 'update', 'distributed', update_data_parallel)
     _patches.wrap(optimizer, 'reallocate_cleared_grads', 'distributed',
                   reallocate_then_average)
+    _patches.wrap(optimizer, 'serialize', 'distributed', serialize)
+
+
+def _batch_size(args, kwds):
+    """This rank's batch: the first input of ``update(lossfun, *inputs)``
+    with a length, or None."""
+    for value in list(args) + list(kwds.values()):
+        shape = getattr(value, 'shape', None)
+        if shape:
+            return int(shape[0])
+        if isinstance(value, (list, tuple)) and value:
+            return len(value)
+    return None
 
 
 def _all_ranks_any_key():

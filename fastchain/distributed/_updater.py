@@ -11,13 +11,15 @@ class DataParallelUpdater(updaters.StandardUpdater):
     Each rank feeds its own shard (:func:`scatter_dataset`) at the same
     batch size; the update is the same on every rank, so the models stay
     identical. Keyword arguments are StandardUpdater's, plus
-    ``bucket_cap_mb`` and ``fp16_allreduce`` for the gradient averaging.
+    ``bucket_cap_mb``, ``fp16_allreduce``, ``learner`` and
+    ``distributed_after`` (see :func:`create_multi_node_optimizer`).
     """
 
     def __init__(self, iterator, optimizer, comm, bucket_cap_mb=25,
-                 fp16_allreduce=False, **kwargs):
+                 fp16_allreduce=False, learner=None, distributed_after=0, **kwargs):
         if communicator_of(optimizer) is None:
-            create_multi_node_optimizer(optimizer, comm, bucket_cap_mb, fp16_allreduce)
+            create_multi_node_optimizer(optimizer, comm, bucket_cap_mb, fp16_allreduce,
+                                        learner=learner, distributed_after=distributed_after)
         elif communicator_of(optimizer) is not comm:
             raise ValueError('the optimizer is data-parallel over another communicator')
         self.comm = comm

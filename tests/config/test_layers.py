@@ -28,6 +28,7 @@ from fastchain.precision import scaler_of
 from fastchain.static import cache_static_graph, is_cached
 
 from tests.config.test_enable import snapshot
+from tests.helpers import OneRank
 
 
 class BNNet(chainer.Chain):
@@ -225,35 +226,6 @@ def test_layers_run_in_the_documented_order():
 
 
 # -- the property: any order of enables, disables and everything in between -----------
-
-class OneRank(distributed.CommunicatorBase):
-    """A data-parallel communicator of one process (no MPI): the optimizer's
-    layers are real, the averaging is the identity."""
-
-    name = 'one'
-
-    def __init__(self):
-        self.rank, self.size, self.intra_rank, self.intra_size = 0, 1, 0, 1
-        self.timeout = 10.0
-
-    def allgather_obj(self, obj, what=''):
-        return [obj]
-
-    def any(self, flag, what=''):
-        return bool(flag)
-
-    def bcast(self, array, root=0, what=''):
-        return array
-
-    def allreduce_start(self, array, what):
-        return None
-
-    def allreduce_wait(self, handle):
-        pass
-
-    def device(self):
-        return chainer.get_device('@numpy')
-
 
 OPTIONS = {
     'fp16': st.sampled_from([True, False]),

@@ -1,0 +1,172 @@
+"""Compact gradient encodings for the quantized learner (1-bit SGD and its
+multi-bit and fp16 relatives).
+
+Every array is seen as a matrix of ``shape[0]`` rows (a Linear's output
+units, a convolution's filters; a vector or a scalar is one row), and each
+row is encoded on its own:
+
+- 1 bit (Seide et al., 2014): the sign of each value, and the row's two
+  reconstruction levels, the mean of its values >= 0 and the mean of its
+  values < 0. A value decodes to the level of its side.
+- 2, 4 or 8 bits: ``2**bits`` levels evenly spaced from the row's minimum
+  to its maximum, each value rounded to the nearest one.
+- 16: IEEE half precision (no levels).
+
+The codes of all arrays travel as one byte string with the bits packed
+(eight 1-bit codes, four 2-bit codes, two 4-bit codes a byte), the levels
+as one float32 array (two per row). :meth:`Encoding.decode` is the only
+place codes become values: the sender's own residual is computed from the
+same decoded values its peers receive.
+
+Works on NumPy and CuPy arrays alike (only array-module functions).
+"""
+
+import numpy
+
+BITS = (1, 2, 4, 8, 16)
+
+
+class Encoding:
+    """The layout of one model's gradients in compact form.
+
+    Args:
+        shapes (list of tuple): the arrays' shapes, in exchange order.
+        bits (int): 1, 2, 4, 8 or 16.
+    """
+
+    def __init__(self, shapes, bits):
+        if bits not in BITS:
+            raise ValueError('quantization bits must be one of {}, got {!r}'.format(
+                ', '.join(map(str, BITS)), bits))
+        self.bits = bits
+        self.layout = []            # (shape, rows, cols, value offset, row offset)
+        values = rows_total = 0
+        for shape in shapes:
+            shape = tuple(int(s) for s in shape)
+            size = int(numpy.prod(shape, dtype=numpy.int64))
+            rows = shape[0] if len(shape) >= 2 and size else 1
+            cols = size // rows if rows else 0
+            self.layout.append((shape, rows, cols, values, rows_total))
+            values += size
+            rows_total += rows
+        self.values = values
+        self.rows = rows_total
+
+    @property
+    def code_bytes(self):
+        """Bytes of packed codes per rank and step."""
+        if self.bits == 16:
+            return 2 * self.values
+        return -(-self.values * self.bits // 8)
+
+    @property
+    def level_count(self):
+        return 0 if self.bits == 16 else 2 * self.rows
+
+    @property
+    def payload_bytes(self):
+        """What one rank contributes to the exchange: codes and levels."""
+        return self.code_bytes + 4 * self.level_count
+
+    # -- encoding ------------------------------------------------------------
+
+    def encode(self, arrays):
+        """``arrays`` (float32, the layout's shapes) to (codes uint8, levels
+        float32)."""
+        xp = _xp(arrays)
+        if self.bits == 16:
+            flat = xp.concatenate([a.ravel() for a in arrays]) if arrays else \
+                xp.zeros(0, xp.float32)
+            return flat.astype(xp.float16).view(xp.uint8), xp.zeros(0, xp.float32)
+        codes = xp.empty(self.values, xp.uint8)
+        levels = xp.empty((self.rows, 2), xp.float32)
+        for a, (shape, rows, cols, off, row) in zip(arrays, self.layout):
+            m = a.reshape(rows, cols)
+            out = codes[off:off + rows * cols].reshape(rows, cols)
+            lv = levels[row:row + rows]
+            if self.bits == 1:
+                positive = m >= 0
+                count = positive.sum(axis=1)
+                zero = xp.float32(0)
+                upper = xp.where(positive, m, zero).sum(axis=1, dtype=xp.float32)
+                lower = xp.where(positive, zero, m).sum(axis=1, dtype=xp.float32)
+                lv[:, 0] = upper / xp.maximum(count, 1).astype(xp.float32)
+                lv[:, 1] = lower / xp.maximum(cols - count, 1).astype(xp.float32)
+                out[...] = positive
+            else:
+                lo = m.min(axis=1) if cols else xp.zeros(rows, xp.float32)
+                hi = m.max(axis=1) if cols else xp.zeros(rows, xp.float32)
+                lv[:, 0] = lo
+                lv[:, 1] = hi
+                step = self._steps(lv)
+                safe = xp.where(step > 0, step, xp.float32(1))
+                top = (1 << self.bits) - 1
+                q = xp.rint((m - lo[:, None]) / safe[:, None])
+                out[...] = xp.clip(q, 0, top).astype(xp.uint8)
+        return self._pack(codes, xp), levels.ravel()
+
+    def _steps(self, levels):
+        return (levels[:, 1] - levels[:, 0]) / numpy.float32((1 << self.bits) - 1)
+
+    def _pack(self, codes, xp):
+        if self.bits == 8:
+            return codes
+        if self.bits == 1:
+            return xp.packbits(codes)
+        per = 8 // self.bits
+        padded = xp.zeros(-(-codes.size // per) * per, xp.uint8)
+        padded[:codes.size] = codes
+        padded = padded.reshape(-1, per)
+        packed = xp.zeros(padded.shape[0], xp.uint8)
+        for j in range(per):
+            packed |= padded[:, j] << numpy.uint8(self.bits * j)
+        return packed
+
+    def _unpack(self, packed, xp):
+        if self.bits == 8:
+            return packed
+        if self.bits == 1:
+            return xp.unpackbits(packed)[:self.values]
+        per = 8 // self.bits
+        mask = numpy.uint8((1 << self.bits) - 1)
+        codes = xp.empty((packed.size, per), xp.uint8)
+        for j in range(per):
+            codes[:, j] = (packed >> numpy.uint8(self.bits * j)) & mask
+        return codes.ravel()[:self.values]
+
+    # -- decoding ------------------------------------------------------------
+
+    def decode(self, codes, levels, out=None):
+        """One rank's (codes, levels) to float32 values, flat (into ``out``
+        if given)."""
+        xp = _xp([codes])
+        if out is None:
+            out = xp.empty(self.values, xp.float32)
+        if self.bits == 16:
+            out[...] = codes.view(xp.float16)
+            return out
+        codes = self._unpack(codes, xp)
+        levels = levels.reshape(-1, 2)
+        for shape, rows, cols, off, row in self.layout:
+            c = codes[off:off + rows * cols].reshape(rows, cols)
+            lv = levels[row:row + rows]
+            dst = out[off:off + rows * cols].reshape(rows, cols)
+            if self.bits == 1:
+                dst[...] = xp.where(c.astype(bool), lv[:, 0:1], lv[:, 1:2])
+            else:
+                step = self._steps(lv)
+                dst[...] = lv[:, 0:1] + c.astype(xp.float32) * step[:, None]
+        return out
+
+    def split(self, flat):
+        """Views of a flat float32 array as the layout's shapes."""
+        return [flat[off:off + rows * cols].reshape(shape)
+                for shape, rows, cols, off, _ in self.layout]
+
+
+def _xp(arrays):
+    for a in arrays:
+        if type(a).__module__.startswith('cupy'):
+            import cupy
+            return cupy
+    return numpy

@@ -1,0 +1,242 @@
+"""The distributed learners in one process (a one-rank communicator): the
+encodings, error feedback, block momentum's one-rank identity, the options.
+Their behaviour between real MPI ranks is in test_learners_mpi.py."""
+
+import numpy
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from fastchain import distributed
+from fastchain.distributed._quantize import Encoding
+
+from tests.helpers import OneRank
+
+shapes = st.lists(st.one_of(
+    st.tuples(st.integers(1, 6), st.integers(1, 9)),
+    st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
+    st.tuples(st.integers(1, 11)),
+    st.just(())), min_size=1, max_size=4)
+
+
+def arrays_for(shape_list, seed, spread=1.0):
+    rng = numpy.random.RandomState(seed)
+    return [numpy.asarray(rng.randn(*s) * spread, numpy.float32) for s in shape_list]
+
+
+def rows_of(array):
+    return array.reshape(array.shape[0], -1) if array.ndim >= 2 else array.reshape(1, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.integers(0, 10 ** 6))
+def test_one_bit_decodes_each_value_to_the_mean_of_its_side_of_zero(shape_list, seed):
+    values = arrays_for(shape_list, seed)
+    enc = Encoding(shape_list, 1)
+    codes, levels = enc.encode(values)
+    assert codes.dtype == numpy.uint8 and codes.nbytes == -(-enc.values // 8)   # packed
+    assert levels.nbytes == 8 * enc.rows
+    for v, q in zip(values, enc.split(enc.decode(codes, levels))):
+        for row_v, row_q in zip(rows_of(v), rows_of(q)):
+            for side in (row_v >= 0, row_v < 0):
+                if side.any():
+                    numpy.testing.assert_allclose(row_q[side], row_v[side].mean(),
+                                                  rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.integers(0, 10 ** 6), st.sampled_from([2, 4, 8]))
+def test_multi_bit_codes_round_to_the_nearest_of_evenly_spaced_levels(shape_list, seed, bits):
+    values = arrays_for(shape_list, seed)
+    enc = Encoding(shape_list, bits)
+    codes, levels = enc.encode(values)
+    assert codes.nbytes == -(-enc.values * bits // 8)
+    for v, q in zip(values, enc.split(enc.decode(codes, levels))):
+        for row_v, row_q in zip(rows_of(v), rows_of(q)):
+            step = (row_v.max() - row_v.min()) / (2 ** bits - 1)
+            assert numpy.abs(row_v - row_q).max() <= step / 2 * (1 + 1e-4) + 1e-6
+
+
+def test_fp16_encoding_is_ieee_half_precision():
+    values = arrays_for([(3, 5), (4,)], 1, spread=100)
+    enc = Encoding([(3, 5), (4,)], 16)
+    codes, levels = enc.encode(values)
+    assert codes.nbytes == 2 * 19 and levels.size == 0
+    for v, q in zip(values, enc.split(enc.decode(codes, levels))):
+        numpy.testing.assert_array_equal(q, v.astype(numpy.float16).astype(numpy.float32))
+
+
+def test_an_unknown_bit_count_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match='1, 2, 4, 8, 16'):
+        distributed.QuantizedSGD(bits=3)
+
+
+# -- through the optimizer, one rank ------------------------------------------------
+
+
+class Params(chainer.Link):
+    def __init__(self, shape_list, seed=0):
+        super().__init__()
+        with self.init_scope():
+            for i, (s, a) in enumerate(zip(shape_list, arrays_for(shape_list, seed))):
+                setattr(self, 'p{}'.format(i), chainer.Parameter(a))
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes, st.integers(0, 10 ** 6), st.sampled_from([1, 2, 4, 8, 16]),
+       st.integers(1, 6))
+def test_error_feedback_applies_the_true_gradient_sum_less_the_residual(
+        shape_list, seed, bits, steps):
+    # SGD with lr 1: the weights move by minus the sum of the applied
+    # (decoded) gradients; error feedback makes that sum the true gradients'
+    # sum less the last residual.
+    link = Params(shape_list)
+    start = {n: p.array.copy() for n, p in link.namedparams()}
+    opt = chainer.optimizers.SGD(lr=1.0)
+    distributed.create_multi_node_optimizer(
+        opt, OneRank(), learner=distributed.QuantizedSGD(bits)).setup(link)
+    learner = distributed.learner_of(opt)
+    learner.batch_size = 1
+    true_sum = {n: numpy.zeros_like(a) for n, a in start.items()}
+    for k in range(steps):
+        for (n, p), g in zip(sorted(link.namedparams()),
+                             arrays_for([p.shape for _, p in sorted(link.namedparams())],
+                                        seed + k + 1)):
+            p.grad = g
+            true_sum[n] += g
+        opt.update()
+    residual = {n: r for n, r in zip([n for n, _ in link.namedparams()], learner.residuals)}
+    for n, p in link.namedparams():
+        applied = start[n] - p.array
+        scale = numpy.abs(true_sum[n]).max() + 1
+        numpy.testing.assert_allclose(applied + residual[n], true_sum[n],
+                                      atol=1e-5 * scale * steps, err_msg=n)
+    assert learner.report()['bytes_sent'] == 0      # one rank sends nothing
+
+
+def test_without_error_feedback_the_residual_stays_zero_and_the_error_is_lost():
+    link = Params([(4, 6)])
+    opt = chainer.optimizers.SGD(lr=1.0)
+    distributed.create_multi_node_optimizer(
+        opt, OneRank(), learner=distributed.QuantizedSGD(1, error_feedback=False)).setup(link)
+    distributed.learner_of(opt).batch_size = 1
+    before = link.p0.array.copy()
+    g = arrays_for([(4, 6)], 5)[0]
+    link.p0.grad = g.copy()
+    opt.update()
+    applied = before - link.p0.array
+    assert not distributed.learner_of(opt).residuals[0].any()
+    assert numpy.abs(applied - g).max() > 0.01      # 1 bit loses something
+
+
+class MLP(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 7, initialW=chainer.initializers.Normal(0.5))
+            self.l2 = L.Linear(7, 3, initialW=chainer.initializers.Normal(0.5))
+
+    def forward(self, x):
+        return self.l2(F.tanh(self.l1(x)))
+
+
+def train_local(make_optimizer, learner, steps=10, batch=4):
+    numpy.random.seed(3)
+    model = L.Classifier(MLP())
+    opt = make_optimizer()
+    if learner is not None:
+        distributed.create_multi_node_optimizer(opt, OneRank(), learner=learner)
+    opt.setup(model)
+    rng = numpy.random.RandomState(7)
+    for _ in range(steps):
+        x = rng.randn(batch, 5).astype(numpy.float32)
+        t = rng.randint(0, 3, batch).astype(numpy.int32)
+        opt.update(model, x, t)
+    return {n: p.array for n, p in model.namedparams()}
+
+
+@pytest.mark.parametrize('make_optimizer, learner', [
+    (lambda: chainer.optimizers.SGD(0.1), lambda: distributed.BlockMomentum(8)),
+    (lambda: chainer.optimizers.SGD(0.1), lambda: distributed.ModelAveraging(12)),
+    (lambda: chainer.optimizers.MomentumSGD(0.1),
+     lambda: distributed.BlockMomentum(8, reset_local_momentum=False)),
+    (lambda: chainer.optimizers.Adam(), lambda: distributed.BlockMomentum(4)),
+])
+def test_block_momentum_on_one_rank_is_local_training_bit_for_bit(make_optimizer, learner):
+    # One rank: the block momentum defaults to 1 - 1/1 = 0 and the block's
+    # mean is the rank's own model.
+    plain = train_local(make_optimizer, None)
+    bmuf = train_local(make_optimizer, learner())
+    for name in plain:
+        numpy.testing.assert_array_equal(bmuf[name], plain[name], err_msg=name)
+
+
+def test_resetting_local_momentum_changes_momentum_sgd_at_each_block():
+    plain = train_local(lambda: chainer.optimizers.MomentumSGD(0.1), None)
+    reset = train_local(lambda: chainer.optimizers.MomentumSGD(0.1),
+                        distributed.BlockMomentum(8))
+    assert any((plain[n] != reset[n]).any() for n in plain)
+
+
+def test_learner_report_counts_samples_steps_and_blocks():
+    numpy.random.seed(0)
+    model = L.Classifier(MLP())
+    learner = distributed.BlockMomentum(8)
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), OneRank(),
+                                                  learner=learner, distributed_after=8)
+    opt.setup(model)
+    x = numpy.zeros((4, 5), numpy.float32)
+    t = numpy.zeros(4, numpy.int32)
+    for _ in range(7):
+        opt.update(model, x, t)
+    r = learner.report()
+    # 2 warm-start steps (8 samples), then 5 local steps: blocks after 2 and 4.
+    assert (r['steps'], r['samples'], learner.blocks, r['warm_start_over']) == (7, 28, 2, True)
+    assert 'block momentum' in r['learner'] and 'after 8 samples' in r['learner']
+
+
+# -- options and misuse ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(learner='bmuf'), "learner must be 'allreduce', '1bit'"),
+    (dict(learner=distributed.BlockMomentum), 'give an instance'),
+    (dict(distributed_after=-1), 'distributed_after must be a number of samples'),
+    (dict(distributed_after=2.5), 'distributed_after must be a number of samples'),
+])
+def test_wrong_options_are_refused_with_the_fix(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), OneRank(), **kwargs)
+
+
+@pytest.mark.parametrize('make, message', [
+    (lambda: distributed.BlockMomentum(0), 'block_size must be a number of samples'),
+    (lambda: distributed.BlockMomentum(8, block_momentum=1.0), r'block_momentum must be in'),
+    (lambda: distributed.BlockMomentum(8, block_lr=0), 'block_lr must be > 0'),
+])
+def test_wrong_learner_settings_are_refused(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_one_learner_serves_one_optimizer():
+    learner = distributed.QuantizedSGD()
+    a = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), OneRank(),
+                                                learner=learner)
+    a.setup(L.Linear(2, 2))
+    with pytest.raises(ValueError, match='one learner per optimizer'):
+        distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), OneRank(),
+                                                learner=learner)
+
+
+def test_a_learner_that_counts_samples_says_how_when_update_has_no_inputs():
+    link = Params([(2, 3)])
+    opt = distributed.create_multi_node_optimizer(
+        chainer.optimizers.SGD(), OneRank(), learner=distributed.BlockMomentum(8))
+    opt.setup(link)
+    link.p0.grad = numpy.ones((2, 3), numpy.float32)
+    with pytest.raises(ValueError, match='learner_of.optimizer..batch_size'):
+        opt.update()

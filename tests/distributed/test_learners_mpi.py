@@ -1,0 +1,91 @@
+"""The distributed learners between real MPI processes (2 ranks; 4 where
+noted): error feedback, packed bits, model averaging's mean, warm start,
+resume mid-block, fp16 skips, Trainer, failures."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fastchain.backends import mpi
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'learners_script.py')
+pytestmark = pytest.mark.mpi
+
+
+def mpirun(scenario, learner, tmp_path, n=2, timeout=180):
+    out = tmp_path / '{}-{}-{}'.format(scenario, learner, n)
+    out.mkdir()
+    start = time.monotonic()
+    r = subprocess.run([mpi.mpiexec_path(), '-n', str(n), sys.executable, SCRIPT, scenario,
+                        learner, str(out)], capture_output=True, text=True, timeout=timeout)
+    r.seconds = time.monotonic() - start
+    r.ok = sorted(p.name for p in out.iterdir() if p.name.startswith('ok.'))
+    r.results = [json.loads((out / 'result.{}.json'.format(i)).read_text())
+                 for i in range(n) if (out / 'result.{}.json'.format(i)).exists()]
+    return r
+
+
+def assert_ok(r, n=2):
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.ok == ['ok.{}'.format(i) for i in range(n)], r.stderr[-4000:]
+
+
+@pytest.mark.parametrize('learner', ['1bit', '2bit', 'fp16', '1bit_noef'])
+def test_error_feedback_and_packed_bits(learner, tmp_path):
+    r = mpirun('error_feedback', learner, tmp_path)
+    assert_ok(r)
+    result = r.results[0]
+    if learner.startswith('1bit'):
+        # 1 bit a value, measured on the wire: 1/32 of the fp32 values.
+        assert result['code_bytes'] * 32 <= result['values'] * 4 + 32
+
+
+@pytest.mark.parametrize('n', [2, 4])
+def test_model_averaging_is_the_mean_of_the_ranks_models(n, tmp_path):
+    assert_ok(mpirun('model_averaging', 'avg', tmp_path, n=n), n)
+
+
+@pytest.mark.parametrize('learner, n', [('1bit', 2), ('bmuf', 2), ('avg', 2), ('1bit', 4)])
+def test_warm_start_keeps_ranks_identical_then_hands_over(learner, n, tmp_path):
+    assert_ok(mpirun('warm_start', learner, tmp_path, n=n), n)
+
+
+@pytest.mark.parametrize('learner', ['bmuf', 'bmuf_plain', '1bit'])
+def test_resume_mid_block_continues_bit_for_bit(learner, tmp_path):
+    r = mpirun('resume', learner, tmp_path)
+    assert_ok(r)
+    if learner != '1bit':
+        assert r.results[0]['mid_block']      # the ranks differed where it resumed
+
+
+@pytest.mark.parametrize('learner', ['bmuf', '1bit'])
+def test_a_rank0_snapshot_says_it_lacks_the_other_ranks_state(learner, tmp_path):
+    assert_ok(mpirun('resume_rank0', learner, tmp_path))
+
+
+@pytest.mark.parametrize('learner', ['allreduce', '1bit', '2bit', 'bmuf', 'avg'])
+def test_every_learner_trains_under_trainer(learner, tmp_path):
+    r = mpirun('trainer', learner, tmp_path)
+    assert_ok(r)
+    report = r.results[0]['report']
+    allreduce_bytes = 2 * (2 - 1) * 435 * 4 // 2    # ring allreduce, 435 fp32 values
+    if learner in ('allreduce', 'bmuf', 'avg'):     # bmuf/avg: blocks of one step here
+        assert report['bytes_per_step'] == allreduce_bytes
+    else:
+        assert report['bytes_per_step'] < 0.3 * allreduce_bytes
+
+
+@pytest.mark.parametrize('learner', ['1bit', 'bmuf'])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_all(learner, tmp_path):
+    assert_ok(mpirun('fp16_skip', learner, tmp_path))
+
+
+def test_a_rank_that_raises_between_exchanges_ends_every_rank(tmp_path):
+    r = mpirun('raise', 'bmuf', tmp_path)
+    assert r.returncode != 0 and r.ok == []
+    assert r.stderr.count('ValueError: boom on purpose') == 1
+    assert r.seconds < 60
