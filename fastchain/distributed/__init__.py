@@ -26,8 +26,9 @@ from fastchain.distributed._dataset import scatter_dataset
 from fastchain.distributed._evaluator import create_multi_node_evaluator
 from fastchain.distributed._factory import create_communicator
 from fastchain.distributed._mpi import MpiCommunicator
-from fastchain.distributed._learners import (AllReduce, BlockMomentum, Learner,
-                                             ModelAveraging, QuantizedSGD)
+from fastchain.distributed._blocks import BlockMomentum, ModelAveraging
+from fastchain.distributed._learners import AllReduce, Learner
+from fastchain.distributed._quantize import QuantizedSGD
 from fastchain.distributed._optimizer import create_multi_node_optimizer, learner_of
 from fastchain.distributed._snapshot import multi_node_snapshot
 from fastchain.distributed._sync import GradientSync

@@ -25,7 +25,8 @@ import numpy
 
 from fastchain.config import _patches
 from fastchain.distributed import _learners
-from fastchain.distributed._learners import make_learner
+from fastchain.distributed._learners import AllReduce, Learner
+from fastchain.distributed._quantize import QuantizedSGD
 from fastchain.distributed._sync import GradientCapture, GradientSync
 
 COMMUNICATOR = 'communicator'       # attachment key: the optimizer's communicator
@@ -208,6 +209,23 @@ def _attach(optimizer, comm, options):
     _patches.wrap(optimizer, 'reallocate_cleared_grads', 'distributed',
                   reallocate_then_average)
     _patches.wrap(optimizer, 'serialize', 'distributed', serialize)
+
+
+def make_learner(spec):
+    """``None`` or ``'allreduce'``, ``'1bit'``, or a :class:`Learner`."""
+    if spec is None or spec == 'allreduce':
+        return AllReduce()
+    if isinstance(spec, Learner):
+        return spec
+    if spec == '1bit':
+        return QuantizedSGD(1)
+    if isinstance(spec, type) and issubclass(spec, Learner):
+        raise TypeError('learner={0}: give an instance, e.g. learner=distributed.{0}(...)'
+                        .format(spec.__name__))
+    raise ValueError(
+        "learner must be 'allreduce', '1bit', or one of distributed.AllReduce(), "
+        "QuantizedSGD(bits, error_feedback), BlockMomentum(block_size, ...), "
+        "ModelAveraging(block_size); got {!r}".format(spec))
 
 
 def _batch_size(args, kwds):

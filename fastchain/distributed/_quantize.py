@@ -1,5 +1,5 @@
-"""Compact gradient encodings for the quantized learner (1-bit SGD and its
-multi-bit and fp16 relatives).
+"""The quantized learner (1-bit SGD and its multi-bit and fp16 relatives)
+and its compact gradient encodings.
 
 Every array is seen as a matrix of ``shape[0]`` rows (a Linear's output
 units, a convolution's filters; a vector or a scalar is one row), and each
@@ -21,7 +21,13 @@ same decoded values its peers receive.
 Works on NumPy and CuPy arrays alike (only array-module functions).
 """
 
+import time
+
 import numpy
+
+import chainer
+
+from fastchain.distributed._learners import Learner
 
 BITS = (1, 2, 4, 8, 16)
 
@@ -170,3 +176,115 @@ def _xp(arrays):
             import cupy
             return cupy
     return numpy
+
+
+class QuantizedSGD(Learner):
+    """1-bit SGD (Seide et al., 2014) and its multi-bit relatives.
+
+    Each step, each rank adds its residual to its gradient, encodes the sum
+    with ``bits`` bits per value (see ``_quantize``), keeps what the
+    encoding lost as the next residual (error feedback), and sends the
+    packed encoding; every rank decodes all of them and averages, in rank
+    order, so the ranks stay identical. Over many steps the applied updates
+    add up to the true gradients' sum less the current residual.
+
+    Args:
+        bits (int): 1, 2, 4, 8, or 16 (IEEE half precision).
+        error_feedback (bool): keep the residual (without it, what the
+            encoding loses is lost).
+
+    A step with a non-finite gradient on any rank (an fp16 overflow) is
+    averaged exactly instead, the residuals untouched, so the loss
+    scaler sees the overflow on every rank and skips the step everywhere.
+    """
+
+    name = 'quantized'
+    per_rank_state = True
+
+    def __init__(self, bits=1, error_feedback=True):
+        super().__init__()
+        if bits not in BITS:
+            raise ValueError('QuantizedSGD bits must be one of {}, got {!r}'.format(
+                ', '.join(map(str, BITS)), bits))
+        self.bits = bits
+        self.error_feedback = bool(error_feedback)
+        self.residuals = None
+        self.fallback_steps = 0
+        self._scale = None
+
+    def _bind(self, *args):
+        super()._bind(*args)
+        self.encoding = Encoding([p.shape for p in self.params], self.bits)
+
+    def describe(self):
+        text = '{}-bit SGD{}'.format(self.bits, '' if self.error_feedback
+                                     else ' without error feedback')
+        if self.bits == 16:
+            text = 'fp16 SGD' + text[len('16-bit SGD'):]
+        if self.distributed_after:
+            text += ' after {} samples'.format(self.distributed_after)
+        return text
+
+    def _residuals(self, xp):
+        if self.residuals is None:
+            self.residuals = [xp.zeros(p.shape, xp.float32) for p in self.params]
+        return self.residuals
+
+    def average_gradients(self):
+        params = self.params
+        xp = chainer.backend.get_array_module(params[0].grad) if params else numpy
+        grads = [p.grad for p in params]
+        start = time.perf_counter()
+        bad = any(not bool(xp.isfinite(g).all()) for g in grads)
+        if self.comm.any(bad, 'non-finite gradient agreement'):
+            self.fallback_steps += 1
+            self.exact_average()
+            return
+        residuals = self._residuals(xp)
+        scale = self.optimizer._loss_scale or 1.0
+        if self._scale is not None and scale != self._scale:
+            # The residual is in the units of the (loss-scaled) gradients.
+            for r in residuals:
+                r *= numpy.float32(scale / self._scale)
+        self._scale = scale
+        values = [g.astype(xp.float32) + r for g, r in zip(grads, residuals)]
+        codes, levels = self.encoding.encode(values)
+        if self.error_feedback:
+            mine = self.encoding.split(self.encoding.decode(codes, levels))
+            for r, v, q in zip(residuals, values, mine):
+                xp.subtract(v, q, out=r)
+        all_codes = self.comm.allgather(codes, 'quantized gradient exchange (codes)')
+        all_levels = self.comm.allgather(levels, 'quantized gradient exchange (levels)') \
+            if levels.size else [levels] * self.comm.size
+        total = self.encoding.decode(all_codes[0], all_levels[0])
+        buffer = xp.empty_like(total)
+        for rank in range(1, self.comm.size):
+            total += self.encoding.decode(all_codes[rank], all_levels[rank], out=buffer)
+        total /= numpy.float32(self.comm.size)
+        for p, avg in zip(params, self.encoding.split(total)):
+            p.grad[...] = avg
+        self._count(start, (self.comm.size - 1) * self.encoding.payload_bytes)
+
+    def _start(self):
+        self.residuals = None       # the warm start averaged exactly: nothing owed
+
+    def local_state(self):
+        if self.residuals is None:
+            return {self._key(p): numpy.zeros(p.shape, numpy.float32) for p in self.params}
+        return {self._key(p): chainer.backend.CpuDevice().send(r)
+                for p, r in zip(self.params, self.residuals)}
+
+    def _key(self, p):
+        return 'residual' + self.names[id(p)]
+
+    def _apply_local_state(self, state):
+        xp = chainer.backend.get_array_module(self.params[0].array) if self.params else numpy
+        self.residuals = [xp.asarray(state[self._key(p)], xp.float32) for p in self.params]
+
+    def _foreign(self, state):
+        return {k: numpy.zeros_like(v) for k, v in state.items()}
+
+    def _shared_state(self, serializer):
+        scale = serializer('residual_scale', self._scale or 0.0)
+        self._scale = float(scale) or None
+        self.fallback_steps = int(serializer('fallback_steps', self.fallback_steps))

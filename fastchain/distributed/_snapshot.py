@@ -31,6 +31,11 @@ def multi_node_snapshot(comm, snapshot=None, **kwargs):
     elif kwargs:
         raise TypeError('give either a snapshot extension or its keyword arguments, '
                         'not both')
+    if getattr(snapshot, 'autoload', False):
+        raise ValueError(
+            'multi_node_snapshot: autoload=True would load the newest snapshot on rank 0 '
+            'only (rank 0 writes it); make the snapshot without autoload and load it on '
+            'every rank: chainer.serializers.load_npz(path, trainer)')
     return _MultiNodeSnapshot(comm, snapshot)
 
 

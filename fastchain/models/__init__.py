@@ -1,5 +1,5 @@
 """Models the recipes and benchmarks share."""
 
-from fastchain.models.resnet import ResNet, resnet50
+from fastchain.models.resnet import CifarResNet, ResNet, resnet50
 
-__all__ = ['ResNet', 'resnet50']
+__all__ = ['CifarResNet', 'ResNet', 'resnet50']

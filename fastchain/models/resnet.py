@@ -142,3 +142,38 @@ class ResNet(chainer.Chain):
 
 def resnet50(n_classes=1000, **kwargs):
     return ResNet(50, n_classes, **kwargs)
+
+
+class CifarResNet(chainer.Chain):
+    """The CIFAR-size ResNet of He et al. (2016, section 4.2): a 3x3 stem,
+    three stages of ``(depth - 2) / 6`` basic blocks at ``width``,
+    ``2 width`` and ``4 width`` channels (strides 1, 2, 2), global average
+    pooling and a linear layer. ``depth=20`` is ResNet-20 (0.27 M parameters
+    at width 16) for 32x32 inputs.
+    """
+
+    def __init__(self, depth=20, n_classes=10, width=16, in_channels=3,
+                 zero_init_residual=False):
+        super().__init__()
+        if depth < 8 or (depth - 2) % 6:
+            raise ValueError('depth must be 6n + 2 (20, 32, 44, 56, 110), got {!r}'.format(
+                depth))
+        n = (depth - 2) // 6
+        self.depth = depth
+        with self.init_scope():
+            self.conv1 = _conv(in_channels, width, 3)
+            self.bn1 = L.BatchNormalization(width)
+            n_in = width
+            for i in range(3):
+                w = width * 2 ** i
+                setattr(self, 'res{}'.format(i + 2),
+                        Stage(Basic, n_in, w, n, 1 if i == 0 else 2, zero_init_residual))
+                n_in = w
+            self.fc = L.Linear(n_in, n_classes)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        for i in range(2, 5):
+            h = getattr(self, 'res{}'.format(i))(h)
+        return self.fc(F.average(h, axis=(2, 3)))
+

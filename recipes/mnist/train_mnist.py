@@ -30,6 +30,14 @@ class MLP(chainer.Chain):
         return self.l3(h2)
 
 
+LEARNERS = {           # blocks of 4 steps for the block learners
+    'allreduce': lambda batch: 'allreduce',
+    '1bit': lambda batch: distributed.QuantizedSGD(bits=1),
+    'block_momentum': lambda batch: distributed.BlockMomentum(block_size=4 * batch),
+    'model_averaging': lambda batch: distributed.ModelAveraging(block_size=4 * batch),
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description='Chainer example: MNIST')
     parser.add_argument('--batchsize', '-b', type=int, default=100)
@@ -41,6 +49,10 @@ def main():
                         help="'digits' (they ship with scikit-learn), a folder of "
                         "MNIST's four files, or an .npz (see mnist_data.py)")
     parser.add_argument('--resume', '-r', default=None, help='a snapshot to resume from')
+    parser.add_argument('--learner', default='allreduce', choices=sorted(LEARNERS),
+                        help='how the ranks combine their work (README: Learners)')
+    parser.add_argument('--distributed-after', type=int, default=0, metavar='SAMPLES',
+                        help='warm start: average exactly for the first SAMPLES samples')
     args = parser.parse_args()
 
     comm = distributed.create_communicator()                        # 1
@@ -51,7 +63,8 @@ def main():
     model = L.Classifier(MLP(args.unit, 10))
     model.to_device(device)
     optimizer = distributed.create_multi_node_optimizer(            # 3
-        chainer.optimizers.Adam(), comm)
+        chainer.optimizers.Adam(), comm, learner=LEARNERS[args.learner](args.batchsize),
+        distributed_after=args.distributed_after)
     optimizer.setup(model)
 
     train, test = load(args.data) if comm.rank == 0 else (None, None)
@@ -66,8 +79,9 @@ def main():
     evaluator = distributed.create_multi_node_evaluator(evaluator, comm)  # 5
     trainer.extend(evaluator)
 
+    trainer.extend(distributed.multi_node_snapshot(comm, extensions.snapshot()),
+                   trigger=(args.epoch, 'epoch'))     # every rank's part, one file
     if comm.rank == 0:                                              # 6
-        trainer.extend(extensions.snapshot(), trigger=(args.epoch, 'epoch'))
         trainer.extend(extensions.LogReport())
         trainer.extend(extensions.PrintReport(
             ['epoch', 'main/loss', 'validation/main/loss',

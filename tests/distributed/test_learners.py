@@ -240,3 +240,11 @@ def test_a_learner_that_counts_samples_says_how_when_update_has_no_inputs():
     link.p0.grad = numpy.ones((2, 3), numpy.float32)
     with pytest.raises(ValueError, match='learner_of.optimizer..batch_size'):
         opt.update()
+
+
+def test_multi_node_snapshot_refuses_autoload_which_would_load_on_rank_0_only():
+    from chainer.training import extensions
+    with pytest.raises(ValueError, match='load it on every rank'):
+        distributed.multi_node_snapshot(OneRank(), extensions.snapshot(autoload=True))
+    with pytest.raises(TypeError, match='not both'):
+        distributed.multi_node_snapshot(OneRank(), extensions.snapshot(), filename='x')

@@ -63,6 +63,22 @@ def test_two_ranks_and_resume(tmp_path, small_mnist):
         assert [e['epoch'] for e in json.load(f)] == [1, 2, 3]
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize('learner', ['1bit', 'block_momentum'])
+def test_the_learner_is_one_argument_and_resumes_from_every_ranks_snapshot(
+        tmp_path, small_mnist, learner):
+    from fastchain.backends import mpi
+    base = [mpi.mpiexec_path(), '-n', '2', sys.executable, SCRIPT, '--data', small_mnist,
+            '-u', '50', '-b', '20', '--learner', learner, '--distributed-after', '200']
+    run(base + ['-e', '2', '-o', str(tmp_path / 'a')])
+    assert accuracy(str(tmp_path / 'a'))[-1] > 0.3      # chance is 0.1
+    snapshot = tmp_path / 'a' / 'snapshot_iter_20'
+    r = run(base + ['-e', '3', '-o', str(tmp_path / 'b'), '--resume', str(snapshot)])
+    assert "rank 0's state only" not in r.stderr         # every rank's part was in it
+    with open(tmp_path / 'b' / 'log') as f:
+        assert [e['epoch'] for e in json.load(f)] == [1, 2, 3]
+
+
 def test_the_default_data_are_real_digits_and_nothing_is_downloaded(tmp_path):
     # HOME and Chainer's dataset root in tmp_path: nothing may be fetched or
     # left behind (the old recipe left an empty ~/.chainer/dataset).

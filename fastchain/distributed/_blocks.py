@@ -1,0 +1,249 @@
+"""Block learners: block-momentum SGD (BMUF) and model averaging (see
+``_learners`` for what every learner shares)."""
+
+import time
+
+import numpy
+
+import chainer
+
+from fastchain.distributed._learners import Learner, _average
+
+MOMENTUM_RULES = ('MomentumSGDRule', 'NesterovAGRule', 'CorrectedMomentumSGDRule')
+
+
+class BlockMomentum(Learner):
+    """Block-wise model-update filtering (BMUF; Chen and Huo, 2016; CNTK's
+    block-momentum distributed learner).
+
+    Each rank trains alone (its own optimizer, no exchange) for
+    ``block_size`` of its own samples, from the block's start model ``S``.
+    Then the ranks average their models (one allreduce of the weights and
+    the persistent statistics) and, with ``W`` the global model and ``D``
+    the filtered block update (both zero-initialised from the first
+    block's start)::
+
+        D = block_momentum * D + block_lr * (mean of the ranks' models - S)
+        W = W + D
+        S = W + block_momentum * D     (nesterov=True: the look-ahead)
+            W                          (nesterov=False)
+
+    and every rank goes on from ``S``. (CNTK's implementation filters with
+    the gain ``(1 - block_momentum) * block_lr`` and goes on from
+    ``S + ...``; this is the paper's form, whose gain ``block_lr / (1 -
+    block_momentum)`` is ``N`` with the defaults: the sum of the ranks'
+    progress, not their mean.)
+
+    Args:
+        block_size (int): samples each rank trains on between two
+            exchanges (CNTK's ``block_size`` counts all workers' samples:
+            N times this).
+        block_momentum (float): in [0, 1); default ``1 - 1/N`` for N ranks
+            (CNTK's default).
+        block_lr (float): the block learning rate (CNTK's default 1.0).
+        nesterov (bool): start each block from the look-ahead model
+            (CNTK's default True).
+        reset_local_momentum (bool): zero the momentum buffers of the
+            ranks' optimizers (MomentumSGD, NesterovAG,
+            CorrectedMomentumSGD) after each exchange, CNTK's default; other
+            optimizers' state stays each rank's own.
+
+    Batch normalization's running statistics (and any persistent float
+    array) are averaged at each exchange. With block momentum 0 and block
+    learning rate 1 the new model is exactly the ranks' mean
+    (:class:`ModelAveraging`). fp16 models with fp32 master weights are
+    averaged on the masters.
+    """
+
+    name = 'block momentum'
+    per_rank_state = True
+
+    def __init__(self, block_size, block_momentum=None, block_lr=1.0, nesterov=True,
+                 reset_local_momentum=True):
+        super().__init__()
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, numpy.integer)) \
+                or block_size < 1:
+            raise ValueError('block_size must be a number of samples >= 1 (each rank\'s, '
+                             'between two exchanges), got {!r}'.format(block_size))
+        if block_momentum is not None and not 0 <= block_momentum < 1:
+            raise ValueError('block_momentum must be in [0, 1), got {!r}'.format(
+                block_momentum))
+        if not block_lr > 0:
+            raise ValueError('block_lr must be > 0, got {!r}'.format(block_lr))
+        self.block_size = int(block_size)
+        self._block_momentum = block_momentum
+        self.block_lr = float(block_lr)
+        self.nesterov = bool(nesterov)
+        self.reset_local_momentum = bool(reset_local_momentum)
+        self.block_samples = 0          # this rank's, in the current block
+        self.blocks = 0
+        self.global_model = None        # W: host or device arrays, float32
+        self.delta = None               # D
+
+    @property
+    def block_momentum(self):
+        if self._block_momentum is not None:
+            return float(self._block_momentum)
+        return 1.0 - 1.0 / self.comm.size if self.comm is not None else None
+
+    def describe(self):
+        text = '{} (block {} samples/rank, momentum {:.3g}, lr {:g}{})'.format(
+            self.name, self.block_size, self.block_momentum, self.block_lr,
+            ', nesterov' if self.nesterov and self.block_momentum else '')
+        if self.distributed_after:
+            text += ' after {} samples'.format(self.distributed_after)
+        return text
+
+    def _counts_samples(self):
+        return True
+
+    # The model as the learner sees it: fp32 masters where the optimizer has
+    # them, else the parameters; and the persistent float arrays.
+
+    def _weights(self):
+        out = []
+        for p in self.params:
+            rule = getattr(p, 'update_rule', None)
+            master = getattr(rule, '_fp32_param', None)
+            out.append(master.array if master is not None and master.array is not None
+                       else p.array)
+        return out
+
+    def _persistents(self):
+        out = []
+        for path, link in sorted(self.optimizer.target.namedlinks()):
+            for name in sorted(link._persistent):
+                value = getattr(link, name)
+                if hasattr(value, 'dtype') and getattr(value, 'ndim', 0) > 0 and \
+                        value.dtype.kind == 'f':
+                    out.append((path + '/' + name, value))
+        return out
+
+    def _write_weights(self, arrays):
+        for p, w, new in zip(self.params, self._weights(), arrays):
+            if w is not p.array:
+                w[...] = new
+                p.array[...] = new.astype(p.dtype)
+            else:
+                p.array[...] = new
+
+    def _block_start(self, w, d):
+        """The model a block starts from: W, or its look-ahead W + momentum D."""
+        eta = self.block_momentum
+        return w + numpy.float32(eta) * d if self.nesterov and eta else w
+
+    def _start(self):
+        xp = chainer.backend.get_array_module(self.params[0].array) if self.params else numpy
+        self.global_model = [xp.array(w, xp.float32) for w in self._weights()]
+        self.delta = [xp.zeros_like(w) for w in self.global_model]
+        self.block_samples = 0
+
+    def _local_step(self, batch):
+        if not self.started:
+            return          # warm start: averaged exactly every step
+        self.block_samples += batch
+        if self.block_samples >= self.block_size:
+            self._exchange()
+
+    def _exchange(self):
+        start = time.perf_counter()
+        weights = self._weights()
+        persistents = [v for _, v in self._persistents()]
+        arrays = [w.astype(numpy.float32) if w.dtype != numpy.float32 else w
+                  for w in weights] + persistents
+        mean, nbytes = _average(self.comm, arrays, 'block momentum: averaging the models')
+        for v, m in zip(persistents, mean[len(weights):]):
+            v[...] = m
+        eta, zeta = self.block_momentum, self.block_lr
+        new = []
+        for w, d, m in zip(self.global_model, self.delta, mean[:len(weights)]):
+            if eta == 0 and zeta == 1:
+                w[...] = m              # model averaging: the mean itself, exactly
+                d[...] = 0
+            else:
+                block_update = m - self._block_start(w, d)
+                d *= numpy.float32(eta)
+                d += numpy.float32(zeta) * block_update
+                w += d
+            new.append(self._block_start(w, d))
+        self._write_weights(new)
+        if self.reset_local_momentum:
+            for p in self.params:
+                rule = getattr(p, 'update_rule', None)
+                if type(rule).__name__ in MOMENTUM_RULES:
+                    for value in rule.state.values():
+                        if value is not None:
+                            value.fill(0)
+        self.block_samples = 0
+        self.blocks += 1
+        self._count(start, nbytes)
+
+    # -- state ---------------------------------------------------------------
+
+    def local_state(self):
+        host = chainer.backend.CpuDevice()
+        state = {}
+        for p, w in zip(self.params, self._weights()):
+            name = self.names[id(p)]
+            state['weight' + name] = host.send(w)
+            rule = getattr(p, 'update_rule', None)
+            for key, value in sorted((getattr(rule, 'state', None) or {}).items()):
+                if value is not None:
+                    state['rule' + name + '/' + key] = host.send(value)
+        for name, value in self._persistents():
+            state['persistent' + name] = host.send(value)
+        return state
+
+    def _apply_local_state(self, state):
+        xp = chainer.backend.get_array_module(self.params[0].array) if self.params else numpy
+        for p, w in zip(self.params, self._weights()):
+            name = self.names[id(p)]
+            new = xp.asarray(state['weight' + name])
+            if w is not p.array:
+                w[...] = new
+            p.array[...] = new.astype(p.dtype)
+            rule = getattr(p, 'update_rule', None)
+            for key, value in (getattr(rule, 'state', None) or {}).items():
+                if value is not None and 'rule' + name + '/' + key in state:
+                    value[...] = xp.asarray(state['rule' + name + '/' + key])
+        for name, value in self._persistents():
+            value[...] = xp.asarray(state['persistent' + name])
+
+    def _shared_state(self, serializer):
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
+        self.block_samples = int(serializer('block_samples', self.block_samples))
+        self.blocks = int(serializer('blocks', self.blocks))
+        has = bool(serializer('has_global', self.global_model is not None))
+        if not has:
+            self.global_model = self.delta = None
+            return
+        if loading and self.global_model is None:
+            xp = chainer.backend.get_array_module(self.params[0].array)
+            self.global_model = [xp.zeros(p.shape, xp.float32) for p in self.params]
+            self.delta = [xp.zeros(p.shape, xp.float32) for p in self.params]
+        for p, g, d in zip(self.params, self.global_model, self.delta):
+            name = self.names[id(p)]
+            for prefix, array in (('global', g), ('delta', d)):
+                if loading:
+                    array[...] = chainer.backend.get_array_module(array).asarray(
+                        serializer[prefix](name.lstrip('/'), None))
+                else:
+                    serializer[prefix](name.lstrip('/'), array)
+
+
+class ModelAveraging(BlockMomentum):
+    """The ranks' models averaged every ``block_size`` samples of each rank
+    (block momentum 0, block learning rate 1: the new model is exactly
+    their mean)."""
+
+    name = 'model averaging'
+
+    def __init__(self, block_size, reset_local_momentum=True):
+        super().__init__(block_size, block_momentum=0.0, block_lr=1.0, nesterov=False,
+                         reset_local_momentum=reset_local_momentum)
+
+    def describe(self):
+        text = '{} (every {} samples/rank)'.format(self.name, self.block_size)
+        if self.distributed_after:
+            text += ' after {} samples'.format(self.distributed_after)
+        return text
