@@ -11,8 +11,8 @@ training, 360 held out.
 Every run trains the same global batch (``--batch``, split evenly over the
 processes) with MomentumSGD from the same initial weights and the same data
 order per rank, and evaluates the held-out accuracy of the model the ranks
-hold every ``--eval-every`` samples (at block ends, where the block learners'
-ranks agree). Learners: the exact allreduce, 1-bit SGD with and without
+hold every ``--eval-every`` samples (for the block learners, at the first
+block end from there, where their ranks agree; a run ends at a block end). Learners: the exact allreduce, 1-bit SGD with and without
 error feedback, block momentum (BMUF) and model averaging (blocks of
 ``--block-steps`` steps), each with and without a warm start
 (``distributed_after`` = ``--warm-epochs`` epochs of samples).
@@ -94,9 +94,7 @@ def child(args):
     reporter = chainer.Reporter()
     reporter.add_observer('main', model)
     steps = int(args.epochs * len(t)) // args.batch
-    eval_steps = max(1, args.eval_every // args.batch)
-    eval_steps -= eval_steps % args.block_steps or 0       # at block ends
-    eval_steps = max(eval_steps, args.block_steps)
+    blocks = isinstance(learner, distributed.BlockMomentum)
 
     def accuracy():
         it_ = evaluator.get_iterator('main')
@@ -104,17 +102,29 @@ def child(args):
         with reporter.scope({}):
             return float(evaluator.evaluate()['main/accuracy'])
 
+    def agreed():
+        # Block learners' ranks hold their own models inside a block: their
+        # model is the one every rank holds once the block is exchanged.
+        return not blocks or not learner.started or learner.block_samples == 0
+
     curve = [(0, accuracy())]
     step_times = []
-    for step in range(1, steps + 1):
-        batch = it.next()
-        xs, ts = chainer.dataset.concat_examples(batch)
+    step, due = 0, args.eval_every
+    while step < steps or not agreed():      # past the end only to finish a block
+        step += 1
+        xs, ts = chainer.dataset.concat_examples(it.next())
         comm.barrier()
         start = time.perf_counter()
         optimizer.update(model, xs, ts)
         step_times.append(comm.allreduce_obj(time.perf_counter() - start, op='max'))
-        if step % eval_steps == 0 or step == steps:
-            curve.append((step * args.batch, accuracy()))
+        seen = step * args.batch
+        if seen >= due and agreed():
+            curve.append((seen, accuracy()))
+            while due <= seen:
+                due += args.eval_every
+    if curve[-1][0] != step * args.batch:
+        curve.append((step * args.batch, accuracy()))
+    steps = step
     report = learner.report()
     if comm.rank == 0:
         warm_steps = min(steps, -(-warm // args.batch)) if warm else 0

@@ -203,9 +203,15 @@ class BlockMomentum(Learner):
                 w[...] = new
             p.array[...] = new.astype(p.dtype)
             rule = getattr(p, 'update_rule', None)
-            for key, value in (getattr(rule, 'state', None) or {}).items():
-                if value is not None and 'rule' + name + '/' + key in state:
-                    value[...] = xp.asarray(state['rule' + name + '/' + key])
+            states = getattr(rule, 'state', None) or {}
+            for key, value in list(states.items()):
+                saved = state.get('rule' + name + '/' + key)
+                if value is None or saved is None:
+                    continue
+                if chainer.backend.get_array_module(value) is xp:
+                    value[...] = xp.asarray(saved)
+                else:       # a fresh optimizer loaded its state on the host
+                    states[key] = xp.asarray(saved)
         for name, value in self._persistents():
             value[...] = xp.asarray(state['persistent' + name])
 
@@ -214,21 +220,27 @@ class BlockMomentum(Learner):
         self.block_samples = int(serializer('block_samples', self.block_samples))
         self.blocks = int(serializer('blocks', self.blocks))
         has = bool(serializer('has_global', self.global_model is not None))
+        if not loading:
+            if has:
+                for p, w, d in zip(self.params, self.global_model, self.delta):
+                    name = self.names[id(p)].lstrip('/')
+                    serializer['global'](name, w)
+                    serializer['delta'](name, d)
+            return
         if not has:
             self.global_model = self.delta = None
             return
-        if loading and self.global_model is None:
-            xp = chainer.backend.get_array_module(self.params[0].array)
-            self.global_model = [xp.zeros(p.shape, xp.float32) for p in self.params]
-            self.delta = [xp.zeros(p.shape, xp.float32) for p in self.params]
-        for p, g, d in zip(self.params, self.global_model, self.delta):
-            name = self.names[id(p)]
-            for prefix, array in (('global', g), ('delta', d)):
-                if loading:
-                    array[...] = chainer.backend.get_array_module(array).asarray(
-                        serializer[prefix](name.lstrip('/'), None))
-                else:
-                    serializer[prefix](name.lstrip('/'), array)
+        self._pending_shared = {
+            name: (numpy.asarray(serializer['global'](name.lstrip('/'), None)),
+                   numpy.asarray(serializer['delta'](name.lstrip('/'), None)))
+            for name in self._param_names()}
+
+    def _apply_shared_state(self, state):
+        xp = chainer.backend.get_array_module(self.params[0].array) if self.params else numpy
+        self.global_model = [xp.asarray(state[self.names[id(p)]][0], xp.float32)
+                             for p in self.params]
+        self.delta = [xp.asarray(state[self.names[id(p)]][1], xp.float32)
+                      for p in self.params]
 
 
 class ModelAveraging(BlockMomentum):

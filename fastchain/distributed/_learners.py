@@ -72,22 +72,30 @@ class Learner:
         self.batch_size = None      # this rank's, when update() is given no inputs
         self.started = False        # warm start over (the learner's own phase)
         self.stats = {'steps': 0, 'exchanges': 0, 'bytes_sent': 0, 'comm_seconds': 0.0}
+        self.params = []
+        self.names = {}
         self._gathered = None       # (steps, [each rank's local state]) for a snapshot
         self._pending = None        # this rank's local state, loaded, applied at next update
+        self._pending_shared = None     # the same for the state all ranks share
         self._warned = set()
 
     # -- binding (create_multi_node_optimizer) ---------------------------------
 
-    def _bind(self, optimizer, comm, sync, distributed_after):
+    def _prebind(self, optimizer, comm, distributed_after):
+        """At ``create_multi_node_optimizer``: a snapshot may be loaded
+        before the parameters have shapes (and before :meth:`_bind`)."""
         if self.optimizer is not None:
             raise ValueError('this {} already serves another optimizer: make one learner '
                              'per optimizer'.format(type(self).__name__))
         self.optimizer = optimizer
         self.comm = comm
-        self.sync = sync
         self.distributed_after = int(distributed_after)
+
+    def _bind(self, sync):
+        """When the ranks have agreed on the model (its parameters have shapes)."""
+        self.sync = sync
         self.params = list(sync.params)
-        self.names = {id(p): n for n, p in optimizer.target.namedparams()}
+        self.names = {id(p): n for n, p in self.optimizer.target.namedparams()}
 
     @property
     def warming(self):
@@ -101,6 +109,9 @@ class Learner:
     # -- one step ------------------------------------------------------------
 
     def before_step(self):
+        if self._pending_shared is not None:
+            self._apply_shared_state(self._pending_shared)
+            self._pending_shared = None
         if self._pending is not None:
             self._apply_local_state(self._pending)
             self._pending = None
@@ -177,7 +188,14 @@ class Learner:
         pass
 
     def _shared_state(self, serializer):
-        """State every rank has the same copy of (saved from any rank)."""
+        """State every rank has the same copy of (saved from any rank);
+        loaded into ``_pending_shared``, applied at the next update."""
+
+    def _apply_shared_state(self, state):
+        pass
+
+    def _param_names(self):
+        return sorted(n for n, _ in self.optimizer.target.namedparams())
 
     def gather_for_snapshot(self):
         """Collective: every rank's local state, kept for the snapshot about
@@ -229,9 +247,8 @@ class Learner:
             raise ValueError(
                 'this snapshot holds the {} learner state of {} ranks, and this job has {}: '
                 'resume it with mpiexec -n {}'.format(self.name, saved, size, saved))
-        template = self.local_state()
         sub = serializer['rank{}'.format(mine)]
-        state = {key: numpy.asarray(sub(key, None)) for key in sorted(template)}
+        state = {key: numpy.asarray(sub(key, None)) for key in self._section_keys(sub)}
         if mine != self.comm.rank:
             state = self._foreign(state)
         self._pending = state
@@ -239,6 +256,14 @@ class Learner:
     def _foreign(self, state):
         """Rank 0's local state, loaded on another rank (a rank-0 snapshot)."""
         return state
+
+    def _section_keys(self, sub):
+        """The keys saved under ``sub``: read from the file where the
+        deserializer shows it (npz), else those this rank's state has now."""
+        npz, path = getattr(sub, 'npz', None), getattr(sub, 'path', None)
+        if npz is not None and path is not None:
+            return sorted(k[len(path):] for k in npz.files if k.startswith(path))
+        return sorted(self.local_state())
 
     def _warn_once(self, key, message):
         if key not in self._warned:

@@ -85,10 +85,13 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
         raise ValueError('distributed_after must be a number of samples >= 0, got {!r}'
                          .format(distributed_after))
     learner = make_learner(learner)
-    if learner.optimizer is not None:
-        raise ValueError('this {} already serves another optimizer: make one learner '
-                         'per optimizer'.format(type(learner).__name__))
+    learner._prebind(optimizer, comm, int(distributed_after))
     _patches.attach(optimizer, COMMUNICATOR, comm)
+    _patches.attach(optimizer, LEARNER, learner)
+    # From now on, not at attach: a snapshot may be loaded before a lazily
+    # shaped model's first update.
+    _patches.wrap(optimizer, 'serialize', 'distributed',
+                  functools.partial(_serialize_learner, learner))
     options = dict(cap=int(bucket_cap_mb * 2 ** 20),
                    dtype=numpy.float16 if fp16_allreduce else None, overlap=overlap,
                    learner=learner, distributed_after=int(distributed_after))
@@ -137,9 +140,8 @@ def _attach(optimizer, comm, options):
                         options['overlap'])
     capture = GradientCapture(sync)
     learner = options['learner']
-    learner._bind(optimizer, comm, sync, options['distributed_after'])
+    learner._bind(sync)
     _patches.attach(optimizer, 'gradient_sync', sync)
-    _patches.attach(optimizer, LEARNER, learner)
     _patches.attach(optimizer, _all_ranks_any_key(),
                     functools.partial(comm.any, what='loss-scale agreement'))
     state = {'pending': False, 'exact': True}
@@ -191,24 +193,23 @@ def _attach(optimizer, comm, options):
             else:
                 learner.average_gradients()
 
-    def serialize(next_, serializer):
-        next_(serializer)
-        try:
-            sub = serializer[SERIAL_KEY]
-            learner.serialize(sub)
-        except KeyError:
-            # A snapshot written before learners were saved, or by another
-            # learner: nothing of this one's is in it.
-            if learner.per_rank_state or learner.distributed_after:
-                raise ValueError(
-                    'this snapshot holds no state of the {} learner (it was written with '
-                    'another learner or an older fastchain); resume it with the learner it '
-                    'was written with'.format(learner.name))
-
     _patches.wrap(optimizer, 'update', 'distributed', update_data_parallel)
     _patches.wrap(optimizer, 'reallocate_cleared_grads', 'distributed',
                   reallocate_then_average)
-    _patches.wrap(optimizer, 'serialize', 'distributed', serialize)
+
+
+def _serialize_learner(learner, next_, serializer):
+    next_(serializer)
+    try:
+        learner.serialize(serializer[SERIAL_KEY])
+    except KeyError:
+        # A snapshot written before learners were saved, or by another
+        # learner: nothing of this one's is in it.
+        if learner.per_rank_state or learner.distributed_after:
+            raise ValueError(
+                'this snapshot holds no state of the {} learner (it was written with '
+                'another learner or an older fastchain); resume it with the learner it '
+                'was written with'.format(learner.name))
 
 
 def make_learner(spec):

@@ -212,8 +212,8 @@ class QuantizedSGD(Learner):
         self.fallback_steps = 0
         self._scale = None
 
-    def _bind(self, *args):
-        super()._bind(*args)
+    def _bind(self, sync):
+        super()._bind(sync)
         self.encoding = Encoding([p.shape for p in self.params], self.bits)
 
     def describe(self):
@@ -249,10 +249,9 @@ class QuantizedSGD(Learner):
         self._scale = scale
         values = [g.astype(xp.float32) + r for g, r in zip(grads, residuals)]
         codes, levels = self.encoding.encode(values)
-        if self.error_feedback:
+        if self.error_feedback:       # the new residuals, kept if the step is finite
             mine = self.encoding.split(self.encoding.decode(codes, levels))
-            for r, v, q in zip(residuals, values, mine):
-                xp.subtract(v, q, out=r)
+            fresh = [v - q for v, q in zip(values, mine)]
         all_codes = self.comm.allgather(codes, 'quantized gradient exchange (codes)')
         all_levels = self.comm.allgather(levels, 'quantized gradient exchange (levels)') \
             if levels.size else [levels] * self.comm.size
@@ -263,6 +262,12 @@ class QuantizedSGD(Learner):
         total /= numpy.float32(self.comm.size)
         for p, avg in zip(params, self.encoding.split(total)):
             p.grad[...] = avg
+        # The average can overflow the gradient's dtype (fp16) where no input
+        # did: the loss scaler then skips the step on every rank (they hold
+        # the same average), and the residuals must stay as they were.
+        if self.error_feedback and all(bool(xp.isfinite(p.grad).all()) for p in params):
+            for r, f in zip(residuals, fresh):
+                r[...] = f
         self._count(start, (self.comm.size - 1) * self.encoding.payload_bytes)
 
     def _start(self):

@@ -91,6 +91,8 @@ def main():
         chainer.serializers.load_npz(args.resume, trainer)
 
     trainer.run()                                                   # 7: mpiexec -n N
+    if comm.rank == 0:
+        print('learner:', distributed.learner_of(optimizer).report())
 
 
 if __name__ == '__main__':

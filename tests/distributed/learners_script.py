@@ -43,10 +43,10 @@ LEARNERS = {
 
 
 class MLP(chainer.Chain):
-    def __init__(self, bn=False):
+    def __init__(self, bn=False, lazy=False):
         super().__init__()
         with self.init_scope():
-            self.l1 = L.Linear(6, 16)
+            self.l1 = L.Linear(None if lazy else 6, 16)
             self.l2 = L.Linear(16, 16)
             self.l3 = L.Linear(16, 3)
             if bn:
@@ -229,9 +229,9 @@ def warm_start():
     done()
 
 
-def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0):
+def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0, lazy=False):
     numpy.random.seed(seed)
-    model = L.Classifier(MLP(bn=True))
+    model = L.Classifier(MLP(bn=True, lazy=lazy))
     opt = chainer.optimizers.MomentumSGD(0.05)
     opt.setup(model)
     shard = distributed.scatter_dataset(data(), comm, shuffle=True, seed=1)
@@ -247,19 +247,20 @@ def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0):
     return trainer, model, opt
 
 
-def resume():
+def resume(lazy=False):
     """A snapshot mid-block (iteration 5 of blocks of 2) written through
     multi_node_snapshot: the resumed run ends where the straight one does,
-    bit for bit, on every rank."""
+    bit for bit, on every rank. ``lazy``: a model whose first layer gets its
+    shape at the first update, loaded before it."""
     out = os.path.join(OUT, 'train')
-    trainer, model, _ = make_trainer(out, 9, LEARNERS[LEARNER]())
+    trainer, model, _ = make_trainer(out, 9, LEARNERS[LEARNER](), lazy=lazy)
     trainer.run()
     straight = params(model)
     comm.barrier()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         resumed, model2, opt2 = make_trainer(os.path.join(OUT, 'resumed'), 9,
-                                             LEARNERS[LEARNER](), seed=99)
+                                             LEARNERS[LEARNER](), seed=99, lazy=lazy)
         chainer.serializers.load_npz(os.path.join(out, 'snap_5'), resumed)   # every rank
         assert resumed.updater.iteration == 5
         resumed.run()
@@ -267,7 +268,47 @@ def resume():
         [str(w.message) for w in caught]
     for name, value in params(model2).items():
         numpy.testing.assert_array_equal(value, straight[name], err_msg=name)
+    learner = distributed.learner_of(opt2)
+    assert (learner.steps, learner.samples, learner.started) == (9, 9 * BATCH * size, True)
     done(mid_block=not identical_everywhere(model2) if LEARNER != '1bit' else None)
+
+
+def bmuf_formula():
+    """Two ranks, block momentum > 0: after each block the model every rank
+    holds is the paper's start model S, computed here from each rank's plain
+    twin (SGD, no momentum state) trained from S on the same batches."""
+    numpy.random.seed(1 + rank)
+    model = L.Classifier(MLP())
+    learner = LEARNERS[LEARNER]()
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm,
+                                                  learner=learner)
+    opt.setup(model)
+    twin = model.copy(mode='copy')
+    twin_opt = chainer.optimizers.SGD(0.1).setup(twin)
+    shard = distributed.scatter_dataset(data(), comm)
+    f32 = numpy.float32
+    m, lr = f32(learner.block_momentum), f32(learner.block_lr)
+    assert m > 0
+    w = {n: p.array.copy() for n, p in model.namedparams()}
+    d = {n: numpy.zeros_like(a) for n, a in w.items()}
+    start = {n: a.copy() for n, a in w.items()}
+    for k in range(8):
+        x, t = batches(shard, k)
+        opt.update(model, x, t)
+        twin_opt.update(twin, x, t)
+        if (k + 1) % 2:
+            continue
+        everyone = gather({n: p.array for n, p in twin.namedparams()})
+        for n in w:
+            mean = sum(e[n] for e in everyone) / size
+            d[n] = m * d[n] + lr * (mean - start[n])
+            w[n] = w[n] + d[n]
+            start[n] = w[n] + m * d[n] if learner.nesterov else w[n]
+            numpy.testing.assert_allclose(dict(model.namedparams())[n].array, start[n],
+                                          rtol=1e-5, atol=1e-6, err_msg=n)
+        twin.copyparams(model)
+    assert learner.blocks == 4
+    done()
 
 
 def resume_rank0():
@@ -394,6 +435,8 @@ def raising():
 
 
 SCENARIOS = {'error_feedback': error_feedback, 'model_averaging': model_averaging,
-             'warm_start': warm_start, 'resume': resume, 'resume_rank0': resume_rank0,
+             'warm_start': warm_start, 'resume': resume,
+             'resume_lazy': lambda: resume(lazy=True), 'bmuf_formula': bmuf_formula,
+             'resume_rank0': resume_rank0,
              'trainer': trainer_run, 'fp16_skip': fp16_skip, 'raise': raising}
 SCENARIOS[SCENARIO]()

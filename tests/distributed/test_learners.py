@@ -248,3 +248,55 @@ def test_multi_node_snapshot_refuses_autoload_which_would_load_on_rank_0_only():
         distributed.multi_node_snapshot(OneRank(), extensions.snapshot(autoload=True))
     with pytest.raises(TypeError, match='not both'):
         distributed.multi_node_snapshot(OneRank(), extensions.snapshot(), filename='x')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('make', [lambda: distributed.QuantizedSGD(1),
+                                  lambda: distributed.QuantizedSGD(4),
+                                  lambda: distributed.BlockMomentum(8)])
+def test_nccl_learners_on_a_gpu_match_the_cpu(make):
+    # One process over NCCL (make gpu-check runs this on a GPU machine): the
+    # encodings, packing and block exchange on CuPy arrays, against the CPU.
+    def run(comm, device):
+        numpy.random.seed(3)
+        model = L.Classifier(MLP())
+        model.to_device(device)
+        opt = chainer.optimizers.MomentumSGD(0.1)
+        distributed.create_multi_node_optimizer(opt, comm, learner=make()).setup(model)
+        rng = numpy.random.RandomState(7)
+        for _ in range(6):
+            x = device.send(rng.randn(4, 5).astype(numpy.float32))
+            t = device.send(rng.randint(0, 3, 4).astype(numpy.int32))
+            opt.update(model, x, t)
+        return {n: chainer.backend.CpuDevice().send(p.array) for n, p in model.namedparams()}
+    cpu = run(OneRank(), chainer.get_device('@numpy'))
+    comm = distributed.create_communicator('nccl')
+    gpu = run(comm, comm.device())
+    for name in cpu:
+        numpy.testing.assert_allclose(gpu[name], cpu[name], rtol=1e-4, atol=1e-5,
+                                      err_msg=name)
+
+
+def test_residuals_stay_when_the_average_overflows_fp16():
+    # 60000 + a residual of 10000 overflows fp16 only in the average written
+    # back: the loss scaler would skip that step, so nothing may be owed less.
+    class Half(chainer.Link):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.p0 = chainer.Parameter(numpy.zeros((2, 3), numpy.float16))
+    for grad, kept in ((60000, True), (30000, False)):
+        link = Half()
+        opt = chainer.optimizers.SGD(lr=0.0)
+        distributed.create_multi_node_optimizer(
+            opt, OneRank(), learner=distributed.QuantizedSGD(1)).setup(link)
+        learner = distributed.learner_of(opt)
+        learner.batch_size = 1
+        link.p0.grad = numpy.zeros((2, 3), numpy.float16)
+        opt.update()                # the learner's phase has begun
+        learner.residuals = [numpy.full((2, 3), 10000, numpy.float32)]
+        link.p0.grad = numpy.full((2, 3), grad, numpy.float16)
+        with numpy.errstate(over='ignore', invalid='ignore'):
+            opt.update()
+        expect = 10000 if kept else 0
+        numpy.testing.assert_array_equal(learner.residuals[0], expect)

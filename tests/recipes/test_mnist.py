@@ -1,5 +1,6 @@
 """The MNIST recipe: one process, 2 MPI ranks, resume; its README's diff."""
 
+import ast
 import difflib
 import json
 import os
@@ -77,6 +78,11 @@ def test_the_learner_is_one_argument_and_resumes_from_every_ranks_snapshot(
     assert "rank 0's state only" not in r.stderr         # every rank's part was in it
     with open(tmp_path / 'b' / 'log') as f:
         assert [e['epoch'] for e in json.load(f)] == [1, 2, 3]
+    # The learner went on from the snapshot (its count of samples and its
+    # phase were loaded before the lazily shaped MLP's first update).
+    report = ast.literal_eval(r.stdout.split('learner: ', 1)[1].splitlines()[0])
+    assert report['samples'] == 3 * 400 and report['warm_start_over'], report
+    assert report['steps'] == 10                          # this run's own steps
 
 
 def test_the_default_data_are_real_digits_and_nothing_is_downloaded(tmp_path):
