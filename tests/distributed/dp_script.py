@@ -25,6 +25,7 @@ import fastchain
 from fastchain import distributed
 from fastchain.distributed._optimizer import gradient_sync_of
 from fastchain.precision import scaler_of
+from script_common import Poison
 
 SCENARIO, OUT = sys.argv[1], sys.argv[2]
 sys.argv += [''] * (4 - len(sys.argv))      # optional third argument
@@ -196,17 +197,6 @@ def no_gradient():
     numpy.testing.assert_array_equal(model.predictor.spare.W.array, spare)
     same_everywhere(model)
     done()
-
-
-class Poison(chainer.FunctionNode):
-    def __init__(self, bad):
-        self.bad = bad
-
-    def forward(self, inputs):
-        return inputs[0].copy(),
-
-    def backward(self, indexes, grads):
-        return grads[0] * (grads[0].dtype.type('nan') if self.bad else 1),
 
 
 def loss_scale_agreement():

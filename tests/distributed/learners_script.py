@@ -23,6 +23,7 @@ from chainer.training import extensions
 import fastchain
 from fastchain import distributed
 from fastchain.precision import scaler_of
+from script_common import Poison
 
 SCENARIO, LEARNER, OUT = sys.argv[1:4]
 comm = distributed.create_communicator('mpi')
@@ -361,17 +362,6 @@ def trainer_run():
     report = learner.report()
     assert report['steps'] == 8 * len(shard) // 8 and report['exchanges'] > 0
     done(accuracy=accuracy, report=report)
-
-
-class Poison(chainer.FunctionNode):
-    def __init__(self, bad):
-        self.bad = bad
-
-    def forward(self, inputs):
-        return inputs[0].copy(),
-
-    def backward(self, indexes, grads):
-        return grads[0] * (grads[0].dtype.type('nan') if self.bad else 1),
 
 
 def fp16_skip():
