@@ -116,8 +116,13 @@ class _Watchdog:
                 self.comm.abort_timeout(what)
             if interrupted is not None and interrupted >= started:
                 # Ctrl-C: every rank leaves with 130 (a peer that took it
-                # already left: no abort for that).
-                if now - interrupted > INTERRUPT_GRACE:
+                # already left: no abort for that). Once a peer has said it
+                # is ending, the call cannot complete: leave now, so that this
+                # rank's exit handlers run before mpiexec, seeing the peer's
+                # end, cleans up the ranks still running (with SIGKILL).
+                departures = self.comm._departures
+                gone = departures is not None and departures.check() is not None
+                if gone or now - interrupted > INTERRUPT_GRACE:
                     _faults.leave_blocked(self.comm, what)
             elif self.current is current:       # still in the same call
                 self.comm.check_peers(what, started)
