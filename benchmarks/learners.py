@@ -110,6 +110,7 @@ def child(args):
     curve = [(0, accuracy())]
     step_times = []
     step, due = 0, args.eval_every
+    warm_steps = warm_bytes = 0         # the warm start's share, as the learner counted it
     while step < steps or not agreed():      # past the end only to finish a block
         step += 1
         xs, ts = chainer.dataset.concat_examples(it.next())
@@ -117,6 +118,8 @@ def child(args):
         start = time.perf_counter()
         optimizer.update(model, xs, ts)
         step_times.append(comm.allreduce_obj(time.perf_counter() - start, op='max'))
+        if not learner.started:
+            warm_steps, warm_bytes = step, learner.stats['bytes_sent']
         seen = step * args.batch
         if seen >= due and agreed():
             curve.append((seen, accuracy()))
@@ -127,23 +130,14 @@ def child(args):
     steps = step
     report = learner.report()
     if comm.rank == 0:
-        warm_steps = min(steps, -(-warm // args.batch)) if warm else 0
         after = step_times[warm_steps:] or step_times
         print('RESULT ' + json.dumps({
             'curve': curve, 'report': report, 'steps': steps,
             'step_s': float(numpy.median(step_times)),
             'step_s_after_warm_start': float(numpy.median(after)),
-            'bytes_per_step_after_warm_start': _after_warm(learner, report, warm_steps,
-                                                           steps, comm.size, model),
+            'bytes_per_step_after_warm_start': (report['bytes_sent'] - warm_bytes)
+            / max(steps - warm_steps, 1),
             'params': int(sum(p.size for p in model.params()))}))
-
-
-def _after_warm(learner, report, warm_steps, steps, size, model):
-    """Bytes per step of the learner's own phase (the warm start's exact
-    steps left out)."""
-    dense = 2 * (size - 1) * sum(p.size * 4 for p in model.params()) // size
-    own = report['bytes_sent'] - warm_steps * dense
-    return own / max(steps - warm_steps, 1)
 
 
 def main(argv=None):

@@ -96,6 +96,9 @@ class Learner:
         self.sync = sync
         self.params = list(sync.params)
         self.names = {id(p): n for n, p in self.optimizer.target.namedparams()}
+        self._exact_bytes = _ring_allreduce(self.comm.size, sum(
+            p.size * numpy.dtype(sync.allreduce_dtype or p.dtype).itemsize
+            for p in self.params))
 
     @property
     def warming(self):
@@ -123,9 +126,7 @@ class Learner:
         """The warm start's (and AllReduce's) averaging, counted."""
         start = time.perf_counter()
         self.sync.finish()
-        self._count(start, _ring_allreduce(self.comm.size, sum(
-            p.size * numpy.dtype(self.sync.allreduce_dtype or p.dtype).itemsize
-            for p in self.params)))
+        self._count(start, self._exact_bytes)
 
     def average_gradients(self):
         """After backward, when :meth:`averages_exactly` said no."""

@@ -31,7 +31,6 @@ from fastchain.distributed._sync import GradientCapture, GradientSync
 
 COMMUNICATOR = 'communicator'       # attachment key: the optimizer's communicator
 LEARNER = 'learner'                 # attachment key: its distributed learner
-SERIAL_KEY = _learners.SERIAL_KEY
 
 
 def communicator_of(optimizer):
@@ -201,7 +200,7 @@ def _attach(optimizer, comm, options):
 def _serialize_learner(learner, next_, serializer):
     next_(serializer)
     try:
-        learner.serialize(serializer[SERIAL_KEY])
+        learner.serialize(serializer[_learners.SERIAL_KEY])
     except KeyError:
         # A snapshot written before learners were saved, or by another
         # learner: nothing of this one's is in it.

@@ -28,6 +28,7 @@ import numpy
 import chainer
 
 from fastchain.distributed._learners import Learner
+from fastchain.precision._scaler import _any_nonfinite
 
 BITS = (1, 2, 4, 8, 16)
 
@@ -235,8 +236,7 @@ class QuantizedSGD(Learner):
         xp = chainer.backend.get_array_module(params[0].grad) if params else numpy
         grads = [p.grad for p in params]
         start = time.perf_counter()
-        bad = any(not bool(xp.isfinite(g).all()) for g in grads)
-        if self.comm.any(bad, 'non-finite gradient agreement'):
+        if self.comm.any(_any_nonfinite(grads), 'non-finite gradient agreement'):
             self.fallback_steps += 1
             self.exact_average()
             return
@@ -265,7 +265,7 @@ class QuantizedSGD(Learner):
         # The average can overflow the gradient's dtype (fp16) where no input
         # did: the loss scaler then skips the step on every rank (they hold
         # the same average), and the residuals must stay as they were.
-        if self.error_feedback and all(bool(xp.isfinite(p.grad).all()) for p in params):
+        if self.error_feedback and not _any_nonfinite([p.grad for p in params]):
             for r, f in zip(residuals, fresh):
                 r[...] = f
         self._count(start, (self.comm.size - 1) * self.encoding.payload_bytes)

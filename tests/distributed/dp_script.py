@@ -21,11 +21,10 @@ import chainer.links as L
 from chainer import training
 from chainer.training import extensions
 
-import fastchain
 from fastchain import distributed
 from fastchain.distributed._optimizer import gradient_sync_of
 from fastchain.precision import scaler_of
-from script_common import Poison
+from script_common import data, enable_fp16, poison_mlp
 
 SCENARIO, OUT = sys.argv[1], sys.argv[2]
 sys.argv += [''] * (4 - len(sys.argv))      # optional third argument
@@ -45,13 +44,6 @@ class MLP(chainer.Chain):
 
     def forward(self, x):
         return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
-
-
-def data(n=64, seed=0):
-    rng = numpy.random.RandomState(seed)
-    x = rng.randn(n, 6).astype(numpy.float32)
-    t = (x[:, 0] + x[:, 1] > 0).astype(numpy.int32) + (x[:, 2] > 1).astype(numpy.int32)
-    return chainer.datasets.TupleDataset(x, t)
 
 
 def params(model):
@@ -200,20 +192,13 @@ def no_gradient():
 
 
 def loss_scale_agreement():
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')
-        handle = fastchain.enable(fp16=True, loader_workers=0)
+    handle = enable_fp16()
     # Seeded: with some initial weights the first fp16 step overflows at the
     # initial scale and is skipped (correctly, on every rank), which this
     # test's expected decisions do not allow for.
     numpy.random.seed(0)
     net = MLP()
-    step = {'k': 0}
-
-    def forward(x):
-        h, = Poison(rank == 1 and step['k'] == 2).apply((net.l1(x),))
-        return net.l3(F.relu(net.l2(F.relu(h))))
-    net.forward = forward
+    step = poison_mlp(net, rank)
     model = L.Classifier(net)
     opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm)
     opt.setup(model)

@@ -20,10 +20,9 @@ import chainer.links as L
 from chainer import training
 from chainer.training import extensions
 
-import fastchain
 from fastchain import distributed
 from fastchain.precision import scaler_of
-from script_common import Poison
+from script_common import data, enable_fp16, poison_mlp
 
 SCENARIO, LEARNER, OUT = sys.argv[1:4]
 comm = distributed.create_communicator('mpi')
@@ -59,13 +58,6 @@ class MLP(chainer.Chain):
         if self.use_bn:
             h = self.bn(h)
         return self.l3(F.relu(self.l2(h)))
-
-
-def data(n=96, seed=0):
-    rng = numpy.random.RandomState(seed)
-    x = rng.randn(n, 6).astype(numpy.float32)
-    t = (x[:, 0] + x[:, 1] > 0).astype(numpy.int32) + (x[:, 2] > 1).astype(numpy.int32)
-    return chainer.datasets.TupleDataset(x, t)
 
 
 def params(model):
@@ -163,7 +155,7 @@ def model_averaging():
     opt.setup(model)                       # broadcasts rank 0's weights
     twin = model.copy(mode='copy')
     twin_opt = chainer.optimizers.SGD(0.1).setup(twin)
-    shard = distributed.scatter_dataset(data(), comm)
+    shard = distributed.scatter_dataset(data(96), comm)
     blocks = 0
     for k in range(6):
         x, t = batches(shard, k)
@@ -207,7 +199,7 @@ def warm_start():
             chainer.optimizers.MomentumSGD(0.1), comm, learner=LEARNERS[name](),
             distributed_after=after)
         opt.setup(model)
-        shard = distributed.scatter_dataset(data(), comm)
+        shard = distributed.scatter_dataset(data(96), comm)
         history = []
         for k in range(5):
             x, t = batches(shard, k)
@@ -235,7 +227,7 @@ def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0, lazy=False)
     model = L.Classifier(MLP(bn=True, lazy=lazy))
     opt = chainer.optimizers.MomentumSGD(0.05)
     opt.setup(model)
-    shard = distributed.scatter_dataset(data(), comm, shuffle=True, seed=1)
+    shard = distributed.scatter_dataset(data(96), comm, shuffle=True, seed=1)
     it = chainer.iterators.SerialIterator(shard, BATCH, shuffle=True)
     updater = distributed.DataParallelUpdater(it, opt, comm, learner=learner,
                                               distributed_after=2 * BATCH * size)
@@ -286,7 +278,7 @@ def bmuf_formula():
     opt.setup(model)
     twin = model.copy(mode='copy')
     twin_opt = chainer.optimizers.SGD(0.1).setup(twin)
-    shard = distributed.scatter_dataset(data(), comm)
+    shard = distributed.scatter_dataset(data(96), comm)
     f32 = numpy.float32
     m, lr = f32(learner.block_momentum), f32(learner.block_lr)
     assert m > 0
@@ -367,24 +359,17 @@ def trainer_run():
 def fp16_skip():
     """fp16 with the loss scaler: a NaN on rank 1 at step 2 skips that step
     on every rank, and the quantizer's residuals are left as they were."""
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore')
-        handle = fastchain.enable(fp16=True, loader_workers=0)
+    handle = enable_fp16()
     numpy.random.seed(0)
     net = MLP()
-    step = {'k': 0}
-
-    def forward(x):
-        h, = Poison(rank == 1 and step['k'] == 2).apply((net.l1(x),))
-        return net.l3(F.relu(net.l2(F.relu(h))))
-    net.forward = forward
+    step = poison_mlp(net, rank)
     model = L.Classifier(net)
     learner = LEARNERS[LEARNER]()
     opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm,
                                                   learner=learner)
     opt.setup(model)
     scaler = scaler_of(opt)
-    shard = distributed.scatter_dataset(data(), comm)
+    shard = distributed.scatter_dataset(data(96), comm)
     decisions = []
     for k in range(4):
         step['k'] = k
@@ -416,7 +401,7 @@ def raising():
     opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm,
                                                   learner=LEARNERS[LEARNER]())
     opt.setup(model)
-    shard = distributed.scatter_dataset(data(), comm)
+    shard = distributed.scatter_dataset(data(96), comm)
     for k in range(6):
         if k == 3 and rank == 1:
             raise ValueError('boom on purpose')
