@@ -7,10 +7,13 @@ talk:
 
   baseline            SerialIterator, fp32, no cuDNN   (benchmarks/ladder_scripts/plain.py)
   cudnn               + cuDNN
-  autotune            + cuDNN autotuning
+  autotune            + autotuning: cuDNN's algorithm search, and from here on
+                        fastchain's measure-and-choose between its bitwise-equal
+                        alternatives (a rung of its own only where cuDNN works)
   fp16                + fp16 compute, preprocessing in NumPy fp16 (the talk's slow rung)
   fp32_preprocessing  + preprocessing back in fp32, cast on the device
-  multiprocess        + worker processes and device prefetch for the input
+  multiprocess        + worker processes (enable()'s default count; autotune keeps
+                        the fastest number of them loading) and device prefetch
   static_graph        + static-subgraph caching
   fused_update        + the fused CPU optimizer update (fastchain's, not in the talk; it
                         leaves Chainer's GPU update kernel as it is: not run on a GPU)
@@ -52,7 +55,7 @@ def changed_lines():
             if l[:1] in '+-' and l[:3] not in ('+++', '---')]
 
 
-def rung_options(rung, cudnn_ok, workers, fp16_ok=True):
+def rung_options(rung, cudnn_ok, fp16_ok=True):
     """The enable() options of a rung (each adds to the one before)."""
     upto = RUNGS.index(rung)
     options = dict(cudnn='never', autotune=False, loader_workers=0,
@@ -60,12 +63,14 @@ def rung_options(rung, cudnn_ok, workers, fp16_ok=True):
                    fused_update=False, cpu_conv=False)
     if upto >= 1 and cudnn_ok:
         options['cudnn'] = 'auto'
-    if upto >= 2 and cudnn_ok:
+    if upto >= 2:
         options['autotune'] = True
     if upto >= 3 and fp16_ok:
         options['fp16'] = True
     if upto >= 5:
-        options['loader_workers'] = workers
+        # enable()'s default count (this process's share of the cores), of
+        # which autotune keeps the fastest number loading.
+        options['loader_workers'] = None
         options['prefetch_to_device'] = True
     if upto >= 6:
         options['static_graph'] = True
@@ -77,7 +82,7 @@ def rung_options(rung, cudnn_ok, workers, fp16_ok=True):
     return options, dtype
 
 
-def build_rung(rung, paths, args, device, cudnn_ok, workers, fp16_ok):
+def build_rung(rung, paths, args, device, cudnn_ok, fp16_ok):
     import fastchain
     pairs = list_pairs(paths)
     with warnings.catch_warnings():
@@ -86,7 +91,7 @@ def build_rung(rung, paths, args, device, cudnn_ok, workers, fp16_ok):
             updater = with_fastchain.build(pairs, paths['root'], args.batch, args.crop,
                                            len(paths['classes']), device)
         else:
-            options, dtype = rung_options(rung, cudnn_ok, workers, fp16_ok)
+            options, dtype = rung_options(rung, cudnn_ok, fp16_ok)
             fastchain.enable(**options)
             updater = plain.build(pairs, paths['root'], args.batch, args.crop,
                                   len(paths['classes']), device, dtype=dtype)
@@ -193,7 +198,7 @@ def main(argv=None):
                       '--cpu-fp16 runs it anyway')
             continue
         builders[rung] = (lambda rung=rung: build_rung(rung, paths, args, device,
-                                                       cudnn.available, workers, fp16_ok))
+                                                       cudnn.available, fp16_ok))
     try:
         import torch    # noqa: F401
         torch.set_num_threads(workers)
@@ -229,8 +234,13 @@ def main(argv=None):
               'warmup_seconds_first_window': warmup,
               'changed_lines_plain_to_all': len(diff), 'changed_lines': diff,
               'talk_changed_lines': 8}
+    from fastchain import tune
+    config['autotune_choices'] = tune.summary()
     notes = ['Changed lines from the plain script to the "all" row: {} ({}); the talk '
              'needed 8.'.format(len(diff), '; '.join(diff)),
+             'autotune (on from the autotune rung up, and in "all"; choices are kept '
+             'across rungs and windows, keyed by shapes and structure): ' +
+             ('; '.join(tune.describe(config['autotune_choices'])) or 'nothing to choose'),
              'Target on CPU: all/baseline >= 1.5.']
     result = _common.write('ladder', args, config, rows, ratios, notes)
     chart(result, os.path.join(args.results, 'ladder' + ('-quick' if args.quick else '')

@@ -67,3 +67,21 @@ def fresh_fixes():
     _fixes.uninstall()
     _bind.enabled = True
     _flat.enabled = True
+
+
+@pytest.fixture
+def tuner(monkeypatch):
+    """A clean tuner whose measured times are replaced by ``costs``
+    ({alternative or (kind, alternative): seconds}; alternatives not named
+    keep their real time)."""
+    from fastchain.tune import _tuner
+    monkeypatch.setattr(_tuner, 'TRIALS', 2)
+    monkeypatch.setattr(_tuner, "forced", {})
+    _tuner.forget()
+    costs = {}
+    record = _tuner.Choice.record
+    monkeypatch.setattr(_tuner.Choice, 'record',
+                        lambda self, name, s: record(self, name, costs.get(
+                            (self.kind, name), costs.get(name, s))))
+    yield costs
+    _tuner.forget()

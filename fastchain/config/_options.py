@@ -8,6 +8,7 @@ import importlib
 # Imported on the first enable()/report(), never at ``import fastchain``.
 GROUP_MODULES = (
     'fastchain.cudnn._group',
+    'fastchain.tune._group',
     'fastchain.precision._group',
     'fastchain.data._group',
     'fastchain.static._group',
@@ -86,6 +87,7 @@ class State:
     fix: str = None
     setting: object = None
     note: str = None        # a caveat worth a warning even when active
+    choices: dict = None    # autotune: {kind: what was measured and picked}
 
     def as_dict(self):
         return dataclasses.asdict(self)

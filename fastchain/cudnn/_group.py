@@ -1,7 +1,7 @@
 """Applies the cuDNN options through Chainer's own configuration."""
 
 from fastchain.backends import cuda
-from fastchain.config._options import Group, Option, State, boolean
+from fastchain.config._options import Group, Option, State
 
 _MODES = ('always', 'auto', 'never')
 WORKSPACE = 'chainer.backends.cuda.max_workspace_size'
@@ -40,8 +40,6 @@ class CudnnGroup(Group):
     options = (
         Option('cudnn', "cuDNN use: 'always', 'auto', 'never' (True = 'always')",
                choices=_MODES, aliases={True: 'always', False: 'never'}),
-        boolean('autotune', 'search the fastest cuDNN convolution algorithm '
-                'on first call (default: on where cuDNN is available)'),
         Option('tensor_cores', "TensorCore math: 'always', 'auto', 'never'",
                choices=_MODES, aliases={True: 'always', False: 'never'}),
         Option('workspace_size', 'bytes of cuDNN workspace (Chainer: 8 MiB)',
@@ -53,7 +51,6 @@ class CudnnGroup(Group):
         tc_ok = status.available and cuda.tensor_cores_available()
         return [
             State('cudnn', status.available, False, why=status.why, fix=status.fix),
-            State('autotune', status.available, False, why=status.why, fix=status.fix),
             State('tensor_cores', tc_ok, False,
                   why=status.why or (None if tc_ok else
                                      'no GPU with compute capability >= 7.0'),
@@ -64,11 +61,6 @@ class CudnnGroup(Group):
     def plan(self, values, explicit, plan):
         if values['cudnn'] is not None:
             plan.config('use_cudnn', values['cudnn'])
-        autotune = values['autotune']
-        if autotune is None and cuda.cudnn_status().available:
-            autotune = True                       # default: on where it works
-        if autotune is not None:
-            plan.config('autotune', autotune)
         if values['tensor_cores'] is not None:
             plan.config('use_cudnn_tensor_core', values['tensor_cores'])
         if values['tensor_cores'] == 'always' and cuda.available():
@@ -83,7 +75,7 @@ class CudnnGroup(Group):
         cfg = chainer.global_config
         states = {s.name: s for s in self.probe()}
         # What Chainer will do now, whoever set it.
-        in_force = {'cudnn': cfg.use_cudnn != 'never', 'autotune': bool(cfg.autotune),
+        in_force = {'cudnn': cfg.use_cudnn != 'never',
                     'tensor_cores': cfg.use_cudnn_tensor_core != 'never'}
         for name, on in in_force.items():
             s = states[name]

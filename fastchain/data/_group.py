@@ -149,7 +149,8 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     position)."""
     from chainer.iterators import SerialIterator, ShuffleOrderSampler
     workers, prefetch, asked = setting
-    workers = default_workers() if workers is None else workers
+    chosen = workers is None        # the default: this process's share of the cores
+    workers = default_workers() if chosen else workers
     next_(updater, *args, **kwargs)
     main = updater._iterators['main']
     if type(main) is not SerialIterator or not isinstance(
@@ -158,6 +159,8 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     if not asked and in_memory(main.dataset):
         return      # nothing for workers to do (IN_MEMORY_NOTE)
     main = upgrade_iterator(main, workers)
+    if chosen:
+        main.tune_workers()     # with autotune: how many of them load
     if prefetch:
         main = DevicePrefetcher(main, updater.converter, updater.input_device)
         updater.converter = main.converter

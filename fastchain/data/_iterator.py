@@ -146,6 +146,7 @@ class MultiprocessIterator(iterator_module.Iterator):
                                   repeat, None, sampler)
         self.skipped = []       # [{'index', 'path', 'error'}] with on_error='skip'
         self._pool = None
+        self._worker_tuner = None
         self._reset_position(order)     # with a sampler: its first draw
         if seed is None:
             seed = seed_from_global_rng() if rng == 'global' \
@@ -165,6 +166,8 @@ class MultiprocessIterator(iterator_module.Iterator):
         indices, epoch, position = self._schedule.batch(
             self.epoch, self.current_position, draw=True)
         if self._pool is not None:
+            if self._worker_tuner is not None:
+                self._worker_tuner.step(self._pool)
             batch = self._take(indices)
         else:
             batch = self._load_here(indices)
@@ -297,6 +300,18 @@ class MultiprocessIterator(iterator_module.Iterator):
         pool = self._pool
         if pool is not None and not pool.closed:
             pool.seek(self.epoch, self.current_position)
+
+    def tune_workers(self):
+        """Let autotune choose how many of the workers load (all of them down
+        to one, measured over whole steps; :mod:`fastchain.data._tune`): the
+        batches and their order are the same whatever it picks."""
+        from fastchain.data._tune import WorkerTuner
+        if self._pool is None or self.n_workers < 2:
+            return
+        key = (type(self.dataset).__name__, len(self.dataset), self.batch_size,
+               self.n_workers)
+        self._worker_tuner = WorkerTuner(key, self.n_workers, self.prefetch, (
+            'loader of {} ({} examples, batch {}) with up to {} workers'.format(*key)))
 
     # -- loading -------------------------------------------------------------
 

@@ -75,6 +75,7 @@ class WorkerPool:
         self.next_id = 0
         self.next_cursor = None     # (epoch, position) of the next batch to send
         self.workers, self.task_conns, self.result_conns = [], [], []
+        self.active = n_workers     # workers batches are sent to (autotune may lower it)
         parent = os.getpid()
         for w in range(n_workers):
             task_r, task_w = ctx.Pipe(duplex=False)
@@ -111,7 +112,7 @@ class WorkerPool:
                 break
             indices, seeds, epoch, position = planned
             slot = self.free_slots.pop()
-            worker = self.next_id % len(self.workers)
+            worker = self.next_id % self.active
             self._send(worker, (self.next_id, slot, indices, seeds))
             self.in_flight[self.next_id] = (slot, indices, worker)
             self.next_id += 1

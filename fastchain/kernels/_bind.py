@@ -41,6 +41,8 @@ leave the same zero border (the schedule runs its entries one at a time).
 import numpy
 from numpy.lib.stride_tricks import as_strided
 
+from fastchain.tune import _tuner
+
 _dot_warns = None     # does this NumPy's dot report floating-point errors?
 
 
@@ -105,12 +107,13 @@ class _Lazy:
     """The entry's callable: plans on the first call (with the real arrays),
     then runs the plan; Chainer's callable whenever the plan does not fit."""
 
-    __slots__ = ('make', 'node', 'original', 'buffers', 'plan', 'key')
+    __slots__ = ('make', 'node', 'original', 'buffers', 'plan', 'key', 'tune_key')
 
     def __init__(self, make, node, original, buffers):
         self.make, self.node, self.original, self.buffers = make, node, original, buffers
         self.plan = None
         self.key = None
+        self.tune_key = None
 
     def __call__(self, func, inputs):
         key = tuple((type(a), a.shape, a.dtype) for a in inputs)
@@ -122,8 +125,22 @@ class _Lazy:
                 except Exception:       # an input this planner did not foresee
                     self.plan = None
         if self.plan is not None and key == self.key:
-            return self.plan(inputs)
+            if not _tuner.enabled:
+                return self.plan(inputs)
+            # autotune: the bound kernel or Chainer's, whichever is faster
+            # for this call (the same bits either way).
+            if self.tune_key is None:
+                from fastchain.kernels._conv import call_key
+                self.tune_key = call_key(self.node, inputs)
+            return _tuner.call('cpu_conv_bound', self.tune_key, (
+                ('fastchain', lambda: self.plan(inputs)),
+                ('chainer', lambda: self.original(func, inputs=inputs))),
+                label=self._label)
         return self.original(func, inputs=inputs)
+
+    def _label(self):
+        from fastchain.kernels._conv import describe
+        return describe(self.tune_key)
 
 
 def _buffer(buffers, shape, dtype, interior):

@@ -12,21 +12,62 @@ Only ``_forward_cpu_core`` of the three convolution functions gets a layer
 (``cpu_conv``), so Chainer's type checks, layouts and dispatch (GPU, iDeep,
 grouped) stay Chainer's; inside, anything the kernels do not plan for (iDeep,
 ``cover_all``, non-standard layouts, non-NumPy arrays) goes to Chainer's code.
+
+With ``autotune`` (:mod:`fastchain.tune`), each call key (the function,
+the shapes and dtypes of its arrays, stride, padding, dilation) runs the
+faster of the two kernels, measured on its first calls: both give the same
+bits, and which one is faster depends on the key and the BLAS.
 """
 
+import numpy
+
 from fastchain.kernels import _bind
+from fastchain.tune import _tuner
 
 
 def planned_layer(planner, next_, node, *arrays):
     """The ``cpu_conv`` layer of ``_forward_cpu_core``: ``planner``'s plan for
-    this call, or Chainer's code where the planners do not apply."""
+    this call (or Chainer's code, where it is faster and autotune is on), or
+    Chainer's code where the planners do not apply."""
     inputs = tuple(a for a in arrays if a is not None)     # no bias: (x, W)
-    plan = None
-    if _bind._plain_node(node) and _bind._plain(inputs):
-        plan = planner(node, inputs, {})
-    if plan is None:
+    if not (_bind._plain_node(node) and _bind._plain(inputs)):
         return next_(node, *arrays)
-    return plan(inputs)
+    if not _tuner.enabled:
+        plan = planner(node, inputs, {})
+        return next_(node, *arrays) if plan is None else plan(inputs)
+
+    def fastchain():
+        plan = planner(node, inputs, {})
+        return next_(node, *arrays) if plan is None else plan(inputs)
+    key = call_key(node, inputs)
+    return _tuner.call('cpu_conv', key, (('fastchain', fastchain),
+                                         ('chainer', lambda: next_(node, *arrays))),
+                       label=lambda: describe(key))
+
+
+_PARAMETERS = ('sy', 'sx', 'ph', 'pw', 'dy', 'dx', 'kh', 'kw', 'outh', 'outw')
+
+
+def call_key(node, inputs):
+    """What a convolution call's speed depends on: the function, each array's
+    shape and dtype, and the node's geometry."""
+    return ((type(node).__name__,)
+            + tuple((a.shape, a.dtype.str) for a in inputs)
+            + tuple(getattr(node, p, None) for p in _PARAMETERS))
+
+
+def describe(key):
+    """A call key as one line of a report."""
+    name, rest = key[0], key[1:]
+    arrays = [r for r in rest if isinstance(r, tuple)]
+    geometry = dict(zip(_PARAMETERS, rest[len(arrays):]))
+    shapes = ' '.join('x'.join(map(str, shape)) for shape, _ in arrays)
+    return '{} {} {} stride {},{} pad {},{}{}'.format(
+        {'Convolution2DFunction': 'forward', 'Convolution2DGradW': 'weight-grad',
+         'Deconvolution2DFunction': 'input-grad/deconv'}.get(name, name), shapes,
+        numpy.dtype(arrays[0][1]).name if arrays else '', geometry['sy'], geometry['sx'], geometry['ph'],
+        geometry['pw'], '' if (geometry['dy'], geometry['dx']) == (1, 1) else
+        ' dilation {},{}'.format(geometry['dy'], geometry['dx']))
 
 
 def functions():

@@ -19,11 +19,15 @@ by the loss scale, fp32 master weights, ``enabled``. Anything outside its
 fast path (a rule subclass with its own kernel, iDeep arrays, mixed dtypes,
 non-contiguous state) goes through Chainer's code unchanged. Chainer's GPU
 update (one elementwise CUDA kernel) is not touched (not run on a GPU).
+
+With ``autotune`` the fused kernel is used only for the rule kinds, dtypes
+and sizes where it measured faster than Chainer's (:mod:`fastchain.tune`).
 """
 
 import numpy
 
 from fastchain.config import _patches
+from fastchain.tune import _tuner
 
 # Elements per block: 256 KiB of float32 per operand (the best of 2**12 to
 # 2**18 measured on the 2-core development machine).
@@ -70,6 +74,18 @@ def fused_layer(rule, momentum, next_, param):
             and p.shape == grad.shape == v.shape
             and p.flags.c_contiguous and v.flags.c_contiguous):
         return next_(param)
+    if not _tuner.enabled:
+        return _fused(rule, momentum, p, grad, v)
+    # autotune: per (rule, dtype, size), the fused kernel or Chainer's,
+    # whichever is faster (the same bits either way).
+    return _tuner.call('fused_update', (momentum, p.dtype.str, p.size), (
+        ('fused', lambda: _fused(rule, momentum, p, grad, v)),
+        ('chainer', lambda: next_(param))),
+        label=lambda: '{} {} {} elements'.format(
+            'MomentumSGD' if momentum else 'SGD', p.dtype, p.size))
+
+
+def _fused(rule, momentum, p, grad, v):
     hp = rule.hyperparam
     g = numpy.ascontiguousarray(grad).reshape(-1)     # a copy only if needed
     if momentum:

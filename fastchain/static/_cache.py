@@ -23,6 +23,10 @@ per-function Python work. fastchain uses it with its faults fixed
   inputs and the same configuration (``chainer.config`` ``train``, ``dtype``,
   ``use_cudnn``, ``cudnn_deterministic``, ``use_ideep``,
   ``cudnn_fast_batch_normalization``, ``lazy_grad_sum``);
+- **autotune** (``enable(autotune=...)``, :mod:`fastchain.tune`): once a key
+  is verified, its replay and define-by-run take turns for a few steps, timed
+  over whole steps, and the faster is kept (a model too small for the replay
+  to pay trains define-by-run; the bits are the same either way);
 - define-by-run wherever the replay does not apply: evaluation
   (``train == False``), ``no_backprop_mode``, inside another cached chain's
   recording, ``use_static_graph == False``, and keyword arguments.
@@ -35,7 +39,9 @@ per-function Python work. fastchain uses it with its faults fixed
 
 import contextlib
 import functools
+import hashlib
 import inspect
+import time
 import warnings
 import weakref
 
@@ -43,7 +49,8 @@ import chainer
 import numpy
 
 from fastchain.config import _patches
-from fastchain.static import _fixes, _functions, _keys, _reads, _verify
+from fastchain.static import _fixes, _functions, _keys, _reads, _reasons, _verify
+from fastchain.tune import _tuner
 
 STATE = 'static_cache'      # attachment key: the chain's cache
 _CHAINER_ATTRIBUTES = ('schedule_manager', 'static_schedule', '_out_vars_unflatten_inds')
@@ -83,12 +90,15 @@ class _Cache:
         self.method = False         # a decorated method's cache (else the instance's)
         self.state = {'fallback': None, 'cause': None, 'sequences': {}, 'verified': {},
                       'names': {}}
+        self.timing = None          # autotune: (choice, alternative, timed, start, key)
+        self.structures = {}        # autotune: key -> the choice's key
 
     def __call__(self, plain, args, kwargs):
         config = chainer.config
         if (self.state['fallback'] is not None or not config.train
                 or not config.enable_backprop or config.schedule_func is not None
                 or not config.use_static_graph or _verify.in_reference()):
+            self.timing = None      # an evaluation between two steps is not timed
             # Chainer keys a train-mode call without backprop as 'test' and
             # records it outside fastchain's fixes; a call inside another
             # cached chain's recording (or check) belongs to that one.
@@ -108,9 +118,41 @@ class _Cache:
                                                                            self.verbosity)
         building = _keys.will_build(managers.select(key))
         if not building and self.state['verified'].get(key, 0) >= self.verify_steps:
+            if _tuner.enabled and self._tuned(key) == 'define-by-run':
+                return plain(*args)
             with _fixes.verbosity(self.verbosity > 0):
                 return self.replay(chain, *args)
+        self.timing = None
         return self._verified(chain, plain, key, args, building)
+
+    def _tuned(self, key):
+        """autotune: the replay or define-by-run for this step. Once a key
+        is verified the two give the same bits; which is faster is measured
+        over whole steps (from this forward to the next one of the key:
+        backward, update and loading included), taking turns."""
+        now = time.perf_counter()
+        timing, self.timing = self.timing, None
+        if timing is not None and timing[4] == key and timing[2]:
+            timing[0].record(timing[1], now - timing[3])
+        # Keyed by what was recorded (functions, shapes, constants, parameter
+        # names), as a kernel's choice is by its shapes: a rebuilt model of
+        # the same structure takes the choice made for the first.
+        structure = self.structures.get(key)
+        if structure is None:
+            structure = self.structures[key] = (self.name, hashlib.sha1(repr(
+                self.state['sequences'].get(key)).encode()).hexdigest())
+        choice = _tuner.choice('static_graph', structure, ('cached', 'define-by-run'),
+                               label=lambda: '{} ({} functions recorded)'.format(
+                                   self.name, len(self.state['sequences'].get(key, ()))))
+        if choice.picked is not None:
+            return choice.picked
+        forced = _tuner.forced.get('static_graph')
+        if forced is not None:
+            _tuner.forced_calls['static_graph'] = _tuner.forced_calls.get('static_graph', 0) + 1
+            return forced
+        name, timed = choice.next()
+        self.timing = (choice, name, timed, now, key)
+        return name
 
     def _verified(self, chain, plain, key, args, building):
         before = _verify.Snapshot(chain)
@@ -148,7 +190,7 @@ class _Cache:
             recorded = self.state['sequences'].setdefault(key, recorder.calls)
             if recorder.calls != recorded:      # a second schedule for the key
                 before.restore()
-                return self._redo(plain, args, *self._sequence_reason(recorder.calls,
+                return self._redo(plain, args, *_reasons.sequence_reason(recorder.calls,
                                                                       recorded))
         schedule = chain.static_schedule
         after = _verify.Snapshot(chain, grads=False)
@@ -170,7 +212,7 @@ class _Cache:
     def _compare_forward(self, key, building, out, after, reference, reached):
         calls, recorded = reference.recorder.calls, self.state['sequences'][key]
         if calls != recorded:
-            return self._sequence_reason(calls, recorded)
+            return _reasons.sequence_reason(calls, recorded)
         if not after.same_random_state(reached):
             return ('not static', 'NumPy\'s random state advanced differently in the replay '
                     'than in define-by-run: the model draws random numbers (in Python, e.g. '
@@ -181,64 +223,14 @@ class _Cache:
         found = _verify.first_difference(pairs) or after.compare_persistents(reached)
         if found is None and len(_verify.flatten(out)) != len(reference.outputs):
             found = ('the outputs', 'a different number of outputs')
-        return None if found is None else self._value_reason(key, building, *found)
+        return None if found is None else _reasons.value_reason(self.state['names'].get(key, ()), building, *found)
 
     def _backward_result(self, key, building, found):
         if found is None:
             if not building:
                 self.state['verified'][key] = self.state['verified'].get(key, 0) + 1
             return
-        self.fall_back(*self._value_reason(key, building, *found, backward=True))
-
-    def _sequence_reason(self, calls, recorded):
-        k = next((i for i, (a, b) in enumerate(zip(calls, recorded)) if a != b),
-                 min(len(calls), len(recorded)))
-        got = calls[k] if k < len(calls) else None
-        had = recorded[k] if k < len(recorded) else None
-        if got is not None and had is not None and got[:2] == had[:2] and got[2] != had[2]:
-            new, old = dict(got[2]), dict(had[2])
-            name = next(n for n in sorted(set(new) | set(old)) if new.get(n) != old.get(n))
-            return ('not static', 'the model is not static: {} (function #{}) got {} = {} '
-                    'where the recorded graph has {}: a value computed in Python from '
-                    'the data, which the replay would keep from the first step'.format(
-                        got[0], k + 1, name, new.get(name), old.get(name)))
-        return ('not static', 'the model is not static: on a later call its forward applied '
-                '{} where the recorded graph has {} (function #{}); Python control flow '
-                'that depends on the data?'.format(_call(got), _call(had), k + 1))
-
-    def _value_reason(self, key, building, what, how, backward=False):
-        if what == _verify.RAISED:
-            return ('defect', "Chainer's replay of the backward raised {}: Chainer's static "
-                    'graph cannot replay this graph (a limit of the cache, not a verified '
-                    "difference; the step's gradients are define-by-run's)".format(how))
-        if what == _verify.ACCUMULATED:
-            return ('unsupported', '{}: define-by-run adds the new gradients to it, '
-                    "Chainer's replay overwrites it. Gradient accumulation over several "
-                    'forward/backward passes is not supported by the cache (clear the '
-                    'gradients before each pass, as optimizer.update(lossfun) does)'
-                    .format(how))
-        if building:
-            return ('defect', 'on the step that recorded it, the replay and define-by-run '
-                    'differ in {} ({}): a defect of the static cache (fastchain or '
-                    "Chainer's replay), not of the model; the step's result is define-by-run's. "
-                    'Please report it'.format(what, how))
-        suspects = _functions.unknown(self.state['names'].get(key, ()))
-        named = (': possibly ' + ', '.join(suspects) + ', which fastchain has not measured '
-                 'under the cache') if suspects else ''
-        if backward:
-            # A value the model computes in Python from the data shows in the
-            # forward or among the constants; these agreed.
-            return ('defect', 'on a later batch the gradients differ ({}: {}) although the '
-                    'forward, the functions applied and their constants agree: a function '
-                    "keeps forward state that Chainer's replay does not refresh{}. A defect "
-                    "of the static cache, not of the model; the step's gradients are "
-                    "define-by-run's".format(what, how, named))
-        return ('not static', 'on a later batch the replay and define-by-run differ in {} ({}) '
-                'although the functions applied and their constants are the same: something '
-                'was kept from the batch the graph was recorded on. Most likely the model is '
-                'not static (an array computed in Python from the data, e.g. from x.array); '
-                "else a function keeps state that Chainer's replay does not refresh{}"
-                .format(what, how, named))
+        self.fall_back(*_reasons.value_reason(self.state['names'].get(key, ()), building, *found, backward=True))
 
     def fall_back(self, cause, reason):
         self.state['fallback'] = reason
@@ -259,13 +251,6 @@ class _Cache:
         if getattr(managers, 'owner', None) is self.token:
             for name in _CHAINER_ATTRIBUTES:
                 chain.__dict__.pop(name, None)
-
-
-def _call(call):
-    if call is None:
-        return 'nothing'
-    params = [p for p in call[3] if p is not None]
-    return '{}{}{}'.format(call[0], call[1], ' to ' + ', '.join(params) if params else '')
 
 
 def _forward_of(cls):

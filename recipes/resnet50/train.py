@@ -82,7 +82,10 @@ def parse_args(argv=None):
     g.add_argument('--all', action='store_true',
                    help='every accelerator that helps on this device (one enable() call)')
     g.add_argument('--fp16', action='store_true', help='fp16 compute, fp32 masters, loss scaling')
-    g.add_argument('--autotune', action='store_true', help='cuDNN autotuning')
+    g.add_argument('--autotune', action='store_true',
+                   help="measure and choose: cuDNN's algorithms where cuDNN works, "
+                   "fastchain's bitwise-equal CPU kernels, fused update and static "
+                   'cache everywhere (on by default; this flag asks for it explicitly)')
     g.add_argument('--loaderjobs', type=int, default=0,
                    help='loader worker processes (0: load in the main process)')
     g.add_argument('--static-graph', action='store_true', help='cache static subgraphs')
@@ -289,6 +292,12 @@ def speed_report(args, handle, meter, log, device, n_classes, world=1):
                                       else 'off: loading in the main process'))
     for name in getattr(args, 'not_available', []):
         lines.append('  {:18s} not in this version of fastchain yet'.format(name))
+    choices = handle.report().get('autotune', {}).get('choices')
+    if choices:
+        from fastchain.tune import describe
+        lines.append('autotune, what it measured and picked (fastchain.tune.choices() '
+                     'has every key):')
+        lines.extend('  ' + line for line in describe(choices))
     lines.append(snapshot_line(args))
     text = '\n'.join(lines)
     print(text)

@@ -29,7 +29,8 @@ def snapshot():
     from chainer.training.updaters import StandardUpdater
     from fastchain.kernels import _bind, _conv
     from fastchain.nvtx import annotator
-    return (dict(chainer.global_config.__dict__),
+    from fastchain.tune import _tuner
+    return (dict(chainer.global_config.__dict__), _tuner.enabled,
             chainer_cuda.get_max_workspace_size(),
             dict(GradientMethod.__dict__), dict(vars(convert)),
             dict(StandardUpdater.__dict__), dict(trainer.Trainer.__dict__),
@@ -113,37 +114,63 @@ def test_each_option_is_applied_to_chainer_and_restored(device):
                 assert chainer_cuda.get_max_workspace_size() == 1 << 20
             assert _patches.value_labels() == [
                 'chainer.backends.cuda.max_workspace_size', 'chainer.config.autotune',
-                'chainer.config.use_cudnn', 'chainer.config.use_cudnn_tensor_core']
+                'chainer.config.use_cudnn', 'chainer.config.use_cudnn_tensor_core',
+                'fastchain.tune._tuner.enabled']
             assert h.states['workspace_size'].setting == 1 << 20
     assert snapshot() == before
 
 
-def test_defaults_turn_autotune_on_only_where_cudnn_works(device):
+def test_defaults_turn_cudnn_autotune_on_only_where_cudnn_works(device):
+    from fastchain.tune import _tuner
     before = snapshot()
     with warnings.catch_warnings():
         warnings.simplefilter('error')      # defaults never warn
         # The cuDNN defaults only (the fused update and the CPU convolution
         # kernels are on by default too: tested in tests/static/).
         with fastchain.enable(loader_workers=0, fused_update=False) as h:
+            # fastchain's own measure-and-choose is on everywhere by default.
+            assert _tuner.enabled and h.states['autotune'].active
             if device == 'fake-cudnn':
                 assert chainer.config.autotune is True
-                assert h.states['autotune'].active
             else:
-                assert chainer_config() == before[:2]
-                assert not h.states['autotune'].active
-                assert h.states['autotune'].why
+                assert chainer_config() == before[:1] + before[2:3]
     assert snapshot() == before
+
+
+def test_autotune_false_turns_both_tuners_off(device):
+    from fastchain.tune import _tuner
+    with fastchain.enable(autotune=False, loader_workers=0) as h:
+        assert not _tuner.enabled
+        assert chainer.config.autotune is False
+        state = h.states['autotune']
+        assert not state.active and state.why == 'autotune=False'
+    assert not _tuner.enabled
+
+
+def test_autotune_on_a_gpu_without_cudnn_says_what_it_cannot_tune(monkeypatch):
+    monkeypatch.setattr(cuda, 'available', lambda: True)
+    monkeypatch.setattr(cuda, 'cudnn_status', lambda: Status(
+        False, why='CuPy 14 has no cuDNN', fix='the cudnn extra'))
+    with pytest.warns(FastchainWarning) as record:
+        h = fastchain.enable(autotune=True, loader_workers=0)
+    try:
+        msgs = [str(w.message) for w in record if w.category is FastchainWarning]
+        assert any("cuDNN's algorithm search is not available here (CuPy 14 has no cuDNN; "
+                   'fix: the cudnn extra)' in m for m in msgs), msgs
+        assert h.states['autotune'].active      # the CPU choices still are tuned
+    finally:
+        h.disable()
 
 
 def test_unavailable_option_warns_once_with_why_and_fix():
     with pytest.warns(FastchainWarning) as record:
-        h = fastchain.enable(autotune=True)
+        h = fastchain.enable(cudnn='always')
     try:
         msgs = [str(w.message) for w in record if w.category is FastchainWarning]
         assert len(msgs) == 1
-        assert 'autotune' in msgs[0] and 'To get it' in msgs[0]
+        assert 'cudnn' in msgs[0] and 'To get it' in msgs[0]
         assert cuda.cudnn_status().why in msgs[0]
-        state = h.report()['autotune']
+        state = h.report()['cudnn']
         assert state['requested'] and not state['active'] and state['fix']
     finally:
         h.disable()
@@ -206,7 +233,8 @@ def test_a_failing_group_undoes_what_was_already_applied(monkeypatch):
 
 
 def test_disable_is_idempotent_and_the_handle_reports():
-    h = fastchain.enable(cudnn='never', loader_workers=0, fused_update=False, cpu_conv=False)
+    h = fastchain.enable(cudnn='never', loader_workers=0, fused_update=False, cpu_conv=False,
+                         autotune=False)
     try:
         assert 'active=[]' in repr(h) and 'enabled' in repr(h)
     finally:

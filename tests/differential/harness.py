@@ -7,7 +7,9 @@ value, BatchNormalization's running statistics, and the optimizer's state
 fastchain claims (README, "What is the same training"):
 - bitwise equality with plain Chainer on the CPU in fp32 for static_graph,
   cpu_conv, fused_update, nvtx and timeline, in any combination and any
-  enable/disable order, across a snapshot and resume;
+  enable/disable order, across a snapshot and resume, with autotune
+  measuring (its alternatives taking turns) or forced to either side of
+  every choice it makes;
 - with fp16 and no optimizer hooks, bitwise equality with Chainer's own fp16
   training at the same (static) loss scale and fp32 master weights;
 - with fp16 and optimizer hooks, agreement within FP16_ULPS of the largest
@@ -32,6 +34,7 @@ from chainer import serializers
 
 import fastchain
 from fastchain.precision import scaler_of
+from fastchain.tune import _tuner
 
 from tests.differential.models import batches, build, make_optimizer
 
@@ -101,6 +104,16 @@ def handles(layout, folder):
         return
     *options_list, disable_at = layout
     made = []
+    tuning = options_list[0].get('_tuning', 'measure') if options_list else 'measure'
+    options_list = [{k: v for k, v in o.items() if k != '_tuning'} for o in options_list]
+    # autotune: each run measures afresh (else the choices of an earlier
+    # example would be made already), after one timed call of each
+    # alternative, or forced to one side of every choice.
+    _tuner.forget()
+    _tuner.forced.clear()
+    _tuner.forced.update(FORCED.get(tuning, {}))
+    trials = _tuner.TRIALS
+    _tuner.TRIALS = 1
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
@@ -115,6 +128,20 @@ def handles(layout, folder):
     finally:
         for h in reversed(made):
             h.disable()
+        _tuner.TRIALS = trials
+        _tuner.forced.clear()
+        _tuner.forget()
+
+
+# Every alternative the autotuner may pick, forced (tests/differential draws one).
+FORCED = {
+    'chainer': {'cpu_conv': 'chainer', 'cpu_conv_bound': 'chainer',
+                'fused_update': 'chainer', 'static_graph': 'define-by-run',
+                'loader_workers': '1'},
+    'fastchain': {'cpu_conv': 'fastchain', 'cpu_conv_bound': 'fastchain',
+                  'fused_update': 'fused', 'static_graph': 'cached',
+                  'loader_workers': '2'},
+}
 
 
 def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
@@ -212,6 +239,19 @@ def _events(model, optimizer):
         assert cache['cause'] != 'defect', cache['fallback']
     if any(_update.is_fused(p.update_rule) for p in model.params()):
         event('fused_update: on')
+    _tuner_events()
+
+
+def _tuner_events():
+    from hypothesis import event
+    for kind in ('cpu_conv', 'cpu_conv_bound', 'fused_update', 'static_graph',
+                 'loader_workers'):
+        forced = _tuner.forced.get(kind) if _tuner.forced_calls.get(kind) else None
+        picked = {c['picked'] for c in _tuner.choices(kind)} - {None}
+        if forced or _tuner.choices(kind):
+            event('autotune {}: {}'.format(kind, 'forced ' + forced if forced else
+                                          'picked ' + '+'.join(sorted(picked)) if picked
+                                          else 'alternatives took turns'))
 
 
 def resume(model, optimizer, make):
@@ -268,6 +308,19 @@ def compare(expected, got, atol_scale=None):
                     rtol=0, atol=atol_scale * largest.get(_kind(key), 0.0), err_msg=where)
 
 
+class NotInMemory(chainer.dataset.DatasetMixin):
+    """A dataset the loader does not take for arrays in memory."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def get_example(self, i):
+        return self.dataset[i]
+
+
 def run_script(spec, opt_spec, hooks, iterations, shuffle, options=None):
     """A plain Chainer script (SerialIterator, StandardUpdater) run for
     ``iterations`` updates, under ``options`` (one handle) or none; returns the
@@ -277,6 +330,8 @@ def run_script(spec, opt_spec, hooks, iterations, shuffle, options=None):
     batch_list = batches(dict(spec, input=(1,) + spec['input'][1:]), 3 * n + 1, seed=7)
     dataset = chainer.datasets.TupleDataset(*[numpy.concatenate(column)
                                               for column in zip(*batch_list)])
+    if options is not None and options.get('loader_workers', 0) is None:
+        dataset = NotInMemory(dataset)      # else enable() keeps the SerialIterator
     with tempfile.TemporaryDirectory() as folder, \
             handles(None if options is None else (options, None), folder):
         with warnings.catch_warnings():
@@ -300,4 +355,6 @@ def run_script(spec, opt_spec, hooks, iterations, shuffle, options=None):
             for _ in range(iterations):
                 updater.update()
             updater.finalize()
+            if options is not None:
+                _tuner_events()
             return state(model, optimizer, losses[-1], None), numpy.random.rand()

@@ -16,7 +16,7 @@ from tests.differential import harness
 from tests.differential.models import HOOKS, OPTIMIZERS, SGD_FAMILY, model_specs
 
 EXAMPLES = int(os.environ.get('FASTCHAIN_DIFFERENTIAL_EXAMPLES', 30))
-OPTIONS = ('static_graph', 'cpu_conv', 'fused_update', 'nvtx', 'timeline')
+OPTIONS = ('static_graph', 'cpu_conv', 'fused_update', 'nvtx', 'timeline', 'autotune')
 
 
 @st.composite
@@ -24,8 +24,11 @@ def layouts(draw, steps):
     """Two handles' options, and when the second is disabled."""
     values = {'static_graph': st.booleans(), 'cpu_conv': st.booleans(),
               'fused_update': st.booleans(), 'nvtx': st.sampled_from([True, False, 'links']),
-              'timeline': st.booleans()}
+              'timeline': st.booleans(), 'autotune': st.booleans()}
     handles = ({}, {})
+    # autotune (on unless a handle says False): measuring, or one side of
+    # every choice forced (harness.FORCED).
+    handles[0]['_tuning'] = draw(st.sampled_from(['measure', 'chainer', 'fastchain']))
     for name in OPTIONS:
         where = draw(st.sampled_from([None, 0, 1]))
         if where is not None:
@@ -49,7 +52,8 @@ def test_fastchain_trains_as_plain_chainer(data):
     # per-element normalisation turns rounding noise in a near-zero gradient
     # into a full step (Adam is compared bitwise in every other case).
     optimizer = data.draw(SGD_FAMILY if (fp16 and hooks) else OPTIMIZERS, 'optimizer')
-    steps = data.draw(st.integers(2, 4), 'steps')
+    # up to 6: the static cache's choice starts after its build and 2 verified replays
+    steps = data.draw(st.integers(2, 6), 'steps')
     layout = data.draw(layouts(steps), 'layout')
     resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
     loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
@@ -72,10 +76,14 @@ def test_a_plain_script_with_the_loader_trains_as_plain_chainer(data):
     optimizer = data.draw(OPTIMIZERS, 'optimizer')
     hooks = data.draw(HOOKS, 'hooks')
     options = data.draw(st.fixed_dictionaries(
-        {'loader_workers': st.integers(1, 2)},
+        # None: the default count, which autotune chooses among (harness.run_script
+        # then gives a dataset that is not in memory, for which workers are used).
+        {'loader_workers': st.sampled_from([1, 2, None])},
         optional={'prefetch_to_device': st.booleans(), 'static_graph': st.booleans(),
                   'cpu_conv': st.booleans(), 'fused_update': st.booleans(),
                   'nvtx': st.booleans()}), 'options')
+    options['_tuning'] = data.draw(st.sampled_from(['measure', 'chainer', 'fastchain']),
+                                   'tuning')
     iterations = data.draw(st.integers(1, 9), 'iterations')     # into the 4th epoch
     shuffle = data.draw(st.booleans(), 'shuffle')
     expected, rand = harness.run_script(spec, optimizer, hooks, iterations, shuffle)

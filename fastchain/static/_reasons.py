@@ -1,0 +1,66 @@
+"""Why a cached chain falls back to define-by-run: the messages, from what
+the recording and the verification found (:mod:`fastchain.static._cache`)."""
+
+from fastchain.static import _functions, _verify
+
+
+def sequence_reason(calls, recorded):
+    """(cause, reason): the recorded functions and this call's differ."""
+    k = next((i for i, (a, b) in enumerate(zip(calls, recorded)) if a != b),
+             min(len(calls), len(recorded)))
+    got = calls[k] if k < len(calls) else None
+    had = recorded[k] if k < len(recorded) else None
+    if got is not None and had is not None and got[:2] == had[:2] and got[2] != had[2]:
+        new, old = dict(got[2]), dict(had[2])
+        name = next(n for n in sorted(set(new) | set(old)) if new.get(n) != old.get(n))
+        return ('not static', 'the model is not static: {} (function #{}) got {} = {} '
+                'where the recorded graph has {}: a value computed in Python from '
+                'the data, which the replay would keep from the first step'.format(
+                    got[0], k + 1, name, new.get(name), old.get(name)))
+    return ('not static', 'the model is not static: on a later call its forward applied '
+            '{} where the recorded graph has {} (function #{}); Python control flow '
+            'that depends on the data?'.format(_call(got), _call(had), k + 1))
+
+
+def value_reason(names, building, what, how, backward=False):
+    """(cause, reason): a value differs between the replay and define-by-run
+    (``names``: the functions the key recorded)."""
+    if what == _verify.RAISED:
+        return ('defect', "Chainer's replay of the backward raised {}: Chainer's static "
+                'graph cannot replay this graph (a limit of the cache, not a verified '
+                "difference; the step's gradients are define-by-run's)".format(how))
+    if what == _verify.ACCUMULATED:
+        return ('unsupported', '{}: define-by-run adds the new gradients to it, '
+                "Chainer's replay overwrites it. Gradient accumulation over several "
+                'forward/backward passes is not supported by the cache (clear the '
+                'gradients before each pass, as optimizer.update(lossfun) does)'
+                .format(how))
+    if building:
+        return ('defect', 'on the step that recorded it, the replay and define-by-run '
+                'differ in {} ({}): a defect of the static cache (fastchain or '
+                "Chainer's replay), not of the model; the step's result is define-by-run's. "
+                'Please report it'.format(what, how))
+    suspects = _functions.unknown(names)
+    named = (': possibly ' + ', '.join(suspects) + ', which fastchain has not measured '
+             'under the cache') if suspects else ''
+    if backward:
+        # A value the model computes in Python from the data shows in the
+        # forward or among the constants; these agreed.
+        return ('defect', 'on a later batch the gradients differ ({}: {}) although the '
+                'forward, the functions applied and their constants agree: a function '
+                "keeps forward state that Chainer's replay does not refresh{}. A defect "
+                "of the static cache, not of the model; the step's gradients are "
+                "define-by-run's".format(what, how, named))
+    return ('not static', 'on a later batch the replay and define-by-run differ in {} ({}) '
+            'although the functions applied and their constants are the same: something '
+            'was kept from the batch the graph was recorded on. Most likely the model is '
+            'not static (an array computed in Python from the data, e.g. from x.array); '
+            "else a function keeps state that Chainer's replay does not refresh{}"
+            .format(what, how, named))
+
+
+def _call(call):
+    if call is None:
+        return 'nothing'
+    params = [p for p in call[3] if p is not None]
+    return '{}{}{}'.format(call[0], call[1], ' to ' + ', '.join(params) if params else '')

@@ -1,0 +1,64 @@
+"""The autotune group of ``fastchain.enable``: ``autotune``.
+
+One option, two tuners: cuDNN's algorithm search (Chainer's ``autotune``
+configuration) where cuDNN works, and fastchain's own measure-and-choose
+(:mod:`fastchain.tune._tuner`) between bitwise-equal alternatives of its CPU
+convolution kernels, its fused update and its static cache, everywhere.
+"""
+
+from fastchain.backends import cuda
+from fastchain.config._options import Group, State, boolean
+
+FLAG = 'fastchain.tune._tuner.enabled'
+
+
+class AutotuneGroup(Group):
+    name = 'autotune'
+    options = (
+        boolean('autotune', "measure and choose on the first calls of each key: cuDNN's "
+                "fastest convolution algorithm where cuDNN works, and everywhere the "
+                "fastest of fastchain's bitwise-equal alternatives (CPU convolution "
+                "kernels, fused update, static cache); default: on"),
+    )
+
+    def probe(self):
+        return [State('autotune', True, False, note=self._cudnn_note())]
+
+    @staticmethod
+    def _cudnn_note():
+        if not cuda.available():
+            return None         # a CPU: the CPU choices are all there is to tune
+        status = cuda.cudnn_status()
+        if status.available:
+            return None
+        return ("cuDNN's algorithm search is not available here ({}; fix: {}); only "
+                "fastchain's CPU choices are tuned".format(status.why, status.fix))
+
+    def plan(self, values, explicit, plan):
+        from fastchain.tune import _tuner
+        autotune = values['autotune']
+        if autotune is None and cuda.cudnn_status().available:
+            autotune = True                       # default: on where it works
+        if autotune is not None:
+            plan.config('autotune', autotune)
+        plan.value(FLAG, lambda: _tuner.enabled, lambda v: setattr(_tuner, 'enabled', v),
+                   values['autotune'] is not False)
+
+    def states(self, values, explicit):
+        import chainer
+        from fastchain.tune import _tuner
+        state = self.probe()[0]
+        state.setting = values['autotune']
+        state.requested = 'autotune' in explicit and values['autotune'] is True
+        # What is in force now, whoever set it.
+        cudnn_search = bool(chainer.global_config.autotune) and \
+            cuda.cudnn_status().available
+        state.active = _tuner.enabled or cudnn_search
+        if state.active:
+            state.choices = _tuner.summary()
+        elif values['autotune'] is False:
+            state.why = 'autotune=False'
+        return [state]
+
+
+GROUP = AutotuneGroup()

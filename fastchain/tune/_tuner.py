@@ -1,0 +1,158 @@
+"""The autotuner: per key, the fastest of bitwise-equal alternatives.
+
+A *choice* is made once per (kind, key): the alternatives run in turn on the
+first calls of the key (each once untimed, to warm it up, then ``TRIALS``
+timed calls each, interleaved so that a slow moment of the machine hits all
+of them alike), and the one with the lowest median time is used from then
+on. Only alternatives that give bitwise-equal results are offered, so the
+choice changes speed and nothing else; while it is being made the results
+are the same whichever runs.
+
+The cost is bounded: ``(TRIALS + 1)`` calls of each alternative per key, of
+which at most half are the slower one's. Each data-parallel process chooses
+for itself (they may pick differently: the results are the same).
+
+``enabled`` is set by ``enable(autotune=...)`` (on unless ``False``);
+``forced`` (``{kind: alternative}``) makes every undecided key of a kind take
+one alternative, for tests and benchmarks that compare them.
+"""
+
+import statistics
+import threading
+import time
+
+TRIALS = 3
+enabled = False
+forced = {}
+forced_calls = {}   # kind -> calls that took the forced alternative
+
+_lock = threading.Lock()
+_choices = {}       # (kind, key) -> Choice
+
+
+class Choice:
+    """One key's alternatives, their times so far, and the pick."""
+
+    __slots__ = ('kind', 'key', 'names', 'times', 'calls', 'picked', 'label')
+
+    def __init__(self, kind, key, names, label):
+        self.kind, self.key, self.names, self.label = kind, key, tuple(names), label
+        self.times = {n: [] for n in self.names}
+        self.calls = 0
+        self.picked = None
+
+    def next(self):
+        """(alternative to run now, whether to time it)."""
+        n = len(self.names)
+        name = self.names[self.calls % n]
+        timed = self.calls >= n
+        self.calls += 1
+        return name, timed
+
+    def record(self, name, seconds):
+        self.times[name].append(seconds)
+        if self.picked is None and all(len(t) >= TRIALS for t in self.times.values()):
+            # The first named (the default) wins a tie.
+            self.picked = min(self.names, key=lambda a: (statistics.median(self.times[a]),
+                                                          self.names.index(a)))
+
+    def as_dict(self):
+        return {'kind': self.kind, 'key': self.label, 'picked': self.picked,
+                'median_ms': {n: round(statistics.median(t) * 1e3, 4) if t else None
+                              for n, t in self.times.items()},
+                'trials': {n: len(t) for n, t in self.times.items()}}
+
+
+def choice(kind, key, names, label=None):
+    """The Choice for (kind, key), made on first use (``label``: how the key
+    reads in reports; a callable is called then)."""
+    c = _choices.get((kind, key))
+    if c is None:
+        with _lock:
+            c = _choices.get((kind, key))
+            if c is None:
+                c = Choice(kind, key, names, label() if callable(label) else
+                           (label if label is not None else repr(key)))
+                _choices[(kind, key)] = c
+    return c
+
+
+def call(kind, key, alternatives, label=None):
+    """Run the chosen one of ``alternatives`` (``((name, fn), ...)``, each
+    ``fn()`` giving the same result; the first is the default) for (kind,
+    key) and return its result; while undecided, run them in turn and time
+    them. Without autotuning, the first one runs."""
+    if not enabled:
+        return alternatives[0][1]()
+    force = forced.get(kind)
+    if force is not None:
+        forced_calls[kind] = forced_calls.get(kind, 0) + 1
+        return _named(alternatives, force)()
+    c = choice(kind, key, [a[0] for a in alternatives], label)
+    if c.picked is not None:
+        return _named(alternatives, c.picked)()
+    name, timed = c.next()
+    fn = _named(alternatives, name)
+    if not timed:
+        return fn()
+    start = time.perf_counter()
+    out = fn()
+    c.record(name, time.perf_counter() - start)
+    return out
+
+
+def _named(alternatives, name):
+    for a, fn in alternatives:
+        if a == name:
+            return fn
+    raise KeyError('no alternative {!r} among {}'.format(
+        name, ', '.join(a for a, _ in alternatives)))
+
+
+def choices(kind=None):
+    """What the autotuner measured and picked: a list of dicts ``{'kind',
+    'key', 'picked' (None while measuring), 'median_ms' {alternative: ms},
+    'trials' {alternative: timed calls}}``, in the order the keys came."""
+    with _lock:
+        return [c.as_dict() for c in _choices.values() if kind is None or c.kind == kind]
+
+
+def summary():
+    """{kind: {'keys', 'decided', 'picked' {alternative: keys}, 'ms' {alternative:
+    sum of medians over the decided keys}}}: one line's worth per kind."""
+    out = {}
+    with _lock:
+        for c in _choices.values():
+            s = out.setdefault(c.kind, {'keys': 0, 'decided': 0, 'picked': {},
+                                        'ms': {n: 0.0 for n in c.names}})
+            s['keys'] += 1
+            if c.picked is None:
+                continue
+            s['decided'] += 1
+            s['picked'][c.picked] = s['picked'].get(c.picked, 0) + 1
+            for n, t in c.times.items():
+                s['ms'][n] = round(s['ms'].get(n, 0.0) + statistics.median(t) * 1e3, 3)
+    return out
+
+
+def describe(summary):
+    """``summary()`` (or a report's ``choices``) as lines of text."""
+    lines = []
+    for kind, s in summary.items():
+        picked = ', '.join('{} {}'.format(n, k) for n, k in sorted(
+            s['picked'].items(), key=lambda item: -item[1]))
+        line = '{}: {} of {} keys decided'.format(kind, s['decided'], s['keys'])
+        if s['decided']:
+            line += ': {}; sum of medians: {}'.format(picked, ', '.join(
+                '{} {:.1f} ms'.format(n, ms) for n, ms in s['ms'].items()))
+        lines.append(line)
+    return lines
+
+
+def forget(kind=None):
+    """Drop the choices made (of one kind), so they are measured again."""
+    with _lock:
+        for k in [k for k in _choices if kind is None or k[0] == kind]:
+            del _choices[k]
+        for k in [k for k in forced_calls if kind is None or k == kind]:
+            del forced_calls[k]

@@ -1,0 +1,97 @@
+"""autotune picks how many of the loader's workers load; every batch, their
+order and the training stay what they are with any count."""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.links as L
+
+import fastchain
+from fastchain.data import _group
+from fastchain.tune import _tuner
+from tests.helpers import Indexed, Noisy
+
+ITERATIONS = 80     # 3 counts x 3 turns (1 untimed, 2 timed) x 8 steps, and after
+
+
+def run(dataset, options=None, iterations=ITERATIONS):
+    """A plain script (SerialIterator, StandardUpdater); returns the batches
+    the model saw, its weights, and the loader's pool (None: no workers)."""
+    seen = []
+
+    def converter(batch, device=None):
+        arrays = chainer.dataset.concat_examples(batch, device)
+        seen.append([a.copy() for a in arrays])
+        return arrays
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        handle = None if options is None else fastchain.enable(**options)
+        try:
+            numpy.random.seed(3)
+            model = L.Classifier(L.Linear(3, 12))
+            optimizer = chainer.optimizers.SGD(0.01).setup(model)
+            it = chainer.iterators.SerialIterator(dataset, 4)
+            updater = chainer.training.StandardUpdater(it, optimizer, converter=converter)
+            for _ in range(iterations):
+                updater.update()
+            main = updater.get_iterator('main')
+            pool = getattr(getattr(main, 'iterator', main), '_pool', None)
+            active = None if pool is None else pool.active
+            updater.finalize()
+        finally:
+            if handle is not None:
+                handle.disable()
+    return seen, model.predictor.W.array.copy(), active
+
+
+def assert_same(a, b):
+    assert len(a[0]) == len(b[0])
+    for x, y in zip(a[0], b[0]):
+        for u, v in zip(x, y):
+            assert u.tobytes() == v.tobytes()
+    assert a[1].tobytes() == b[1].tobytes()
+
+
+@pytest.fixture
+def three_workers(monkeypatch):
+    monkeypatch.setattr(_group, 'default_workers', lambda: 3)
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
+def test_the_fastest_count_is_kept_and_training_is_plain_chainers(tuner, three_workers,
+                                                                  prefetch):
+    tuner.update({'3': 2.0, '2': 1.0, '1': 3.0})
+    plain = run(Indexed())
+    got = run(Indexed(), {'prefetch_to_device': prefetch})
+    assert_same(plain, got)
+    [c] = _tuner.choices('loader_workers')
+    assert c['picked'] == '2' and c['trials'] == {'3': 2, '2': 2, '1': 2}
+    assert got[2] == 2
+    assert 'up to 3 workers' in c['key']
+
+
+def test_any_count_gives_the_same_random_examples(tuner, three_workers, monkeypatch):
+    """Examples that draw random numbers (augmentation) are seeded per
+    example, whichever worker and however many load them."""
+    tuner.update({'3': 1.0, '2': 2.0, '1': 3.0})
+    measured = run(Noisy(), {})
+    for forced in ('1', '3'):
+        monkeypatch.setitem(_tuner.forced, 'loader_workers', forced)
+        got = run(Noisy(), {})
+        assert_same(measured, got)
+        assert got[2] == int(forced)
+
+
+def test_workers_asked_for_are_not_tuned(tuner, three_workers):
+    tuner.update({'3': 2.0, '2': 1.0, '1': 3.0})
+    got = run(Indexed(), {'loader_workers': 3})
+    assert _tuner.choices('loader_workers') == [] and got[2] == 3
+
+
+def test_without_autotune_all_workers_load(tuner, three_workers):
+    tuner.update({'3': 2.0, '2': 1.0, '1': 3.0})
+    got = run(Indexed(), {'autotune': False})
+    assert _tuner.choices('loader_workers') == [] and got[2] == 3

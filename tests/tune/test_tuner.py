@@ -1,0 +1,222 @@
+"""autotune: measure and choose between bitwise-equal alternatives.
+
+The machinery with made-up costs (which alternative runs when, what is
+picked, what it costs), then each choice fastchain makes, on real models,
+against plain Chainer bit for bit while the alternatives take turns and
+after one is picked, whichever it is.
+"""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import fastchain
+from fastchain.tune import _tuner
+
+
+def test_each_alternative_warms_up_then_takes_turns_then_the_fastest_stays(tuner, monkeypatch):
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    tuner.update(a=3.0, b=1.0, c=2.0)
+    ran = []
+    alternatives = tuple((n, lambda n=n: ran.append(n) or n) for n in 'abc')
+    got = [_tuner.call('k', ('key',), alternatives) for _ in range(12)]
+    assert got == ran
+    # one untimed call each, then TRIALS timed calls each, in turns
+    assert ran[:9] == list('abc') * 3
+    assert ran[9:] == ['b'] * 3
+    [c] = _tuner.choices('k')
+    assert c['picked'] == 'b' and c['trials'] == {'a': 2, 'b': 2, 'c': 2}
+    assert c['median_ms'] == {'a': 3000.0, 'b': 1000.0, 'c': 2000.0}
+    # another key is measured on its own
+    _tuner.call('k', ('other',), alternatives)
+    assert [x['picked'] for x in _tuner.choices('k')] == ['b', None]
+
+
+def test_the_default_wins_a_tie_and_off_means_the_default_alone(tuner, monkeypatch):
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    tuner.update(a=1.0, b=1.0)
+    alternatives = (('a', lambda: 'a'), ('b', lambda: 'b'))
+    for _ in range(6):
+        _tuner.call('k', 1, alternatives)
+    assert _tuner.choices()[0]['picked'] == 'a'
+    monkeypatch.setattr(_tuner, 'enabled', False)
+    assert {_tuner.call('k', 2, (('a', lambda: 'a'), ('b', lambda: 'b')))
+            for _ in range(6)} == {'a'}
+    assert [c['key'] for c in _tuner.choices()] == ['1']    # nothing measured off
+
+
+def test_forced_takes_one_side_without_measuring(tuner, monkeypatch):
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    monkeypatch.setitem(_tuner.forced, 'k', 'b')
+    assert {_tuner.call('k', 1, (('a', lambda: 'a'), ('b', lambda: 'b')))
+            for _ in range(6)} == {'b'}
+    assert _tuner.choices() == []
+    with pytest.raises(KeyError, match="no alternative 'z' among a, b"):
+        monkeypatch.setitem(_tuner.forced, 'k', 'z')
+        _tuner.call('k', 1, (('a', lambda: 'a'), ('b', lambda: 'b')))
+
+
+class ConvNet(chainer.Chain):
+    """Every convolution function fastchain plans, with and without bias."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.c1 = L.Convolution2D(3, 8, 3, pad=1)
+            self.bn = L.BatchNormalization(8)
+            self.c2 = L.Convolution2D(8, 8, 3, stride=2, pad=1, nobias=True)
+            self.d3 = L.Deconvolution2D(8, 4, 2, stride=2)
+            self.fc = L.Linear(None, 5)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.c1(x)))
+        return self.fc(F.relu(self.d3(F.relu(self.c2(h)))))
+
+
+def convnet():
+    return L.Classifier(ConvNet())
+
+
+def train(options, steps, seed=0, inspect=None):
+    """(model, optimizer) after ``steps`` MomentumSGD steps, with fastchain's
+    ``options`` (None: plain Chainer); ``inspect(model)`` is called before
+    the handle is disabled."""
+    rng = numpy.random.RandomState(seed)
+    batches = [(rng.randn(4, 3, 12, 12).astype(numpy.float32),
+                rng.randint(0, 5, 4).astype(numpy.int32)) for _ in range(steps)]
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        handle = None if options is None else fastchain.enable(loader_workers=0, **options)
+        try:
+            numpy.random.seed(seed)
+            model = convnet()
+            model(*batches[0])          # shapes the Linear layer
+            model.cleargrads()
+            optimizer = chainer.optimizers.MomentumSGD(0.05)
+            optimizer.setup(model)
+            for x, t in batches:
+                optimizer.update(model, x, t)
+            if inspect is not None:
+                inspect(model)
+        finally:
+            if handle is not None:
+                handle.disable()
+    return model, optimizer
+
+
+def assert_bitwise(a, b):
+    (ma, oa), (mb, ob) = a, b
+    for (name, p), (_, q) in zip(sorted(ma.namedparams()), sorted(mb.namedparams())):
+        assert p.array.tobytes() == q.array.tobytes(), name
+        assert p.grad.tobytes() == q.grad.tobytes(), name
+        assert p.update_rule.state['v'].tobytes() == q.update_rule.state['v'].tobytes(), name
+    assert oa.t == ob.t
+    for la, lb in zip(ma.links(), mb.links()):
+        if isinstance(la, L.BatchNormalization):
+            assert la.avg_mean.tobytes() == lb.avg_mean.tobytes()
+            assert la.avg_var.tobytes() == lb.avg_var.tobytes()
+
+
+@pytest.mark.parametrize('faster', ['fastchain', 'chainer'])
+def test_convolutions_and_the_update_pick_per_key_and_train_as_chainer(tuner, faster):
+    slower = {'fastchain': 'chainer', 'chainer': 'fastchain'}[faster]
+    fused = 'fused' if faster == 'fastchain' else 'chainer'
+    tuner.update({('cpu_conv', faster): 0.5, ('cpu_conv', slower): 1.0,
+                  ('fused_update', fused): 0.5,
+                  ('fused_update', {'fused': 'chainer', 'chainer': 'fused'}[fused]): 1.0})
+    plain = train(None, 8)
+    got = train({'cpu_conv': True, 'fused_update': True}, 8)
+    assert_bitwise(plain, got)
+    conv = _tuner.choices('cpu_conv')
+    update = _tuner.choices('fused_update')
+    # forward, input and weight gradients, each shape its own key
+    kinds = {c['key'].split()[0] for c in conv}
+    assert kinds == {'forward', 'weight-grad', 'input-grad/deconv'} and len(conv) >= 6
+    assert {c['picked'] for c in conv} == {faster}
+    assert len(update) >= 4 and {c['picked'] for c in update} == {fused}
+
+
+def test_after_the_pick_only_the_picked_kernel_runs(tuner, monkeypatch):
+    from fastchain.kernels import _bind
+    tuner.update(fastchain=1.0, chainer=0.5)
+    planned = []
+    planner = _bind._convolution
+
+    def counting(*args):
+        planned.append(1)
+        return planner(*args)
+    monkeypatch.setattr(_bind, '_convolution', counting)
+    train({'cpu_conv': True}, 8)
+    forward = [c for c in _tuner.choices('cpu_conv') if c['key'].startswith('forward')]
+    assert forward and all(c['picked'] == 'chainer' for c in forward)
+    # one untimed and TRIALS timed calls each, then only Chainer's kernel
+    assert len(planned) == len(forward) * (1 + _tuner.TRIALS)
+
+
+def test_the_static_cache_is_dropped_where_define_by_run_is_faster(tuner):
+    from fastchain.static import cache_state
+    tuner.update({'cached': 2.0, 'define-by-run': 1.0})
+    plain = train(None, 14)
+    states = []
+    got = train({'static_graph': True, 'cpu_conv': True, 'fused_update': True}, 14,
+                inspect=lambda model: states.append(dict(cache_state(model.predictor))))
+    assert_bitwise(plain, got)
+    [c] = _tuner.choices('static_graph')
+    assert c['picked'] == 'define-by-run' and c['trials'] == {'cached': 2, 'define-by-run': 2}
+    # not a fallback: the cache stays, verified; this key just runs define-by-run
+    assert states[0]['fallback'] is None and list(states[0]['verified'].values()) == [2]
+
+
+def test_the_static_cache_stays_where_it_is_faster(tuner):
+    tuner.update({'cached': 1.0, 'define-by-run': 2.0})
+    plain = train(None, 14)
+    got = train({'static_graph': True}, 14)
+    assert_bitwise(plain, got)
+    [c] = _tuner.choices('static_graph')
+    assert c['picked'] == 'cached'
+    # a model of the same structure built again takes the choice made
+    assert_bitwise(plain, train({'static_graph': True}, 14))
+    assert _tuner.choices('static_graph') == [c]
+
+
+def test_an_evaluation_between_steps_is_not_timed(tuner):
+    from fastchain.static import cache_static_graph
+    numpy.random.seed(0)
+    model = convnet()
+    x, t = numpy.ones((4, 3, 12, 12), numpy.float32), numpy.zeros(4, numpy.int32)
+    model(x, t)
+    cache_static_graph(model.predictor)
+    optimizer = chainer.optimizers.SGD().setup(model)
+    with fastchain.enable(loader_workers=0):
+        for _ in range(12):
+            optimizer.update(model, x, t)
+            with chainer.using_config('train', False):
+                model.predictor(x)
+    [c] = _tuner.choices('static_graph')
+    # each period ends at the evaluation: none was timed
+    assert c['trials'] == {'cached': 0, 'define-by-run': 0} and c['picked'] is None
+
+
+def test_the_report_shows_what_was_picked_and_the_times(tuner):
+    tuner.update(fastchain=0.002, chainer=0.001)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with fastchain.enable(loader_workers=0, cpu_conv=True) as h:
+            model = convnet()
+            optimizer = chainer.optimizers.SGD().setup(model)
+            x, t = numpy.ones((4, 3, 12, 12), numpy.float32), numpy.zeros(4, numpy.int32)
+            for _ in range(6):
+                optimizer.update(model, x, t)
+            choices = h.report()['autotune']['choices']
+    conv = choices['cpu_conv']
+    n = conv['keys']
+    assert n >= 6 and conv['decided'] == n and conv['picked'] == {'chainer': n}
+    assert conv['ms'] == {'fastchain': 2.0 * n, 'chainer': 1.0 * n}
+    lines = fastchain.tune.describe(choices)
+    assert 'cpu_conv: {} of {} keys decided: chainer {}; sum of medians: fastchain ' \
+        '{:.1f} ms, chainer {:.1f} ms'.format(n, n, n, 2.0 * n, 1.0 * n) in lines
