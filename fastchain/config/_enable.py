@@ -167,8 +167,8 @@ def enable(**options):
     numerics (``fp16``) or execution (``static_graph``). Inside the handle's
     scope its explicit keywords override those of handles enabled before.
 
-    An option given explicitly that cannot take effect here (``autotune``
-    with no cuDNN, say) gives one :class:`FastchainWarning` saying why and
+    An option given explicitly that cannot take effect here (``cudnn``
+    without cuDNN, say) gives one :class:`FastchainWarning` saying why and
     how to get it, and shows as inactive in ``handle.report()``.
 
     Raises:

@@ -7,8 +7,11 @@ counts from all the workers down to one take turns over whole steps (each
 turn runs ``settle`` steps for the batches already in flight to drain, then
 times ``timed`` steps), and the fastest count stays. Idle workers wait on
 their pipe and use no CPU. Every batch and the order stay the same whatever
-the count: a batch's examples and their seeds come from the schedule, not
-from the worker that loads it. (Loading in the training process instead is
+the count: a batch's examples and their NumPy seeds come from the schedule,
+not from the worker that loads it. (Random numbers a dataset draws
+elsewhere, from Python's ``random`` or a generator of its own, are the
+worker's, as in any multiprocess loader; which worker loads a batch now
+depends on the count in force.) (Loading in the training process instead is
 not an alternative: with ``rng='global'`` it draws the examples' random
 numbers from NumPy's global RNG, the workers from seeds.)
 """
@@ -32,13 +35,13 @@ class WorkerTuner:
 
     def step(self, pool):
         """Call at the start of each step (each ``next()``): sets ``pool.active``."""
-        if not _tuner.enabled or len(self.names) < 2:
+        if not _tuner.enabled:
+            pool.active = len(pool.workers)     # autotune off (again): all of them
+            self.turn = None
             return
-        forced = _tuner.forced.get('loader_workers')
+        forced = _tuner.forced_name('loader_workers', self.names)
         if forced is not None:
-            _tuner.forced_calls['loader_workers'] = \
-                _tuner.forced_calls.get('loader_workers', 0) + 1
-            pool.active = max(1, min(int(forced), int(self.names[0])))
+            pool.active = int(forced)
             return
         choice = _tuner.choice('loader_workers', self.key, self.names, self.label)
         if choice.picked is not None:

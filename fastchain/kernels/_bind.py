@@ -134,13 +134,29 @@ class _Lazy:
                 self.tune_key = call_key(self.node, inputs)
             return _tuner.call('cpu_conv_bound', self.tune_key, (
                 ('fastchain', lambda: self.plan(inputs)),
-                ('chainer', lambda: self.original(func, inputs=inputs))),
+                ('chainer', lambda: _chainers(self.original, func, inputs))),
                 label=self._label)
         return self.original(func, inputs=inputs)
 
     def _label(self):
         from fastchain.kernels._conv import describe
         return describe(self.tune_key)
+
+
+# True while a bound entry runs Chainer's own kernel: the cpu_conv layer on
+# _forward_cpu_core then steps aside (the schedule runs one entry at a time).
+chainers_kernel = False
+
+
+def _chainers(original, func, inputs):
+    """The entry's original callable with Chainer's kernel inside, not the
+    ``cpu_conv`` layer's choice."""
+    global chainers_kernel
+    chainers_kernel = True
+    try:
+        return original(func, inputs=inputs)
+    finally:
+        chainers_kernel = False
 
 
 def _buffer(buffers, shape, dtype, interior):

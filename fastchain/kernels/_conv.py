@@ -30,7 +30,7 @@ def planned_layer(planner, next_, node, *arrays):
     this call (or Chainer's code, where it is faster and autotune is on), or
     Chainer's code where the planners do not apply."""
     inputs = tuple(a for a in arrays if a is not None)     # no bias: (x, W)
-    if not (_bind._plain_node(node) and _bind._plain(inputs)):
+    if _bind.chainers_kernel or not (_bind._plain_node(node) and _bind._plain(inputs)):
         return next_(node, *arrays)
     if not _tuner.enabled:
         plan = planner(node, inputs, {})

@@ -53,6 +53,7 @@ from fastchain.static import _fixes, _functions, _keys, _reads, _reasons, _verif
 from fastchain.tune import _tuner
 
 STATE = 'static_cache'      # attachment key: the chain's cache
+VOIDED_LIMIT = 32           # autotune: periods voided by evaluations before it gives up
 _CHAINER_ATTRIBUTES = ('schedule_manager', 'static_schedule', '_out_vars_unflatten_inds')
 
 
@@ -90,7 +91,8 @@ class _Cache:
         self.method = False         # a decorated method's cache (else the instance's)
         self.state = {'fallback': None, 'cause': None, 'sequences': {}, 'verified': {},
                       'names': {}}
-        self.timing = None          # autotune: (choice, alternative, timed, start, key)
+        self.timing = None          # autotune: [choice, alternative, timed, start, key, voided]
+        self.voided = 0
         self.structures = {}        # autotune: key -> the choice's key
 
     def __call__(self, plain, args, kwargs):
@@ -98,7 +100,8 @@ class _Cache:
         if (self.state['fallback'] is not None or not config.train
                 or not config.enable_backprop or config.schedule_func is not None
                 or not config.use_static_graph or _verify.in_reference()):
-            self.timing = None      # an evaluation between two steps is not timed
+            if self.timing is not None:
+                self.timing[5] = True   # an evaluation between two steps voids the period
             # Chainer keys a train-mode call without backprop as 'test' and
             # records it outside fastchain's fixes; a call inside another
             # cached chain's recording (or check) belongs to that one.
@@ -118,7 +121,9 @@ class _Cache:
                                                                            self.verbosity)
         building = _keys.will_build(managers.select(key))
         if not building and self.state['verified'].get(key, 0) >= self.verify_steps:
-            if _tuner.enabled and self._tuned(key) == 'define-by-run':
+            if not _tuner.enabled:
+                self.timing = None
+            elif self._tuned(key) == 'define-by-run':
                 return plain(*args)
             with _fixes.verbosity(self.verbosity > 0):
                 return self.replay(chain, *args)
@@ -132,8 +137,12 @@ class _Cache:
         backward, update and loading included), taking turns."""
         now = time.perf_counter()
         timing, self.timing = self.timing, None
+        retry = None
         if timing is not None and timing[4] == key and timing[2]:
-            timing[0].record(timing[1], now - timing[3])
+            if timing[5]:
+                retry = timing[1]   # voided (an evaluation in between): again
+            else:
+                timing[0].record(timing[1], now - timing[3])
         # Keyed by what was recorded (functions, shapes, constants, parameter
         # names), as a kernel's choice is by its shapes: a rebuilt model of
         # the same structure takes the choice made for the first.
@@ -144,14 +153,20 @@ class _Cache:
         choice = _tuner.choice('static_graph', structure, ('cached', 'define-by-run'),
                                label=lambda: '{} ({} functions recorded)'.format(
                                    self.name, len(self.state['sequences'].get(key, ()))))
+        forced = _tuner.forced_name('static_graph', choice.names)
+        if forced is not None:
+            return forced
         if choice.picked is not None:
             return choice.picked
-        forced = _tuner.forced.get('static_graph')
-        if forced is not None:
-            _tuner.forced_calls['static_graph'] = _tuner.forced_calls.get('static_graph', 0) + 1
-            return forced
-        name, timed = choice.next()
-        self.timing = (choice, name, timed, now, key)
+        if retry is not None:
+            self.voided += 1
+            if self.voided > VOIDED_LIMIT:
+                choice.picked = choice.names[0]     # steps never come in a row: keep it
+                return choice.picked
+            name, timed = retry, True
+        else:
+            name, timed = choice.next()
+        self.timing = [choice, name, timed, now, key, False]
         return name
 
     def _verified(self, chain, plain, key, args, building):

@@ -3,7 +3,8 @@
 Where fastchain has more than one way to compute the same thing, bit for bit
 (Chainer's convolution kernel or fastchain's, per call and in a bound
 schedule; Chainer's optimizer update or the fused one; a verified static
-schedule or define-by-run), the autotuner times the alternatives on the first
+schedule or define-by-run; how many of the default loader workers load),
+the autotuner times the alternatives on the first
 calls of each key and keeps the fastest, as cuDNN's autotune does for its
 algorithms. :func:`choices` lists what was picked and the times measured.
 """

@@ -3,7 +3,8 @@
 One option, two tuners: cuDNN's algorithm search (Chainer's ``autotune``
 configuration) where cuDNN works, and fastchain's own measure-and-choose
 (:mod:`fastchain.tune._tuner`) between bitwise-equal alternatives of its CPU
-convolution kernels, its fused update and its static cache, everywhere.
+convolution kernels, its fused update, its static cache and its loader
+workers, everywhere.
 """
 
 from fastchain.backends import cuda
@@ -18,7 +19,8 @@ class AutotuneGroup(Group):
         boolean('autotune', "measure and choose on the first calls of each key: cuDNN's "
                 "fastest convolution algorithm where cuDNN works, and everywhere the "
                 "fastest of fastchain's bitwise-equal alternatives (CPU convolution "
-                "kernels, fused update, static cache); default: on"),
+                "kernels, fused update, static cache, how many default loader workers "
+                "load); default: on"),
     )
 
     def probe(self):

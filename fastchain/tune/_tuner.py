@@ -8,13 +8,13 @@ on. Only alternatives that give bitwise-equal results are offered, so the
 choice changes speed and nothing else; while it is being made the results
 are the same whichever runs.
 
-The cost is bounded: ``(TRIALS + 1)`` calls of each alternative per key, of
-which at most half are the slower one's. Each data-parallel process chooses
-for itself (they may pick differently: the results are the same).
+The cost is bounded: ``(TRIALS + 1)`` calls of each alternative per key.
+Each data-parallel process chooses for itself (they may pick differently:
+the results are the same).
 
 ``enabled`` is set by ``enable(autotune=...)`` (on unless ``False``);
-``forced`` (``{kind: alternative}``) makes every undecided key of a kind take
-one alternative, for tests and benchmarks that compare them.
+``forced`` (``{kind: alternative}``) makes every key of a kind take one
+alternative, without measuring, for tests and benchmarks that compare them.
 """
 
 import statistics
@@ -84,9 +84,8 @@ def call(kind, key, alternatives, label=None):
     them. Without autotuning, the first one runs."""
     if not enabled:
         return alternatives[0][1]()
-    force = forced.get(kind)
+    force = forced_name(kind, [a[0] for a in alternatives])
     if force is not None:
-        forced_calls[kind] = forced_calls.get(kind, 0) + 1
         return _named(alternatives, force)()
     c = choice(kind, key, [a[0] for a in alternatives], label)
     if c.picked is not None:
@@ -99,6 +98,19 @@ def call(kind, key, alternatives, label=None):
     out = fn()
     c.record(name, time.perf_counter() - start)
     return out
+
+
+def forced_name(kind, names):
+    """The alternative ``forced`` names for ``kind`` (counted in
+    ``forced_calls``), or None; a name not among ``names`` raises KeyError."""
+    force = forced.get(kind)
+    if force is None:
+        return None
+    if force not in names:
+        raise KeyError('autotune forced {!r} for {}, which has no such alternative '
+                       '(it has {})'.format(force, kind, ', '.join(names)))
+    forced_calls[kind] = forced_calls.get(kind, 0) + 1
+    return force
 
 
 def _named(alternatives, name):

@@ -95,3 +95,32 @@ def test_without_autotune_all_workers_load(tuner, three_workers):
     tuner.update({'3': 2.0, '2': 1.0, '1': 3.0})
     got = run(Indexed(), {'autotune': False})
     assert _tuner.choices('loader_workers') == [] and got[2] == 3
+
+
+def test_autotune_turned_off_later_gives_all_workers_back(tuner, three_workers):
+    """An iterator made while autotune measured loads with every worker once
+    no handle asks for autotune any more."""
+    tuner.update({'3': 2.0, '2': 1.0, '1': 3.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with fastchain.enable():
+            it = chainer.iterators.SerialIterator(Indexed(), 4)
+            model = L.Classifier(L.Linear(3, 12))
+            updater = chainer.training.StandardUpdater(
+                it, chainer.optimizers.SGD().setup(model))
+            main = updater.get_iterator('main')
+            pool = getattr(main, 'iterator', main)._pool
+            for _ in range(ITERATIONS):
+                updater.update()
+            assert pool.active == 2
+        with fastchain.enable(autotune=False):
+            updater.update()
+            assert pool.active == 3
+    updater.finalize()
+
+
+def test_a_forced_count_that_does_not_exist_is_an_error_naming_the_counts(three_workers,
+                                                                             monkeypatch):
+    monkeypatch.setitem(_tuner.forced, 'loader_workers', '7')
+    with pytest.raises(KeyError, match=r"forced '7' for loader_workers.*\(it has 3, 2, 1\)"):
+        run(Indexed(), {}, iterations=1)

@@ -56,7 +56,8 @@ def test_forced_takes_one_side_without_measuring(tuner, monkeypatch):
     assert {_tuner.call('k', 1, (('a', lambda: 'a'), ('b', lambda: 'b')))
             for _ in range(6)} == {'b'}
     assert _tuner.choices() == []
-    with pytest.raises(KeyError, match="no alternative 'z' among a, b"):
+    with pytest.raises(KeyError, match=r"forced 'z' for k, which has no such alternative "
+                       r"\(it has a, b\)"):
         monkeypatch.setitem(_tuner.forced, 'k', 'z')
         _tuner.call('k', 1, (('a', lambda: 'a'), ('b', lambda: 'b')))
 
@@ -198,8 +199,35 @@ def test_an_evaluation_between_steps_is_not_timed(tuner):
             with chainer.using_config('train', False):
                 model.predictor(x)
     [c] = _tuner.choices('static_graph')
-    # each period ends at the evaluation: none was timed
+    # each period ends at the evaluation: none was timed; the same alternative
+    # runs again (then, after VOIDED_LIMIT periods, the cache is kept)
     assert c['trials'] == {'cached': 0, 'define-by-run': 0} and c['picked'] is None
+    from fastchain.static import _cache
+    with fastchain.enable(loader_workers=0):
+        for _ in range(_cache.VOIDED_LIMIT + 2):
+            optimizer.update(model, x, t)
+            with chainer.using_config('train', False):
+                model.predictor(x)
+    [c] = _tuner.choices('static_graph')
+    assert c['picked'] == 'cached' and c['trials'] == {'cached': 0, 'define-by-run': 0}
+
+
+def test_a_bound_entrys_chainer_side_runs_chainers_kernel(tuner, monkeypatch):
+    """In a cached schedule, the 'chainer' alternative of a bound entry is
+    Chainer's kernel, not the define-by-run layer's choice (which would
+    measure fastchain's kernel under Chainer's name)."""
+    from fastchain.kernels import _bind
+    monkeypatch.setitem(_tuner.forced, 'cpu_conv_bound', 'chainer')
+    monkeypatch.setitem(_tuner.forced, 'cpu_conv', 'fastchain')
+    planned = []      # for each planning: inside a bound entry's Chainer side?
+    planner = _bind._convolution
+    monkeypatch.setattr(_bind, '_convolution',
+                        lambda *args: planned.append(_bind.chainers_kernel) or planner(*args))
+    plain = train(None, 6)
+    got = train({'static_graph': True, 'cpu_conv': True}, 6)
+    assert_bitwise(plain, got)
+    assert _tuner.forced_calls.get('cpu_conv_bound') and planned
+    assert not any(planned)
 
 
 def test_the_report_shows_what_was_picked_and_the_times(tuner):
