@@ -41,6 +41,7 @@ leave the same zero border (the schedule runs its entries one at a time).
 import numpy
 from numpy.lib.stride_tricks import as_strided
 
+from fastchain.kernels._keys import call_key, describe
 from fastchain.tune import _tuner
 
 _dot_warns = None     # does this NumPy's dot report floating-point errors?
@@ -130,7 +131,6 @@ class _Lazy:
             # autotune: the bound kernel or Chainer's, whichever is faster
             # for this call (the same bits either way).
             if self.tune_key is None:
-                from fastchain.kernels._conv import call_key
                 self.tune_key = call_key(self.node, inputs)
             return _tuner.call('cpu_conv_bound', self.tune_key, (
                 ('fastchain', lambda: self.plan(inputs)),
@@ -139,7 +139,6 @@ class _Lazy:
         return self.original(func, inputs=inputs)
 
     def _label(self):
-        from fastchain.kernels._conv import describe
         return describe(self.tune_key)
 
 
