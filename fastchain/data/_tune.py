@@ -16,8 +16,6 @@ not an alternative: with ``rng='global'`` it draws the examples' random
 numbers from NumPy's global RNG, the workers from seeds.)
 """
 
-import time
-
 from fastchain.tune import _tuner
 
 TIMED_STEPS = 2
@@ -29,38 +27,15 @@ class WorkerTuner:
     def __init__(self, key, n_workers, slots, label):
         self.key = key
         self.names = tuple(str(k) for k in range(n_workers, 0, -1))
-        self.settle = slots         # a batch sent under the old count is used by then
         self.label = label
-        self.turn = None            # [alternative, timed, steps so far, start of timing]
+        # a batch sent under the previous count is used after ``slots`` steps
+        self.turns = _tuner.Turns(settle=slots, timed=TIMED_STEPS)
 
     def step(self, pool):
         """Call at the start of each step (each ``next()``): sets ``pool.active``."""
         if not _tuner.enabled:
             pool.active = len(pool.workers)     # autotune off (again): all of them
-            self.turn = None
+            self.turns.reset()
             return
-        forced = _tuner.forced_name('loader_workers', self.names)
-        if forced is not None:
-            pool.active = int(forced)
-            return
-        choice = _tuner.choice('loader_workers', self.key, self.names, self.label)
-        if choice.picked is not None:
-            pool.active = int(choice.picked)
-            return
-        now = time.perf_counter()
-        turn = self.turn
-        if turn is not None:
-            turn[2] += 1
-            if turn[2] == self.settle:
-                turn[3] = now
-            if turn[2] < self.settle + TIMED_STEPS:
-                return
-            if turn[1]:
-                choice.record(turn[0], (now - turn[3]) / TIMED_STEPS)
-            if choice.picked is not None:
-                pool.active = int(choice.picked)
-                self.turn = None
-                return
-        name, timed = choice.next()
-        pool.active = int(name)
-        self.turn = [name, timed, 0, None]
+        pool.active = int(self.turns.step('loader_workers', self.key, self.names,
+                                          self.label))

@@ -31,13 +31,12 @@ def planned_layer(planner, next_, node, *arrays):
     inputs = tuple(a for a in arrays if a is not None)     # no bias: (x, W)
     if _bind.chainers_kernel or not (_bind._plain_node(node) and _bind._plain(inputs)):
         return next_(node, *arrays)
-    if not _tuner.enabled:
-        plan = planner(node, inputs, {})
-        return next_(node, *arrays) if plan is None else plan(inputs)
 
     def fastchain():
         plan = planner(node, inputs, {})
         return next_(node, *arrays) if plan is None else plan(inputs)
+    if not _tuner.enabled:
+        return fastchain()
     key = call_key(node, inputs)
     return _tuner.call('cpu_conv', key, (('fastchain', fastchain),
                                          ('chainer', lambda: next_(node, *arrays))),

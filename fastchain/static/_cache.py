@@ -41,7 +41,6 @@ import contextlib
 import functools
 import hashlib
 import inspect
-import time
 import warnings
 import weakref
 
@@ -91,8 +90,8 @@ class _Cache:
         self.method = False         # a decorated method's cache (else the instance's)
         self.state = {'fallback': None, 'cause': None, 'sequences': {}, 'verified': {},
                       'names': {}}
-        self.timing = None          # autotune: [choice, alternative, timed, start, key, voided]
-        self.voided = 0
+        # autotune: one step a turn; an evaluation between two steps voids it
+        self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)
         self.structures = {}        # autotune: key -> the choice's key
 
     def __call__(self, plain, args, kwargs):
@@ -100,8 +99,7 @@ class _Cache:
         if (self.state['fallback'] is not None or not config.train
                 or not config.enable_backprop or config.schedule_func is not None
                 or not config.use_static_graph or _verify.in_reference()):
-            if self.timing is not None:
-                self.timing[5] = True   # an evaluation between two steps voids the period
+            self.turns.void()       # an evaluation between two steps is not timed
             # Chainer keys a train-mode call without backprop as 'test' and
             # records it outside fastchain's fixes; a call inside another
             # cached chain's recording (or check) belongs to that one.
@@ -122,12 +120,12 @@ class _Cache:
         building = _keys.will_build(managers.select(key))
         if not building and self.state['verified'].get(key, 0) >= self.verify_steps:
             if not _tuner.enabled:
-                self.timing = None
+                self.turns.reset()
             elif self._tuned(key) == 'define-by-run':
                 return plain(*args)
             with _fixes.verbosity(self.verbosity > 0):
                 return self.replay(chain, *args)
-        self.timing = None
+        self.turns.reset()
         return self._verified(chain, plain, key, args, building)
 
     def _tuned(self, key):
@@ -135,14 +133,6 @@ class _Cache:
         is verified the two give the same bits; which is faster is measured
         over whole steps (from this forward to the next one of the key:
         backward, update and loading included), taking turns."""
-        now = time.perf_counter()
-        timing, self.timing = self.timing, None
-        retry = None
-        if timing is not None and timing[4] == key and timing[2]:
-            if timing[5]:
-                retry = timing[1]   # voided (an evaluation in between): again
-            else:
-                timing[0].record(timing[1], now - timing[3])
         # Keyed by what was recorded (functions, shapes, constants, parameter
         # names), as a kernel's choice is by its shapes: a rebuilt model of
         # the same structure takes the choice made for the first.
@@ -150,24 +140,9 @@ class _Cache:
         if structure is None:
             structure = self.structures[key] = (self.name, hashlib.sha1(repr(
                 self.state['sequences'].get(key)).encode()).hexdigest())
-        choice = _tuner.choice('static_graph', structure, ('cached', 'define-by-run'),
+        return self.turns.step('static_graph', structure, ('cached', 'define-by-run'),
                                label=lambda: '{} ({} functions recorded)'.format(
                                    self.name, len(self.state['sequences'].get(key, ()))))
-        forced = _tuner.forced_name('static_graph', choice.names)
-        if forced is not None:
-            return forced
-        if choice.picked is not None:
-            return choice.picked
-        if retry is not None:
-            self.voided += 1
-            if self.voided > VOIDED_LIMIT:
-                choice.picked = choice.names[0]     # steps never come in a row: keep it
-                return choice.picked
-            name, timed = retry, True
-        else:
-            name, timed = choice.next()
-        self.timing = [choice, name, timed, now, key, False]
-        return name
 
     def _verified(self, chain, plain, key, args, building):
         before = _verify.Snapshot(chain)
@@ -205,8 +180,8 @@ class _Cache:
             recorded = self.state['sequences'].setdefault(key, recorder.calls)
             if recorder.calls != recorded:      # a second schedule for the key
                 before.restore()
-                return self._redo(plain, args, *_reasons.sequence_reason(recorder.calls,
-                                                                      recorded))
+                return self._redo(plain, args,
+                                  *_reasons.sequence_reason(recorder.calls, recorded))
         schedule = chain.static_schedule
         after = _verify.Snapshot(chain, grads=False)
         before.restore_persistents()
@@ -238,14 +213,16 @@ class _Cache:
         found = _verify.first_difference(pairs) or after.compare_persistents(reached)
         if found is None and len(_verify.flatten(out)) != len(reference.outputs):
             found = ('the outputs', 'a different number of outputs')
-        return None if found is None else _reasons.value_reason(self.state['names'].get(key, ()), building, *found)
+        return None if found is None else _reasons.value_reason(
+            self.state['names'].get(key, ()), building, *found)
 
     def _backward_result(self, key, building, found):
         if found is None:
             if not building:
                 self.state['verified'][key] = self.state['verified'].get(key, 0) + 1
             return
-        self.fall_back(*_reasons.value_reason(self.state['names'].get(key, ()), building, *found, backward=True))
+        self.fall_back(*_reasons.value_reason(self.state['names'].get(key, ()), building,
+                                              *found, backward=True))
 
     def fall_back(self, cause, reason):
         self.state['fallback'] = reason

@@ -100,6 +100,64 @@ def call(kind, key, alternatives, label=None):
     return out
 
 
+class Turns:
+    """Alternatives that take turns over whole steps, for choices timed by
+    the period between steps (the static cache, the loader's workers) rather
+    than by one call.
+
+    Each turn runs one alternative for ``settle`` untimed steps (what the
+    previous one left in flight drains), then ``timed`` steps timed together.
+    A turn :meth:`void`-ed on the way (an evaluation between two steps) is
+    run again with the same alternative, up to ``void_limit`` times in all;
+    then the default (the first name) is kept.
+    """
+
+    def __init__(self, settle=0, timed=1, void_limit=None):
+        self.settle, self.timed, self.void_limit = settle, timed, void_limit
+        self.voided = 0
+        self.turn = None    # [choice, alternative, timed, steps, start, voided]
+
+    def void(self):
+        if self.turn is not None:
+            self.turn[5] = True
+
+    def reset(self):
+        self.turn = None
+
+    def step(self, kind, key, names, label=None):
+        """The alternative for the step that starts now (call at the start of
+        each step)."""
+        force = forced_name(kind, names)
+        if force is not None:
+            return force
+        c = choice(kind, key, names, label)
+        now = time.perf_counter()
+        turn, retry = self.turn, False
+        if turn is not None and turn[0] is c and c.picked is None:
+            turn[3] += 1
+            if turn[3] == self.settle:
+                turn[4] = now
+            if turn[3] < self.settle + self.timed:
+                return turn[1]
+            if turn[2] and turn[5]:
+                retry = True
+            elif turn[2]:
+                c.record(turn[1], (now - turn[4]) / self.timed)
+        self.turn = None
+        if c.picked is not None:
+            return c.picked
+        if retry:
+            self.voided += 1
+            if self.void_limit is not None and self.voided > self.void_limit:
+                c.picked = c.names[0]       # its steps never come in a row: keep the default
+                return c.picked
+            name, timed = turn[1], True
+        else:
+            name, timed = c.next()
+        self.turn = [c, name, timed, 0, now if self.settle == 0 else None, False]
+        return name
+
+
 def forced_name(kind, names):
     """The alternative ``forced`` names for ``kind`` (counted in
     ``forced_calls``), or None; a name not among ``names`` raises KeyError."""

@@ -277,7 +277,8 @@ def speed_report(args, handle, meter, log, device, n_classes, world=1):
         lines.append('validation accuracy: {:.3f} (chance {:.3f})'.format(
             accuracy[-1], 1.0 / n_classes))
     lines.append('accelerators:')
-    for name, s in handle.report().items():
+    report = handle.report()
+    for name, s in report.items():
         if name in ('loader', 'prefetch_to_device'):
             continue        # the recipe builds its own pipeline (below)
         if s['active']:
@@ -292,7 +293,7 @@ def speed_report(args, handle, meter, log, device, n_classes, world=1):
                                       else 'off: loading in the main process'))
     for name in getattr(args, 'not_available', []):
         lines.append('  {:18s} not in this version of fastchain yet'.format(name))
-    choices = handle.report().get('autotune', {}).get('choices')
+    choices = report.get('autotune', {}).get('choices')
     if choices:
         from fastchain.tune import describe
         lines.append('autotune, what it measured and picked (fastchain.tune.choices() '

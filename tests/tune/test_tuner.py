@@ -79,6 +79,33 @@ class ConvNet(chainer.Chain):
         return self.fc(F.relu(self.d3(F.relu(self.c2(h)))))
 
 
+@pytest.mark.parametrize('settle,timed', [(0, 1), (2, 2)])
+def test_turns_time_each_alternatives_own_steps(monkeypatch, settle, timed):
+    """Over whole steps, each alternative's time is that of the steps it ran
+    after settling, never a neighbour's: a step under 'a' lasts 3 s, under
+    'b' 1 s, and the first step after a switch 10 s more (what the previous
+    alternative left in flight)."""
+    monkeypatch.setattr(_tuner, 'TRIALS', 2)
+    _tuner.forget()
+    clock = [0.0]
+    monkeypatch.setattr(_tuner.time, 'perf_counter', lambda: clock[0])
+    turns = _tuner.Turns(settle=settle, timed=timed)
+    ran = []
+    for _ in range(40):
+        name = turns.step('k', 1, ('a', 'b'))
+        clock[0] += {'a': 3.0, 'b': 1.0}[name] + (10.0 if ran and ran[-1] != name else 0)
+        ran.append(name)
+    [c] = _tuner.choices('k')
+    assert c['picked'] == 'b' and ran[-1] == 'b'
+    if settle:      # settling absorbs the switch
+        assert c['median_ms'] == {'a': 3000.0, 'b': 1000.0}
+    else:           # one step a turn: the switch is part of it (the static cache's case)
+        assert c['median_ms'] == {'a': 13000.0, 'b': 11000.0}
+    # (1 untimed + TRIALS timed) turns each of settle + timed steps
+    assert ran[:(settle + timed) * 6].count('a') == (settle + timed) * 3
+    _tuner.forget()
+
+
 def convnet():
     return L.Classifier(ConvNet())
 
