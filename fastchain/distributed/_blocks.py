@@ -86,13 +86,10 @@ class BlockMomentum(Learner):
             return float(self._block_momentum)
         return 1.0 - 1.0 / self.comm.size if self.comm is not None else None
 
-    def describe(self):
-        text = '{} (block {} samples/rank, momentum {:.3g}, lr {:g}{})'.format(
+    def _summary(self):
+        return '{} (block {} samples/rank, momentum {:.3g}, lr {:g}{})'.format(
             self.name, self.block_size, self.block_momentum, self.block_lr,
             ', nesterov' if self.nesterov and self.block_momentum else '')
-        if self.distributed_after:
-            text += ' after {} samples'.format(self.distributed_after)
-        return text
 
     def _counts_samples(self):
         return True
@@ -133,7 +130,7 @@ class BlockMomentum(Learner):
         return w + numpy.float32(eta) * d if self.nesterov and eta else w
 
     def _start(self):
-        xp = chainer.backend.get_array_module(self.params[0].array) if self.params else numpy
+        xp = self._xp()
         self.global_model = [xp.array(w, xp.float32) for w in self._weights()]
         self.delta = [xp.zeros_like(w) for w in self.global_model]
         self.block_samples = 0
@@ -195,13 +192,11 @@ class BlockMomentum(Learner):
         return state
 
     def _apply_local_state(self, state):
-        xp = chainer.backend.get_array_module(self.params[0].array) if self.params else numpy
-        for p, w in zip(self.params, self._weights()):
+        xp = self._xp()
+        self._write_weights([xp.asarray(state['weight' + self.names[id(p)]])
+                             for p in self.params])
+        for p in self.params:
             name = self.names[id(p)]
-            new = xp.asarray(state['weight' + name])
-            if w is not p.array:
-                w[...] = new
-            p.array[...] = new.astype(p.dtype)
             rule = getattr(p, 'update_rule', None)
             states = getattr(rule, 'state', None) or {}
             for key, value in list(states.items()):
@@ -236,7 +231,7 @@ class BlockMomentum(Learner):
             for name in self._param_names()}
 
     def _apply_shared_state(self, state):
-        xp = chainer.backend.get_array_module(self.params[0].array) if self.params else numpy
+        xp = self._xp()
         self.global_model = [xp.asarray(state[self.names[id(p)]][0], xp.float32)
                              for p in self.params]
         self.delta = [xp.asarray(state[self.names[id(p)]][1], xp.float32)
@@ -254,8 +249,5 @@ class ModelAveraging(BlockMomentum):
         super().__init__(block_size, block_momentum=0.0, block_lr=1.0, nesterov=False,
                          reset_local_momentum=reset_local_momentum)
 
-    def describe(self):
-        text = '{} (every {} samples/rank)'.format(self.name, self.block_size)
-        if self.distributed_after:
-            text += ' after {} samples'.format(self.distributed_after)
-        return text
+    def _summary(self):
+        return '{} (every {} samples/rank)'.format(self.name, self.block_size)

@@ -174,10 +174,20 @@ class Learner:
         return out
 
     def describe(self):
-        text = self.name
+        """The learner in a few words (its settings, and the warm start)."""
+        text = self._summary()
         if self.distributed_after:
             text += ' after {} samples'.format(self.distributed_after)
         return text
+
+    def _summary(self):
+        return self.name
+
+    def _xp(self):
+        """The array module of the model's parameters (now: a model may
+        have moved to a device since binding)."""
+        return chainer.backend.get_array_module(self.params[0].array) if self.params \
+            else numpy
 
     # -- state ---------------------------------------------------------------
 

@@ -93,7 +93,7 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
                   functools.partial(_serialize_learner, learner))
     options = dict(cap=int(bucket_cap_mb * 2 ** 20),
                    dtype=numpy.float16 if fp16_allreduce else None, overlap=overlap,
-                   learner=learner, distributed_after=int(distributed_after))
+                   learner=learner)
     if getattr(optimizer, 'target', None) is not None:
         _attach_when_initialized(optimizer, comm, options)
     else:

@@ -42,9 +42,7 @@ class Encoding:
     """
 
     def __init__(self, shapes, bits):
-        if bits not in BITS:
-            raise ValueError('quantization bits must be one of {}, got {!r}'.format(
-                ', '.join(map(str, BITS)), bits))
+        _check_bits(bits, 'quantization bits')
         self.bits = bits
         self.layout = []            # (shape, rows, cols, value offset, row offset)
         values = rows_total = 0
@@ -80,7 +78,7 @@ class Encoding:
     def encode(self, arrays):
         """``arrays`` (float32, the layout's shapes) to (codes uint8, levels
         float32)."""
-        xp = _xp(arrays)
+        xp = chainer.backend.get_array_module(*arrays)
         if self.bits == 16:
             flat = xp.concatenate([a.ravel() for a in arrays]) if arrays else \
                 xp.zeros(0, xp.float32)
@@ -146,7 +144,7 @@ class Encoding:
     def decode(self, codes, levels, out=None):
         """One rank's (codes, levels) to float32 values, flat (into ``out``
         if given)."""
-        xp = _xp([codes])
+        xp = chainer.backend.get_array_module(codes)
         if out is None:
             out = xp.empty(self.values, xp.float32)
         if self.bits == 16:
@@ -171,12 +169,10 @@ class Encoding:
                 for shape, rows, cols, off, _ in self.layout]
 
 
-def _xp(arrays):
-    for a in arrays:
-        if type(a).__module__.startswith('cupy'):
-            import cupy
-            return cupy
-    return numpy
+def _check_bits(bits, what):
+    if bits not in BITS:
+        raise ValueError('{} must be one of {}, got {!r}'.format(
+            what, ', '.join(map(str, BITS)), bits))
 
 
 class QuantizedSGD(Learner):
@@ -204,9 +200,7 @@ class QuantizedSGD(Learner):
 
     def __init__(self, bits=1, error_feedback=True):
         super().__init__()
-        if bits not in BITS:
-            raise ValueError('QuantizedSGD bits must be one of {}, got {!r}'.format(
-                ', '.join(map(str, BITS)), bits))
+        _check_bits(bits, 'QuantizedSGD bits')
         self.bits = bits
         self.error_feedback = bool(error_feedback)
         self.residuals = None
@@ -217,13 +211,11 @@ class QuantizedSGD(Learner):
         super()._bind(sync)
         self.encoding = Encoding([p.shape for p in self.params], self.bits)
 
-    def describe(self):
+    def _summary(self):
         text = '{}-bit SGD{}'.format(self.bits, '' if self.error_feedback
                                      else ' without error feedback')
         if self.bits == 16:
             text = 'fp16 SGD' + text[len('16-bit SGD'):]
-        if self.distributed_after:
-            text += ' after {} samples'.format(self.distributed_after)
         return text
 
     def _residuals(self, xp):
@@ -249,16 +241,22 @@ class QuantizedSGD(Learner):
         self._scale = scale
         values = [g.astype(xp.float32) + r for g, r in zip(grads, residuals)]
         codes, levels = self.encoding.encode(values)
+        own = None
         if self.error_feedback:       # the new residuals, kept if the step is finite
-            mine = self.encoding.split(self.encoding.decode(codes, levels))
-            fresh = [v - q for v, q in zip(values, mine)]
+            own = self.encoding.decode(codes, levels)
+            fresh = [v - q for v, q in zip(values, self.encoding.split(own))]
         all_codes = self.comm.allgather(codes, 'quantized gradient exchange (codes)')
         all_levels = self.comm.allgather(levels, 'quantized gradient exchange (levels)') \
             if levels.size else [levels] * self.comm.size
-        total = self.encoding.decode(all_codes[0], all_levels[0])
+
+        def decoded(rank, out=None):    # this rank's own: decoded above already
+            if own is not None and rank == self.comm.rank:
+                return own
+            return self.encoding.decode(all_codes[rank], all_levels[rank], out=out)
+        total = decoded(0)
         buffer = xp.empty_like(total)
         for rank in range(1, self.comm.size):
-            total += self.encoding.decode(all_codes[rank], all_levels[rank], out=buffer)
+            total += decoded(rank, out=buffer)
         total /= numpy.float32(self.comm.size)
         for p, avg in zip(params, self.encoding.split(total)):
             p.grad[...] = avg
@@ -283,7 +281,7 @@ class QuantizedSGD(Learner):
         return 'residual' + self.names[id(p)]
 
     def _apply_local_state(self, state):
-        xp = chainer.backend.get_array_module(self.params[0].array) if self.params else numpy
+        xp = self._xp()
         self.residuals = [xp.asarray(state[self._key(p)], xp.float32) for p in self.params]
 
     def _foreign(self, state):
