@@ -88,6 +88,7 @@ class State:
     setting: object = None
     note: str = None        # a caveat worth a warning even when active
     choices: dict = None    # autotune: {kind: what was measured and picked}
+    calls: dict = None      # onednn: {operation: calls that ran its kernels}
 
     def as_dict(self):
         return dataclasses.asdict(self)

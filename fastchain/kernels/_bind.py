@@ -41,6 +41,7 @@ leave the same zero border (the schedule runs its entries one at a time).
 import numpy
 from numpy.lib.stride_tricks import as_strided
 
+from fastchain.kernels import _onednn
 from fastchain.kernels._keys import call_key, describe
 from fastchain.tune import _tuner
 
@@ -126,16 +127,20 @@ class _Lazy:
                 except Exception:       # an input this planner did not foresee
                     self.plan = None
         if self.plan is not None and key == self.key:
+            onednn = _onednn.convolution_kernel(self.node, inputs)
             if not _tuner.enabled:
-                return self.plan(inputs)
-            # autotune: the bound kernel or Chainer's, whichever is faster
-            # for this call (the same bits either way).
+                return self.plan(inputs) if onednn is None else onednn()
+            # autotune: the bound kernel or Chainer's (the same bits either
+            # way), or oneDNN's where the onednn option allows it, whichever
+            # is faster for this call.
             if self.tune_key is None:
                 self.tune_key = call_key(self.node, inputs)
-            return _tuner.call('cpu_conv_bound', self.tune_key, (
-                ('fastchain', lambda: self.plan(inputs)),
-                ('chainer', lambda: _chainers(self.original, func, inputs))),
-                label=self._label)
+            alternatives = (('fastchain', lambda: self.plan(inputs)),
+                            ('chainer', lambda: _chainers(self.original, func, inputs)))
+            if onednn is not None:
+                alternatives += (('onednn', onednn),)
+            return _tuner.call('cpu_conv_bound', self.tune_key, alternatives,
+                               label=self._label)
         return self.original(func, inputs=inputs)
 
     def _label(self):

@@ -16,18 +16,21 @@ grouped) stay Chainer's; inside, anything the kernels do not plan for (iDeep,
 With ``autotune`` (:mod:`fastchain.tune`), each call key (the function,
 the shapes and dtypes of its arrays, stride, padding, dilation) runs the
 faster of the two kernels, measured on its first calls: both give the same
-bits, and which one is faster depends on the key and the BLAS.
+bits, and which one is faster depends on the key and the BLAS. Where the
+``onednn`` option allows it (not bitwise equal: :mod:`fastchain.kernels._onednn`),
+oneDNN's kernel is a third alternative, and without autotune the one used.
 """
 
-from fastchain.kernels import _bind
+from fastchain.kernels import _bind, _onednn
 from fastchain.kernels._keys import call_key, describe
 from fastchain.tune import _tuner
 
 
 def planned_layer(planner, next_, node, *arrays):
     """The ``cpu_conv`` layer of ``_forward_cpu_core``: ``planner``'s plan for
-    this call (or Chainer's code, where it is faster and autotune is on), or
-    Chainer's code where the planners do not apply."""
+    this call (or Chainer's code, or oneDNN's where ``onednn`` allows it,
+    whichever autotune measured fastest), or Chainer's code where the planners
+    do not apply."""
     inputs = tuple(a for a in arrays if a is not None)     # no bias: (x, W)
     if _bind.chainers_kernel or not (_bind._plain_node(node) and _bind._plain(inputs)):
         return next_(node, *arrays)
@@ -35,10 +38,30 @@ def planned_layer(planner, next_, node, *arrays):
     def fastchain():
         plan = planner(node, inputs, {})
         return next_(node, *arrays) if plan is None else plan(inputs)
+    onednn = _onednn.convolution_kernel(node, inputs)
     if not _tuner.enabled:
-        return fastchain()
+        return fastchain() if onednn is None else onednn()
     key = call_key(node, inputs)
-    return _tuner.call('cpu_conv', key, (('fastchain', fastchain),
+    alternatives = (('fastchain', fastchain), ('chainer', lambda: next_(node, *arrays)))
+    if onednn is not None:
+        alternatives += (('onednn', onednn),)
+    return _tuner.call('cpu_conv', key, alternatives, label=lambda: describe(key))
+
+
+def onednn_layer(next_, node, *arrays):
+    """The ``onednn`` layer of ``_forward_cpu_core`` where ``cpu_conv`` is off
+    (with ``cpu_conv`` on, its layer offers oneDNN among its alternatives):
+    oneDNN's kernel, or Chainer's where autotune measured it faster."""
+    inputs = tuple(a for a in arrays if a is not None)
+    kernel = None
+    if not _bind.chainers_kernel and _bind._plain_node(node) and _bind._plain(inputs):
+        kernel = _onednn.convolution_kernel(node, inputs)
+    if kernel is None:
+        return next_(node, *arrays)
+    if not _tuner.enabled:
+        return kernel()
+    key = call_key(node, inputs)
+    return _tuner.call('cpu_conv', key, (('onednn', kernel),
                                          ('chainer', lambda: next_(node, *arrays))),
                        label=lambda: describe(key))
 

@@ -1,4 +1,5 @@
-"""The CPU-kernel group of ``fastchain.enable``: ``cpu_conv`` and ``fused_update``."""
+"""The CPU-kernel group of ``fastchain.enable``: ``cpu_conv``, ``fused_update``
+and ``onednn``."""
 
 import functools
 
@@ -6,6 +7,13 @@ from fastchain.config import _patches
 from fastchain.config._options import Group, State, boolean
 
 BIND_FLAG = 'fastchain.kernels._bind.enabled'
+ONEDNN_FLAG = 'fastchain.kernels._onednn.enabled'
+BLAS_THREADS = "NumPy's BLAS threads"
+NOT_BITWISE = ("PyTorch {}'s oneDNN convolutions and BatchNormalization kernels are in "
+               "force: results are NOT bitwise equal to Chainer's (each output within "
+               "2**-16 of the sum of the magnitudes it adds up; a training run within the "
+               "differential suite's tolerance, README 'What is the same training'); NumPy's "
+               "BLAS runs on one thread meanwhile, leaving the cores to oneDNN's")
 
 
 class KernelGroup(Group):
@@ -18,18 +26,39 @@ class KernelGroup(Group):
         boolean('fused_update', 'update SGD/MomentumSGD parameters on the CPU with a '
                 "fused, cache-blocked kernel, bitwise equal to Chainer's (default: on; "
                 "Chainer's GPU kernel is left as it is)"),
+        boolean('onednn', "compute float32 CPU convolutions (forward and both gradients) "
+                "with oneDNN and BatchNormalization with PyTorch's CPU kernels, from "
+                "PyTorch's CPU build; NOT bitwise equal to Chainer: each output within "
+                "2**-16 of the sum of the magnitudes it adds up (with autotune: where "
+                "faster than fastchain's and Chainer's kernels); default: off",
+                default=False),
     )
 
     def probe(self):
-        return [State('cpu_conv', True, False), State('fused_update', True, False)]
+        from fastchain.kernels import _onednn
+        available, version, why, fix = _onednn.status()
+        return [State('cpu_conv', True, False), State('fused_update', True, False),
+                State('onednn', available, False, why=why, fix=fix,
+                      note=None if not available else NOT_BITWISE.format(version))]
 
     def plan(self, values, explicit, plan):
-        from fastchain.kernels import _bind, _conv
+        from fastchain.kernels import _bind, _conv, _onednn
+        from fastchain.kernels import _onednn_bn
+        onednn = values['onednn'] is True and _onednn.status(load=True)[0]
+        if onednn:
+            plan.value(ONEDNN_FLAG, lambda: _onednn.enabled,
+                       lambda v: setattr(_onednn, 'enabled', v), True)
+            plan.value(BLAS_THREADS, _onednn.blas_threads, _onednn.set_blas_threads, 1)
+            for owner, name, layer in _onednn_bn.functions():
+                plan.wrap(owner, name, 'onednn', layer)
         if values['cpu_conv'] is not False:
             for cls, planner in _conv.functions():
                 plan.wrap(cls, '_forward_cpu_core', 'cpu_conv',
                           functools.partial(_conv.planned_layer, planner))
         else:
+            if onednn:
+                for cls, _ in _conv.functions():
+                    plan.wrap(cls, '_forward_cpu_core', 'onednn', _conv.onednn_layer)
             # Schedules built while cpu_conv=False is in force replay Chainer's code.
             plan.value(BIND_FLAG, lambda: _bind.enabled,
                        lambda v: setattr(_bind, 'enabled', v), False)
@@ -48,7 +77,22 @@ class KernelGroup(Group):
         return [State('cpu_conv', True, conv, setting=values['cpu_conv'],
                       requested='cpu_conv' in explicit and values['cpu_conv'] is True),
                 State('fused_update', True, fused, setting=values['fused_update'],
-                      requested='fused_update' in explicit and values['fused_update'] is True)]
+                      requested='fused_update' in explicit and values['fused_update'] is True),
+                self._onednn_state(values, explicit)]
+
+    def _onednn_state(self, values, explicit):
+        from fastchain.kernels import _onednn, _onednn_bn
+        state = self.probe()[2]
+        state.setting = values['onednn']
+        state.requested = 'onednn' in explicit and values['onednn'] is True
+        state.active = _onednn.enabled and all(
+            _patches.in_force(owner, name, 'onednn') is not None
+            for owner, name, _ in _onednn_bn.functions())
+        if state.active:
+            state.calls = dict(_onednn.calls)     # operation -> calls so far
+        elif state.available and values['onednn'] is not True:
+            state.why = 'onednn=False (the default: it is not bitwise equal to Chainer)'
+        return state
 
 
 def _fuse_layer(changes, next_, optimizer, link):

@@ -27,6 +27,8 @@ static_graph  caches a model's forward once the optimizer is set up, on the
               parameters fp16 made
 fused_update  replaces update kernels of rules the inner layers have set up
 cpu_conv      replaces convolution kernels (nothing runs inside it)
+onednn        replaces convolution kernels where cpu_conv is off, and
+              BatchNormalization's (nothing runs inside it)
 fp16          innermost on ``GradientMethod.setup``: fp32 master weights and
               the loss scaler are attached first, so the layers outside see
               the finished optimizer; inside nvtx on the converter, so the
@@ -44,7 +46,9 @@ point                                      layers
 ``chainer.dataset.convert._call_converter``  nvtx, fp16
 ``StandardUpdater.__init__``               nvtx, loader
 ``Trainer.run``                            nvtx
-``<Convolution/Deconvolution>._forward_cpu_core``  cpu_conv
+``<Convolution/Deconvolution>._forward_cpu_core``  cpu_conv, onednn (only one of them)
+``BatchNormalization.forward``,            onednn
+``FixedBatchNormalization.forward``
 ``BatchNormalization.backward``,           static_graph (held while a chain is cached)
 ``FixedBatchNormalization.backward``,
 ``StaticScheduleFunction.build_schedule``,

@@ -1,0 +1,141 @@
+"""BatchNormalization through PyTorch's CPU kernels (the ``onednn`` option).
+
+Training: ``BatchNormalization`` chooses its implementation through its
+``_impl_selector``; the ``onednn`` layer on its ``forward`` gives the node a
+selector that returns :class:`_TorchImpl` where Chainer would take its
+general (NumPy) implementation and the call qualifies (float32, statistics
+over every axis but axis 1, more than one value per channel). Chainer's
+backward and double backward are unchanged: they get the batch mean and
+inverse standard deviation as Chainer's own forward gives them. The running
+statistics are updated in place by PyTorch's kernel, with Chainer's decay
+and its unbiased variance (PyTorch's ``momentum`` is ``1 - decay``).
+
+Inference: ``FixedBatchNormalization.forward`` computes what Chainer's
+backward needs as Chainer does (per channel, cheap) and the output with
+PyTorch's kernel.
+
+With ``autotune``, each key (direction and shape) takes the faster of
+PyTorch's kernel and Chainer's (kind ``batch_norm``).
+"""
+
+import numpy
+
+from chainer.functions.normalization import batch_normalization as _bn
+
+from fastchain.kernels import _onednn
+from fastchain.tune import _tuner
+
+
+def _label(key):
+    return '{} {}'.format(key[0], 'x'.join(map(str, key[1])))
+
+
+def _choose(direction, shape, torch_fn, chainer_fn):
+    if not _tuner.enabled:
+        return torch_fn()
+    key = (direction, shape)
+    return _tuner.call('batch_norm', key, (('onednn', torch_fn), ('chainer', chainer_fn)),
+                       label=lambda: _label(key))
+
+
+def _standard(x, gamma, axis):
+    """Statistics over every axis but the channel axis 1."""
+    return gamma.ndim == 1 and x.ndim >= 2 and tuple(axis) == (0,) + tuple(range(2, x.ndim))
+
+
+def _statistics_ok(*arrays):
+    return all(a is None or (type(a) is numpy.ndarray and a.dtype == numpy.float32
+                             and a.flags.c_contiguous and a.flags.writeable)
+               for a in arrays)
+
+
+class _TorchImpl(_bn.GeneralBatchNormalizationImpl):
+
+    def forward(self, axis, gamma, x, x_layout, xp, expander, beta, eps, decay,
+                running_mean, running_var):
+        def torch_forward():
+            torch = _onednn._module()
+            _onednn._count('batch normalization')
+            stats = [None if a is None else torch.from_numpy(a)
+                     for a in (running_mean, running_var)]
+            y, mean, inv_std = torch.native_batch_norm(
+                _onednn._tensor(x), _onednn._tensor(gamma), _onednn._tensor(beta),
+                stats[0], stats[1], True, 1.0 - decay, eps)
+            return (y.numpy(), x_layout, running_mean, running_var, mean.numpy(), None,
+                    inv_std.numpy(), None)
+        return _choose('training forward', x.shape, torch_forward, lambda: super(
+            _TorchImpl, self).forward(axis, gamma, x, x_layout, xp, expander, beta, eps,
+                                      decay, running_mean, running_var))
+
+    def backward(self, axis, gamma, gy, x, x_layout, xp, expander, mean, inv_std, eps,
+                 var, forward_data):
+        def chainers():
+            return super(_TorchImpl, self).backward(axis, gamma, gy, x, x_layout, xp, expander,
+                                                    mean, inv_std, eps, var, forward_data)
+        if not _onednn._float32(gy, mean, inv_std):
+            return chainers()
+
+        def torch_backward():
+            torch = _onednn._module()
+            _onednn._count('batch normalization backward')
+            gx, ggamma, gbeta = torch.ops.aten.native_batch_norm_backward(
+                _onednn._tensor(gy), _onednn._tensor(x), _onednn._tensor(gamma), None, None,
+                _onednn._tensor(mean), _onednn._tensor(inv_std), True, eps,
+                [True, True, True])
+            return gx.numpy(), None, ggamma.numpy(), gbeta.numpy()
+        return _choose('training backward', x.shape, torch_backward, chainers)
+
+
+_IMPL = _TorchImpl()
+
+
+def _select(func, inputs):
+    impl = _bn._impl_selector(func, inputs)
+    if not _onednn.enabled or type(impl) is not _bn.GeneralBatchNormalizationImpl:
+        return impl
+    x, gamma, beta = inputs
+    layouts = getattr(func, 'input_layouts', None) or (None,)
+    if (_onednn._float32(x, gamma, beta) and _standard(x, gamma, func.axis)
+            and layouts[0] is None and x.size // gamma.size > 1
+            and _statistics_ok(func.running_mean, func.running_var)
+            and (func.running_mean is None) == (func.running_var is None)):
+        return _IMPL
+    return impl
+
+
+def training_layer(next_, node, inputs):
+    """The ``onednn`` layer of ``BatchNormalization.forward``: the node selects
+    PyTorch's kernels where they apply."""
+    if node._impl_selector is _bn._impl_selector:
+        node._impl_selector = _select
+    return next_(node, inputs)
+
+
+def inference_layer(next_, node, inputs):
+    """The ``onednn`` layer of ``FixedBatchNormalization.forward``."""
+    x, gamma, beta, mean, var = inputs
+    axis = node.axis if node.axis is not None else (0,) + tuple(range(2, x.ndim))
+    if not (_onednn._float32(x, gamma, beta, mean, var) and _standard(x, gamma, axis)
+            and mean.ndim == 1 and var.ndim == 1):
+        return next_(node, inputs)
+
+    def torch_forward():
+        # What Chainer's forward keeps for its backward, computed as it does.
+        node.retain_inputs((0, 1, 3, 4))
+        node.axis, node.key_axis = axis, (1,)
+        node.expander = (None, slice(None)) + (None,) * (x.ndim - 2)
+        node.inv_var = numpy.reciprocal(var + node.eps)
+        node.inv_std = numpy.sqrt(node.inv_var, dtype=node.inv_var.dtype)
+        torch = _onednn._module()
+        _onednn._count('batch normalization inference')
+        y, _, _ = torch.native_batch_norm(
+            _onednn._tensor(x), _onednn._tensor(gamma), _onednn._tensor(beta),
+            _onednn._tensor(mean), _onednn._tensor(var), False, 0.0, node.eps)
+        return y.numpy(),
+    return _choose('inference forward', x.shape, torch_forward, lambda: next_(node, inputs))
+
+
+def functions():
+    """(class, method, layer) of the BatchNormalization functions."""
+    return ((_bn.BatchNormalization, 'forward', training_layer),
+            (_bn.FixedBatchNormalization, 'forward', inference_layer))

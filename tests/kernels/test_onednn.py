@@ -1,0 +1,286 @@
+"""onednn: oneDNN's convolutions and PyTorch's BatchNormalization kernels.
+
+Not bitwise equal to Chainer, so every operation is checked against the
+exact result (Chainer's code in float64 on the same float32 values): each
+output within ``_onednn.TOLERANCE`` of the sum of the magnitudes it adds up
+(convolutions: the same convolution of |x|, |W|, |b|; BatchNormalization:
+the normalised magnitudes), over generated shapes and settings. Chainer's own
+float32 result is held to the same bound, so the bound is float32 rounding,
+not a loose one. Each check also asserts that oneDNN really ran.
+"""
+
+import warnings
+
+import numpy
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import fastchain
+from fastchain.config import FastchainWarning
+from fastchain.kernels import _onednn
+
+from tests.conftest import run_python
+
+pytest.importorskip('torch', reason='the onednn kernels come from PyTorch (bench extra)')
+
+TOL = _onednn.TOLERANCE
+
+
+def enabled(**options):
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FastchainWarning)
+        return fastchain.enable(**dict({'loader_workers': 0, 'onednn': True}, **options))
+
+
+def conv_run(kind, x, W, b, gy, geometry):
+    """(y, gx, gW, gb) of one convolution or deconvolution."""
+    stride, pad, dilate = geometry
+    xv, Wv = chainer.Variable(x), chainer.Variable(W)
+    bv = None if b is None else chainer.Variable(b)
+    if kind == 'conv':
+        y = F.convolution_2d(xv, Wv, bv, stride, pad, dilate=dilate)
+    else:
+        y = F.deconvolution_2d(xv, Wv, bv, stride, pad, dilate=dilate)
+    y.grad = gy.astype(y.dtype) if gy is not None else None
+    if gy is None:
+        return (y.array,)
+    y.backward()
+    return y.array, xv.grad, Wv.grad, None if bv is None else bv.grad
+
+
+@st.composite
+def convolutions(draw):
+    kind = draw(st.sampled_from(['conv', 'deconv']))
+    n, c, o = draw(st.integers(1, 3)), draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    k = draw(st.integers(1, 4))
+    stride, pad = draw(st.integers(1, 3)), draw(st.integers(0, 2))
+    dilate = draw(st.integers(1, 2))
+    h, w = draw(st.integers(k * dilate, 12)), draw(st.integers(k * dilate, 12))
+    bias = draw(st.booleans())
+    seed = draw(st.integers(0, 2 ** 16))
+    return kind, (n, c, h, w), o, k, (stride, pad, dilate), bias, seed
+
+
+@settings(max_examples=40, deadline=None)
+@given(convolutions())
+def test_convolutions_are_within_the_stated_tolerance_of_the_exact_result(case):
+    kind, shape, o, k, geometry, bias, seed = case
+    rng = numpy.random.RandomState(seed)
+    n, c, h, w = shape
+    x = rng.randn(*shape).astype(numpy.float32)
+    W = rng.randn(*((o, c, k, k) if kind == 'conv' else (c, o, k, k))).astype(numpy.float32)
+    b = rng.randn(o).astype(numpy.float32) if bias else None
+    try:
+        out_shape = conv_run(kind, x, W, b, None, geometry)[0].shape
+    except Exception:
+        assume(False)       # a geometry Chainer itself rejects
+    assume(0 not in out_shape)
+    gy = rng.randn(*out_shape).astype(numpy.float32)
+    f64 = [None if a is None else a.astype(numpy.float64) for a in (x, W, b, gy)]
+    exact = conv_run(kind, *f64, geometry)
+    magnitude = conv_run(kind, *[None if a is None else abs(a) for a in f64], geometry)
+    chainers = conv_run(kind, x, W, b, gy, geometry)
+    before = sum(_onednn.calls.values())
+    with enabled(cpu_conv=False, autotune=False):
+        got = conv_run(kind, x, W, b, gy, geometry)
+    # forward, and both gradients (a deconvolution's input gradient is a convolution)
+    assert sum(_onednn.calls.values()) - before >= 3
+    names = ('y', 'gx', 'gW', 'gb')
+    for name, g, ch, e, m in zip(names, got, chainers, exact, magnitude):
+        if e is None:
+            continue
+        assert g.dtype == numpy.float32 and g.shape == e.shape, name
+        assert numpy.all(numpy.abs(g - e) <= TOL * m + 1e-30), (name, case)
+        assert numpy.all(numpy.abs(ch - e) <= TOL * m + 1e-30), (name, 'chainer', case)
+
+
+def bn_run(x, gamma, beta, gy, mean, var, train):
+    xv, gv, bv = chainer.Variable(x), chainer.Variable(gamma), chainer.Variable(beta)
+    if train:
+        y = F.batch_normalization(xv, gv, bv, running_mean=mean, running_var=var,
+                                  decay=0.8)
+    else:
+        y = F.fixed_batch_normalization(xv, gv, bv, mean, var)
+    y.grad = gy
+    y.backward()
+    return y.array, xv.grad, gv.grad, bv.grad, mean, var
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.tuples(st.integers(2, 5), st.integers(1, 9), st.integers(1, 6),
+                       st.integers(1, 6)),
+       train=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_batch_normalization_is_within_the_stated_tolerance(shape, train, seed):
+    rng = numpy.random.RandomState(seed)
+    c = shape[1]
+    arrays = [rng.randn(*shape) * 3 + 1, rng.rand(c) + 0.5, rng.randn(c), rng.randn(*shape),
+              rng.randn(c), rng.rand(c) + 0.5]
+    f32 = [a.astype(numpy.float32) for a in arrays]
+    exact = bn_run(*arrays, train=train)
+    before = dict(_onednn.calls)
+    with enabled(autotune=False):
+        got = bn_run(*[a.copy() for a in f32], train=train)
+    ran = {k for k, v in _onednn.calls.items() if v > before.get(k, 0)}
+    assert ran == ({'batch normalization', 'batch normalization backward'} if train
+                   else {'batch normalization inference'})
+    chainers = bn_run(*[a.copy() for a in f32], train=train)
+    for name, g, ch, e in zip(('y', 'gx', 'ggamma', 'gbeta', 'running mean',
+                               'running var'), got, chainers, exact):
+        bound = TOL * max(1.0, float(numpy.abs(e).max()))
+        assert float(numpy.abs(g - e).max()) <= bound, (name, shape, train)
+        assert float(numpy.abs(ch - e).max()) <= bound, (name, 'chainer')
+
+
+def test_what_onednn_leaves_to_chainer_is_bitwise_chainers():
+    """float64, grouped convolutions and an input too small for statistics
+    are Chainer's own: bitwise, and oneDNN does not run."""
+    rng = numpy.random.RandomState(0)
+    x64 = rng.randn(2, 4, 6, 6)
+    W64 = rng.randn(6, 4, 3, 3)
+    Wg = rng.randn(6, 2, 3, 3).astype(numpy.float32)
+    x = x64.astype(numpy.float32)
+    cases = [lambda: F.convolution_2d(x64, W64, pad=1).array,
+             lambda: F.convolution_2d(x, Wg, pad=1, groups=2).array,
+             lambda: F.batch_normalization(x[:1, :, :1, :1], numpy.ones(4, numpy.float32),
+                                           numpy.zeros(4, numpy.float32)).array]
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')     # Chainer's one-value-per-channel warning
+        expected = [f() for f in cases]
+        before = dict(_onednn.calls)
+        with enabled(autotune=False):
+            got = [f() for f in cases]
+    assert _onednn.calls == before
+    for e, g in zip(expected, got):
+        numpy.testing.assert_array_equal(g, e)
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        init = chainer.initializers.Normal(0.3)
+        with self.init_scope():
+            self.c1 = L.Convolution2D(3, 8, 3, 1, 1, initialW=init)
+            self.bn = L.BatchNormalization(8)
+            self.c2 = L.Convolution2D(8, 8, 3, 2, 1, initialW=init)
+            self.fc = L.Linear(8, 3, initialW=init)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.c1(x)))
+        return self.fc(F.mean(self.c2(h), axis=(2, 3)))
+
+
+def train(steps, options=None, seed=0):
+    numpy.random.seed(seed)
+    model = Net()
+    opt = chainer.optimizers.MomentumSGD(0.05)
+    opt.setup(model)
+    rng = numpy.random.RandomState(1)
+    data = [(rng.randn(4, 3, 8, 8).astype(numpy.float32),
+             rng.randint(0, 3, 4).astype(numpy.int32)) for _ in range(steps)]
+    handle = None if options is None else enabled(**options)
+    try:
+        for x, t in data:
+            opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+    finally:
+        if handle is not None:
+            handle.disable()
+    return model
+
+
+def close(a, b, rel):
+    """Weights within ``rel`` of the largest weight (a convolution's bias
+    before BatchNormalization has a zero gradient: its updates are rounding
+    noise of the larger values around it), statistics of the largest one."""
+    scale = max(float(numpy.abs(p.array).max()) for p in a.params())
+    for (name, p), (_, q) in zip(sorted(a.namedparams()), sorted(b.namedparams())):
+        numpy.testing.assert_allclose(q.array, p.array, rtol=0, atol=rel * scale, err_msg=name)
+    for name in ('avg_mean', 'avg_var'):
+        numpy.testing.assert_allclose(getattr(b.bn, name), getattr(a.bn, name), rtol=0,
+                                      atol=rel * float(numpy.abs(getattr(a.bn, name)).max()))
+
+
+@pytest.mark.parametrize('options', [{'autotune': False}, {'autotune': False, 'cpu_conv': False},
+                                     {'static_graph': True}, {}])
+def test_training_with_onednn_stays_close_to_plain_chainer(options):
+    expected = train(6)
+    before = dict(_onednn.calls)
+    got = train(6, options)
+    assert sum(_onednn.calls.values()) > sum(before.values())
+    close(expected, got, 1e-4)
+
+
+def test_a_static_cache_verifies_and_replays_with_onednn_kernels():
+    from fastchain.static import cache_state
+    numpy.random.seed(0)
+    x = numpy.random.RandomState(1).randn(4, 3, 8, 8).astype(numpy.float32)
+    t = numpy.array([0, 1, 2, 0], numpy.int32)
+    with enabled(static_graph=True):
+        model = Net()
+        opt = chainer.optimizers.MomentumSGD(0.05)
+        opt.setup(model)
+        # measuring: the replay and its define-by-run reference may run other kernels
+        for _ in range(12):
+            opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+        state = cache_state(model)
+    assert state['fallback'] is None, state['fallback']
+    assert sum(state['verified'].values()) >= 1
+
+
+def test_autotune_measures_onednn_against_both_kernels(tuner):
+    from fastchain.tune import _tuner
+    tuner.update({('cpu_conv', 'onednn'): 1e-3, ('cpu_conv', 'fastchain'): 1e-2,
+                  ('cpu_conv', 'chainer'): 1e-2, ('batch_norm', 'onednn'): 1e-2,
+                  ('batch_norm', 'chainer'): 1e-3})
+    train(12, {})       # 3 alternatives, each once untimed and twice timed
+    convs = _tuner.choices('cpu_conv')
+    assert convs and all(c['picked'] == 'onednn' for c in convs)
+    assert all(set(c['median_ms']) == {'fastchain', 'chainer', 'onednn'} for c in convs)
+    norms = _tuner.choices('batch_norm')
+    assert {c['key'].split(' 4x')[0] for c in norms} == {'training forward',
+                                                          'training backward'}
+    assert all(c['picked'] == 'chainer' for c in norms)
+    # The same keys without onednn: the alternatives changed, so they are measured again.
+    train(12, {'onednn': False})
+    assert all(set(c['median_ms']) == {'fastchain', 'chainer'}
+               for c in _tuner.choices('cpu_conv'))
+
+
+def test_the_option_says_it_is_not_bitwise_and_gives_blas_threads_back():
+    import threadpoolctl
+    blas = [i for i in threadpoolctl.threadpool_info() if i['user_api'] == 'blas']
+    threads = blas[0]['num_threads']
+    with pytest.warns(FastchainWarning, match='NOT bitwise equal'):
+        handle = fastchain.enable(onednn=True, loader_workers=0)
+    state = handle.report()['onednn']
+    assert state['active'] and state['setting'] is True
+    assert _onednn.blas_threads() == 1
+    handle.disable()
+    assert _onednn.blas_threads() == threads
+    assert not fastchain.report()['accelerators']['onednn']['active']
+
+
+def test_off_by_default_and_says_why():
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FastchainWarning)
+        with fastchain.enable(loader_workers=0) as handle:
+            state = handle.report()['onednn']
+    assert not state['active'] and 'not bitwise' in state['why']
+
+
+def test_without_pytorch_the_option_names_the_fix():
+    result = run_python(
+        "import sys, warnings; sys.modules['torch'] = None\n"
+        "import fastchain\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    h = fastchain.enable(onednn=True)\n"
+        "print([str(x.message) for x in w])\n"
+        "print(h.report()['onednn']['active'])\n")
+    out = result.stdout
+    assert 'onednn cannot take effect here: PyTorch does not import' in out
+    assert 'fastchain[onednn]' in out
+    assert out.strip().endswith('False')
