@@ -19,7 +19,11 @@ talk:
                         leaves Chainer's GPU update kernel as it is: not run on a GPU)
   cpu_conv            + fastchain's CPU convolution kernels, also bound into the cached
                         schedule (fastchain's, not in the talk; CPU only)
+  onednn              + oneDNN's convolutions and PyTorch's BatchNormalization from
+                        PyTorch's CPU build (enable(onednn=True): NOT bitwise equal to
+                        Chainer, within a stated tolerance; when torch is installed)
   all                 plain.py + one fastchain.enable() call (ladder_scripts/with_fastchain.py)
+  all_onednn          the same with onednn=True added to that call
   torch               PyTorch eager ResNet-50, DataLoader with PIL (when torch is installed)
 
 A rung that cannot run here is listed with the reason. Each rung is built
@@ -44,7 +48,7 @@ from _images import list_pairs, torch_dataset  # noqa: E402
 from ladder_scripts import plain, with_fastchain  # noqa: E402
 
 RUNGS = ('baseline', 'cudnn', 'autotune', 'fp16', 'fp32_preprocessing', 'multiprocess',
-         'static_graph', 'fused_update', 'cpu_conv', 'all')
+         'static_graph', 'fused_update', 'cpu_conv', 'onednn', 'all', 'all_onednn')
 
 
 def changed_lines():
@@ -78,6 +82,7 @@ def rung_options(rung, cudnn_ok, fp16_ok=True):
         options['fused_update'] = True
     if upto >= 8:
         options['cpu_conv'] = True
+    options['onednn'] = upto >= 9
     dtype = numpy.float16 if rung == 'fp16' else numpy.float32
     return options, dtype
 
@@ -87,7 +92,9 @@ def build_rung(rung, paths, args, device, cudnn_ok, fp16_ok):
     pairs = list_pairs(paths)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')     # "fp16 is slower on a CPU", etc.
-        if rung == 'all':
+        if rung in ('all', 'all_onednn'):
+            if rung == 'all_onednn':
+                fastchain.enable(onednn=True)   # the one line, with onednn=True added
             updater = with_fastchain.build(pairs, paths['root'], args.batch, args.crop,
                                            len(paths['classes']), device)
         else:
@@ -186,6 +193,8 @@ def main(argv=None):
     rows = _common.Rows('iterations/s')
     builders = {}
     fp16_ok = gpu or args.cpu_fp16
+    from fastchain.kernels import _onednn
+    onednn_ok = _onednn.status(load=True)
     for rung in RUNGS:
         if rung in ('cudnn', 'autotune') and not cudnn.available:
             rows.skip(rung, 'cuDNN is not available here: {} (fix: {})'.format(
@@ -196,6 +205,10 @@ def main(argv=None):
                       'without BLAS (measured here: 31 s per iteration against 0.4 s in '
                       'fp32 for this model and batch); the later rungs stay in fp32. '
                       '--cpu-fp16 runs it anyway')
+            continue
+        if rung in ('onednn', 'all_onednn') and not onednn_ok[0]:
+            rows.skip(rung, 'onednn is not available here: {} (fix: {})'.format(
+                onednn_ok[2], onednn_ok[3]))
             continue
         builders[rung] = (lambda rung=rung: build_rung(rung, paths, args, device,
                                                        cudnn.available, fp16_ok))
@@ -226,6 +239,7 @@ def main(argv=None):
     ratios = {'{}/baseline'.format(r): rows.ratio(r, 'baseline')
               for r in RUNGS[1:] + ('torch',)}
     ratios['all/torch'] = rows.ratio('all', 'torch')
+    ratios['all_onednn/torch'] = rows.ratio('all_onednn', 'torch')
     diff = changed_lines()
     config = {'model': 'ResNet-50 v1.5', 'batch': args.batch, 'crop': args.crop,
               'images': n_images, 'image_sides_px': [300, 640], 'device': str(device),
@@ -241,6 +255,9 @@ def main(argv=None):
              'autotune (on from the autotune rung up, and in "all"; choices are kept '
              'across rungs and windows, keyed by shapes and structure): ' +
              ('; '.join(tune.describe(config['autotune_choices'])) or 'nothing to choose'),
+             'onednn and all_onednn: enable(onednn=True), oneDNN/PyTorch kernels that are '
+             "NOT bitwise equal to Chainer's (README, 'What is the same training'); "
+             'NumPy\'s BLAS on one thread while they run.',
              'Target on CPU: all/baseline >= 1.5.']
     result = _common.write('ladder', args, config, rows, ratios, notes)
     chart(result, os.path.join(args.results, 'ladder' + ('-quick' if args.quick else '')

@@ -128,19 +128,18 @@ class _Lazy:
                     self.plan = None
         if self.plan is not None and key == self.key:
             onednn = _onednn.convolution_kernel(self.node, inputs)
+            if onednn is not None:
+                return onednn()     # the onednn option: oneDNN's kernel, not measured
             if not _tuner.enabled:
-                return self.plan(inputs) if onednn is None else onednn()
-            # autotune: the bound kernel or Chainer's (the same bits either
-            # way), or oneDNN's where the onednn option allows it, whichever
-            # is faster for this call.
+                return self.plan(inputs)
+            # autotune: the bound kernel or Chainer's, whichever is faster
+            # for this call (the same bits either way).
             if self.tune_key is None:
                 self.tune_key = call_key(self.node, inputs)
-            alternatives = (('fastchain', lambda: self.plan(inputs)),
-                            ('chainer', lambda: _chainers(self.original, func, inputs)))
-            if onednn is not None:
-                alternatives += (('onednn', onednn),)
-            return _tuner.call('cpu_conv_bound', self.tune_key, alternatives,
-                               label=self._label)
+            return _tuner.call('cpu_conv_bound', self.tune_key, (
+                ('fastchain', lambda: self.plan(inputs)),
+                ('chainer', lambda: _chainers(self.original, func, inputs))),
+                label=self._label)
         return self.original(func, inputs=inputs)
 
     def _label(self):

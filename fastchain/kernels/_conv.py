@@ -18,7 +18,7 @@ the shapes and dtypes of its arrays, stride, padding, dilation) runs the
 faster of the two kernels, measured on its first calls: both give the same
 bits, and which one is faster depends on the key and the BLAS. Where the
 ``onednn`` option allows it (not bitwise equal: :mod:`fastchain.kernels._onednn`),
-oneDNN's kernel is a third alternative, and without autotune the one used.
+oneDNN's kernel runs instead, for every call it qualifies for.
 """
 
 from fastchain.kernels import _bind, _onednn
@@ -27,10 +27,10 @@ from fastchain.tune import _tuner
 
 
 def planned_layer(planner, next_, node, *arrays):
-    """The ``cpu_conv`` layer of ``_forward_cpu_core``: ``planner``'s plan for
-    this call (or Chainer's code, or oneDNN's where ``onednn`` allows it,
-    whichever autotune measured fastest), or Chainer's code where the planners
-    do not apply."""
+    """The ``cpu_conv`` layer of ``_forward_cpu_core``: oneDNN's kernel where
+    ``onednn`` allows it and the call qualifies, else ``planner``'s plan for
+    this call (or Chainer's code, where autotune measured it faster), or
+    Chainer's code where the planners do not apply."""
     inputs = tuple(a for a in arrays if a is not None)     # no bias: (x, W)
     if _bind.chainers_kernel or not (_bind._plain_node(node) and _bind._plain(inputs)):
         return next_(node, *arrays)
@@ -39,31 +39,25 @@ def planned_layer(planner, next_, node, *arrays):
         plan = planner(node, inputs, {})
         return next_(node, *arrays) if plan is None else plan(inputs)
     onednn = _onednn.convolution_kernel(node, inputs)
-    if not _tuner.enabled:
-        return fastchain() if onednn is None else onednn()
-    key = call_key(node, inputs)
-    alternatives = (('fastchain', fastchain), ('chainer', lambda: next_(node, *arrays)))
     if onednn is not None:
-        alternatives += (('onednn', onednn),)
-    return _tuner.call('cpu_conv', key, alternatives, label=lambda: describe(key))
+        return onednn()         # allowed by the user: not measured (_onednn, "Autotune")
+    if not _tuner.enabled:
+        return fastchain()
+    key = call_key(node, inputs)
+    return _tuner.call('cpu_conv', key, (('fastchain', fastchain),
+                                         ('chainer', lambda: next_(node, *arrays))),
+                       label=lambda: describe(key))
 
 
 def onednn_layer(next_, node, *arrays):
     """The ``onednn`` layer of ``_forward_cpu_core`` where ``cpu_conv`` is off
-    (with ``cpu_conv`` on, its layer offers oneDNN among its alternatives):
-    oneDNN's kernel, or Chainer's where autotune measured it faster."""
+    (with ``cpu_conv`` on, its layer calls oneDNN first): oneDNN's kernel
+    where the call qualifies, else Chainer's."""
     inputs = tuple(a for a in arrays if a is not None)
     kernel = None
-    if not _bind.chainers_kernel and _bind._plain_node(node) and _bind._plain(inputs):
+    if _bind._plain_node(node) and _bind._plain(inputs):
         kernel = _onednn.convolution_kernel(node, inputs)
-    if kernel is None:
-        return next_(node, *arrays)
-    if not _tuner.enabled:
-        return kernel()
-    key = call_key(node, inputs)
-    return _tuner.call('cpu_conv', key, (('onednn', kernel),
-                                         ('chainer', lambda: next_(node, *arrays))),
-                       label=lambda: describe(key))
+    return next_(node, *arrays) if kernel is None else kernel()
 
 
 def functions():

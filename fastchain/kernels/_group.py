@@ -29,8 +29,8 @@ class KernelGroup(Group):
         boolean('onednn', "compute float32 CPU convolutions (forward and both gradients) "
                 "with oneDNN and BatchNormalization with PyTorch's CPU kernels, from "
                 "PyTorch's CPU build; NOT bitwise equal to Chainer: each output within "
-                "2**-16 of the sum of the magnitudes it adds up (with autotune: where "
-                "faster than fastchain's and Chainer's kernels); default: off",
+                "2**-16 of the sum of the magnitudes it adds up; used for every call it "
+                "qualifies for, not measured by autotune); default: off",
                 default=False),
     )
 

@@ -14,8 +14,6 @@ Inference: ``FixedBatchNormalization.forward`` computes what Chainer's
 backward needs as Chainer does (per channel, cheap) and the output with
 PyTorch's kernel.
 
-With ``autotune``, each key (direction and shape) takes the faster of
-PyTorch's kernel and Chainer's (kind ``batch_norm``).
 """
 
 import numpy
@@ -23,19 +21,6 @@ import numpy
 from chainer.functions.normalization import batch_normalization as _bn
 
 from fastchain.kernels import _onednn
-from fastchain.tune import _tuner
-
-
-def _label(key):
-    return '{} {}'.format(key[0], 'x'.join(map(str, key[1])))
-
-
-def _choose(direction, shape, torch_fn, chainer_fn):
-    if not _tuner.enabled:
-        return torch_fn()
-    key = (direction, shape)
-    return _tuner.call('batch_norm', key, (('onednn', torch_fn), ('chainer', chainer_fn)),
-                       label=lambda: _label(key))
 
 
 def _standard(x, gamma, axis):
@@ -63,9 +48,7 @@ class _TorchImpl(_bn.GeneralBatchNormalizationImpl):
                 stats[0], stats[1], True, 1.0 - decay, eps)
             return (y.numpy(), x_layout, running_mean, running_var, mean.numpy(), None,
                     inv_std.numpy(), None)
-        return _choose('training forward', x.shape, torch_forward, lambda: super(
-            _TorchImpl, self).forward(axis, gamma, x, x_layout, xp, expander, beta, eps,
-                                      decay, running_mean, running_var))
+        return torch_forward()
 
     def backward(self, axis, gamma, gy, x, x_layout, xp, expander, mean, inv_std, eps,
                  var, forward_data):
@@ -83,7 +66,7 @@ class _TorchImpl(_bn.GeneralBatchNormalizationImpl):
                 _onednn._tensor(mean), _onednn._tensor(inv_std), True, eps,
                 [True, True, True])
             return gx.numpy(), None, ggamma.numpy(), gbeta.numpy()
-        return _choose('training backward', x.shape, torch_backward, chainers)
+        return torch_backward()
 
 
 _IMPL = _TorchImpl()
@@ -132,7 +115,7 @@ def inference_layer(next_, node, inputs):
             _onednn._tensor(x), _onednn._tensor(gamma), _onednn._tensor(beta),
             _onednn._tensor(mean), _onednn._tensor(var), False, 0.0, node.eps)
         return y.numpy(),
-    return _choose('inference forward', x.shape, torch_forward, lambda: next_(node, inputs))
+    return torch_forward()
 
 
 def functions():

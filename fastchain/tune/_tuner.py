@@ -6,10 +6,8 @@ timed calls each, interleaved so that a slow moment of the machine hits all
 of them alike), and the one with the lowest median time is used from then
 on. Only alternatives that give bitwise-equal results are offered, so the
 choice changes speed and nothing else; while it is being made the results
-are the same whichever runs. The one exception is an alternative that the
-user allowed to differ by rounding (``enable(onednn=True)``, see
-:mod:`fastchain.kernels._onednn`): then the results are within that
-option's stated tolerance whichever runs.
+are the same whichever runs (kernels that are not bitwise equal, the
+``onednn`` option's, are never an alternative: the user turns them on).
 
 The cost is bounded: ``(TRIALS + 1)`` calls of each alternative per key.
 Each data-parallel process chooses for itself (they may pick differently:
@@ -30,7 +28,7 @@ forced = {}
 forced_calls = {}   # kind -> calls that took the forced alternative
 
 _lock = threading.Lock()
-_choices = {}       # (kind, key) -> Choice
+_choices = {}       # (kind, key, alternatives) -> Choice
 
 
 class Choice:
@@ -67,18 +65,19 @@ class Choice:
 
 
 def choice(kind, key, names, label=None):
-    """The Choice for (kind, key), made on first use, and made again when
-    the alternatives change (an option turned on or off); ``label``: how the
-    key reads in reports (a callable is called then)."""
+    """The Choice for (kind, key) among ``names``, made on first use: a key
+    offered other alternatives (an option turned on or off) is another
+    choice, and each is kept; ``label``: how the key reads in reports (a
+    callable is called then)."""
     names = tuple(names)
-    c = _choices.get((kind, key))
-    if c is None or c.names != names:
+    c = _choices.get((kind, key, names))
+    if c is None:
         with _lock:
-            c = _choices.get((kind, key))
-            if c is None or c.names != names:     # new, or other alternatives now
+            c = _choices.get((kind, key, names))
+            if c is None:
                 c = Choice(kind, key, names, label() if callable(label) else
                            (label if label is not None else repr(key)))
-                _choices[(kind, key)] = c
+                _choices[(kind, key, names)] = c
     return c
 
 
@@ -164,18 +163,16 @@ class Turns:
 
 
 def forced_name(kind, names):
-    """The alternative ``forced`` names for ``kind`` (a name, or a tuple of
-    names: the first of them this key has), counted in ``forced_calls``, or
-    None; a name not among ``names`` raises KeyError."""
+    """The alternative ``forced`` names for ``kind`` (counted in
+    ``forced_calls``), or None; a name not among ``names`` raises KeyError."""
     force = forced.get(kind)
     if force is None:
         return None
-    for name in (force,) if isinstance(force, str) else force:
-        if name in names:
-            forced_calls[kind] = forced_calls.get(kind, 0) + 1
-            return name
-    raise KeyError('autotune forced {!r} for {}, which has no such alternative '
-                   '(it has {})'.format(force, kind, ', '.join(names)))
+    if force not in names:
+        raise KeyError('autotune forced {!r} for {}, which has no such alternative '
+                       '(it has {})'.format(force, kind, ', '.join(names)))
+    forced_calls[kind] = forced_calls.get(kind, 0) + 1
+    return force
 
 
 def _named(alternatives, name):

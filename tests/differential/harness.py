@@ -135,19 +135,14 @@ def handles(layout, folder):
         _tuner.forget()
 
 
-# Every alternative the autotuner may pick, forced (tests/differential draws
-# one); a tuple: the first of them a key has (oneDNN's kernel is an
-# alternative only where enable(onednn=True) allows it and the call qualifies).
+# Every alternative the autotuner may pick, forced (tests/differential draws one).
 FORCED = {
     'chainer': {'cpu_conv': 'chainer', 'cpu_conv_bound': 'chainer',
                 'fused_update': 'chainer', 'static_graph': 'define-by-run',
-                'loader_workers': '1', 'batch_norm': 'chainer'},
-    'fastchain': {'cpu_conv': ('fastchain', 'onednn'), 'cpu_conv_bound': 'fastchain',
+                'loader_workers': '1'},
+    'fastchain': {'cpu_conv': 'fastchain', 'cpu_conv_bound': 'fastchain',
                   'fused_update': 'fused', 'static_graph': 'cached',
-                  'loader_workers': '2', 'batch_norm': 'onednn'},
-    'onednn': {'cpu_conv': ('onednn', 'fastchain'), 'cpu_conv_bound': ('onednn', 'fastchain'),
-               'fused_update': 'fused', 'static_graph': 'cached',
-               'loader_workers': '2', 'batch_norm': 'onednn'},
+                  'loader_workers': '2'},
 }
 ONEDNN_TOLERANCE = 1e-4     # onednn: of the largest value of the same kind (measured: 3.2e-5)
 
@@ -256,10 +251,8 @@ def _tuner_events():
     if _onednn.enabled and _onednn.calls:
         event('onednn: ran')
     for kind in ('cpu_conv', 'cpu_conv_bound', 'fused_update', 'static_graph',
-                 'loader_workers', 'batch_norm'):
+                 'loader_workers'):
         forced = _tuner.forced.get(kind) if _tuner.forced_calls.get(kind) else None
-        if isinstance(forced, tuple):
-            forced = '/'.join(forced)       # the first of them each key has
         picked = {c['picked'] for c in _tuner.choices(kind)} - {None}
         if forced or _tuner.choices(kind):
             event('autotune {}: {}'.format(kind, 'forced ' + forced if forced else
