@@ -13,4 +13,10 @@ order), with less Python and memory traffic around it:
   parameter update on cache-sized blocks with one reused temporary.
 
 GPU arrays, grouped convolutions, ``cover_all`` and iDeep go to Chainer.
+
+One provider is not bitwise equal, so it is an option of its own, off by
+default: ``onednn`` (:mod:`fastchain.kernels._onednn`,
+:mod:`fastchain.kernels._onednn_bn`), oneDNN's float32 convolutions and
+PyTorch's BatchNormalization kernels from PyTorch's CPU build, within a
+stated tolerance of Chainer's results.
 """

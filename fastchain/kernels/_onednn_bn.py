@@ -38,35 +38,26 @@ class _TorchImpl(_bn.GeneralBatchNormalizationImpl):
 
     def forward(self, axis, gamma, x, x_layout, xp, expander, beta, eps, decay,
                 running_mean, running_var):
-        def torch_forward():
-            torch = _onednn._module()
-            _onednn._count('batch normalization')
-            stats = [None if a is None else torch.from_numpy(a)
-                     for a in (running_mean, running_var)]
-            y, mean, inv_std = torch.native_batch_norm(
-                _onednn._tensor(x), _onednn._tensor(gamma), _onednn._tensor(beta),
-                stats[0], stats[1], True, 1.0 - decay, eps)
-            return (y.numpy(), x_layout, running_mean, running_var, mean.numpy(), None,
-                    inv_std.numpy(), None)
-        return torch_forward()
+        torch = _onednn._module()
+        _onednn._count('batch normalization')
+        stats = [None if a is None else torch.from_numpy(a) for a in (running_mean, running_var)]
+        y, mean, inv_std = torch.native_batch_norm(
+            _onednn._tensor(x), _onednn._tensor(gamma), _onednn._tensor(beta),
+            stats[0], stats[1], True, 1.0 - decay, eps)
+        return y.numpy(), x_layout, running_mean, running_var, mean.numpy(), None, \
+            inv_std.numpy(), None
 
     def backward(self, axis, gamma, gy, x, x_layout, xp, expander, mean, inv_std, eps,
                  var, forward_data):
-        def chainers():
-            return super(_TorchImpl, self).backward(axis, gamma, gy, x, x_layout, xp, expander,
-                                                    mean, inv_std, eps, var, forward_data)
         if not _onednn._float32(gy, mean, inv_std):
-            return chainers()
-
-        def torch_backward():
-            torch = _onednn._module()
-            _onednn._count('batch normalization backward')
-            gx, ggamma, gbeta = torch.ops.aten.native_batch_norm_backward(
-                _onednn._tensor(gy), _onednn._tensor(x), _onednn._tensor(gamma), None, None,
-                _onednn._tensor(mean), _onednn._tensor(inv_std), True, eps,
-                [True, True, True])
-            return gx.numpy(), None, ggamma.numpy(), gbeta.numpy()
-        return torch_backward()
+            return super().backward(axis, gamma, gy, x, x_layout, xp, expander, mean,
+                                    inv_std, eps, var, forward_data)
+        torch = _onednn._module()
+        _onednn._count('batch normalization backward')
+        gx, ggamma, gbeta = torch.ops.aten.native_batch_norm_backward(
+            _onednn._tensor(gy), _onednn._tensor(x), _onednn._tensor(gamma), None, None,
+            _onednn._tensor(mean), _onednn._tensor(inv_std), True, eps, [True, True, True])
+        return gx.numpy(), None, ggamma.numpy(), gbeta.numpy()
 
 
 _IMPL = _TorchImpl()
@@ -102,20 +93,18 @@ def inference_layer(next_, node, inputs):
             and mean.ndim == 1 and var.ndim == 1):
         return next_(node, inputs)
 
-    def torch_forward():
-        # What Chainer's forward keeps for its backward, computed as it does.
-        node.retain_inputs((0, 1, 3, 4))
-        node.axis, node.key_axis = axis, (1,)
-        node.expander = (None, slice(None)) + (None,) * (x.ndim - 2)
-        node.inv_var = numpy.reciprocal(var + node.eps)
-        node.inv_std = numpy.sqrt(node.inv_var, dtype=node.inv_var.dtype)
-        torch = _onednn._module()
-        _onednn._count('batch normalization inference')
-        y, _, _ = torch.native_batch_norm(
-            _onednn._tensor(x), _onednn._tensor(gamma), _onednn._tensor(beta),
-            _onednn._tensor(mean), _onednn._tensor(var), False, 0.0, node.eps)
-        return y.numpy(),
-    return torch_forward()
+    # What Chainer's forward keeps for its backward, computed as it does.
+    node.retain_inputs((0, 1, 3, 4))
+    node.axis, node.key_axis = axis, (1,)
+    node.expander = (None, slice(None)) + (None,) * (x.ndim - 2)
+    node.inv_var = numpy.reciprocal(var + node.eps)
+    node.inv_std = numpy.sqrt(node.inv_var, dtype=node.inv_var.dtype)
+    torch = _onednn._module()
+    _onednn._count('batch normalization inference')
+    y, _, _ = torch.native_batch_norm(
+        _onednn._tensor(x), _onednn._tensor(gamma), _onednn._tensor(beta),
+        _onednn._tensor(mean), _onednn._tensor(var), False, 0.0, node.eps)
+    return y.numpy(),
 
 
 def functions():
