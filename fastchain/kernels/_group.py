@@ -10,8 +10,8 @@ BIND_FLAG = 'fastchain.kernels._bind.enabled'
 ONEDNN_FLAG = 'fastchain.kernels._onednn.enabled'
 BLAS_THREADS = "NumPy's BLAS threads"
 NOT_BITWISE = ("PyTorch {}'s oneDNN convolutions and BatchNormalization kernels are in "
-               "force: results are NOT bitwise equal to Chainer's (each output within "
-               "2**-16 of the sum of the magnitudes it adds up; a training run within the "
+               "force: results are NOT bitwise equal to Chainer's (each convolution output "
+               "within 2**-16 of the sum of the magnitudes it adds up; a training run within the "
                "differential suite's tolerance, README 'What is the same training'); NumPy's "
                "BLAS runs on one thread meanwhile, leaving the cores to oneDNN's")
 
@@ -28,8 +28,9 @@ class KernelGroup(Group):
                 "Chainer's GPU kernel is left as it is)"),
         boolean('onednn', "compute float32 CPU convolutions (forward and both gradients) "
                 "with oneDNN and BatchNormalization with PyTorch's CPU kernels, from "
-                "PyTorch's CPU build; NOT bitwise equal to Chainer: each output within "
-                "2**-16 of the sum of the magnitudes it adds up; used for every call it "
+                "PyTorch's CPU build; NOT bitwise equal to Chainer: each convolution "
+                "output within 2**-16 of the sum of the magnitudes it adds up; used for "
+                "every call it "
                 "qualifies for, not measured by autotune); default: off",
                 default=False),
     )
@@ -48,7 +49,8 @@ class KernelGroup(Group):
         if onednn:
             plan.value(ONEDNN_FLAG, lambda: _onednn.enabled,
                        lambda v: setattr(_onednn, 'enabled', v), True)
-            plan.value(BLAS_THREADS, _onednn.blas_threads, _onednn.set_blas_threads, 1)
+            plan.value(BLAS_THREADS, _onednn.blas_threads, _onednn.set_blas_threads,
+                       _onednn.one_blas_thread())
             for owner, name, layer in _onednn_bn.functions():
                 plan.wrap(owner, name, 'onednn', layer)
         if values['cpu_conv'] is not False:

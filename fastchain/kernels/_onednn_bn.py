@@ -49,7 +49,9 @@ class _TorchImpl(_bn.GeneralBatchNormalizationImpl):
 
     def backward(self, axis, gamma, gy, x, x_layout, xp, expander, mean, inv_std, eps,
                  var, forward_data):
-        if not _onednn._float32(gy, mean, inv_std):
+        # Chainer's where the option is off now (a cached backward keeps this
+        # implementation from the forward it recorded) or the arrays do not qualify.
+        if not _onednn.enabled or not _onednn._float32(gy, mean, inv_std):
             return super().backward(axis, gamma, gy, x, x_layout, xp, expander, mean,
                                     inv_std, eps, var, forward_data)
         torch = _onednn._module()

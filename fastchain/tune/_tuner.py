@@ -28,7 +28,7 @@ forced = {}
 forced_calls = {}   # kind -> calls that took the forced alternative
 
 _lock = threading.Lock()
-_choices = {}       # (kind, key, alternatives) -> Choice
+_choices = {}       # (kind, key) -> Choice
 
 
 class Choice:
@@ -65,19 +65,16 @@ class Choice:
 
 
 def choice(kind, key, names, label=None):
-    """The Choice for (kind, key) among ``names``, made on first use: a key
-    offered other alternatives (an option turned on or off) is another
-    choice, and each is kept; ``label``: how the key reads in reports (a
-    callable is called then)."""
-    names = tuple(names)
-    c = _choices.get((kind, key, names))
+    """The Choice for (kind, key), made on first use (``label``: how the key
+    reads in reports; a callable is called then)."""
+    c = _choices.get((kind, key))
     if c is None:
         with _lock:
-            c = _choices.get((kind, key, names))
+            c = _choices.get((kind, key))
             if c is None:
                 c = Choice(kind, key, names, label() if callable(label) else
                            (label if label is not None else repr(key)))
-                _choices[(kind, key, names)] = c
+                _choices[(kind, key)] = c
     return c
 
 

@@ -218,16 +218,64 @@ def test_a_static_cache_verifies_and_replays_with_onednn_kernels():
     numpy.random.seed(0)
     x = numpy.random.RandomState(1).randn(4, 3, 8, 8).astype(numpy.float32)
     t = numpy.array([0, 1, 2, 0], numpy.int32)
-    with enabled(static_graph=True):
-        model = Net()
-        opt = chainer.optimizers.MomentumSGD(0.05)
-        opt.setup(model)
-        # measuring: the replay and its define-by-run reference may run other kernels
-        for _ in range(12):
-            opt.update(lambda: F.softmax_cross_entropy(model(x), t))
-        state = cache_state(model)
+    handle = enabled(static_graph=True)
+    model = Net()
+    opt = chainer.optimizers.MomentumSGD(0.05)
+    opt.setup(model)
+    for _ in range(12):
+        opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+    state = cache_state(model)
     assert state['fallback'] is None, state['fallback']
     assert sum(state['verified'].values()) >= 1
+    assert _onednn.calls.get('batch normalization backward', 0) >= 12
+    assert _onednn.calls.get('convolution', 0) >= 24
+    # Turned off with the cache kept (another handle keeps static_graph): the
+    # cached steps run Chainer's kernels only.
+    keep = fastchain.enable(static_graph=True, loader_workers=0)
+    handle.disable()
+    try:
+        before = dict(_onednn.calls)
+        for _ in range(3):
+            opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+        assert _onednn.calls == before
+    finally:
+        keep.disable()
+
+
+def test_a_backward_after_disable_is_chainers():
+    """A graph built with onednn on and differentiated after disable(): the
+    BatchNormalization backward is Chainer's (the node keeps the implementation
+    its forward chose)."""
+    rng = numpy.random.RandomState(0)
+    x = chainer.Variable(rng.randn(4, 3, 5, 5).astype(numpy.float32))
+    gamma = chainer.Variable(numpy.ones(3, numpy.float32))
+    beta = chainer.Variable(numpy.zeros(3, numpy.float32))
+    with enabled(autotune=False):
+        y = F.batch_normalization(x, gamma, beta)
+    before = dict(_onednn.calls)
+    F.sum(y * y).backward()
+    assert _onednn.calls == before
+
+
+def test_arrays_torch_cannot_share_are_copied_and_cover_all_stays_chainers():
+    rng = numpy.random.RandomState(0)
+    x = rng.randn(2, 3, 7, 7).astype(numpy.float32)
+    W = rng.randn(4, 3, 3, 3).astype(numpy.float32)
+    flipped = x[:, :, ::-1, :]                  # negative strides
+    readonly = x.copy()
+    readonly.flags.writeable = False
+    expected = [F.convolution_2d(a, W, pad=1).array for a in (flipped, readonly)]
+    expected_cover = F.convolution_2d(x, W, stride=2, cover_all=True).array
+    with enabled(autotune=False, cpu_conv=False):
+        before = _onednn.calls.get('convolution', 0)
+        got = [F.convolution_2d(a, W, pad=1).array for a in (flipped, readonly)]
+        assert _onednn.calls.get('convolution', 0) == before + 2
+        cover = F.convolution_2d(x, W, stride=2, cover_all=True).array
+        assert _onednn.calls.get('convolution', 0) == before + 2
+    for g, e in zip(got, expected):
+        numpy.testing.assert_allclose(g, e, rtol=0, atol=1e-5 * float(numpy.abs(e).max()))
+    numpy.testing.assert_array_equal(cover, expected_cover)
+    assert readonly.flags.writeable is False
 
 
 def test_autotune_does_not_mix_onednn_with_the_blas_kernels(tuner):
@@ -252,13 +300,13 @@ def test_autotune_does_not_mix_onednn_with_the_blas_kernels(tuner):
 
 def test_the_option_says_it_is_not_bitwise_and_gives_blas_threads_back():
     import threadpoolctl
-    blas = [i for i in threadpoolctl.threadpool_info() if i['user_api'] == 'blas']
-    threads = blas[0]['num_threads']
+    threads = tuple(i['num_threads'] for i in threadpoolctl.threadpool_info()
+                    if i['user_api'] == 'blas')
     with pytest.warns(FastchainWarning, match='NOT bitwise equal'):
         handle = fastchain.enable(onednn=True, loader_workers=0)
     state = handle.report()['onednn']
     assert state['active'] and state['setting'] is True
-    assert _onednn.blas_threads() == 1
+    assert set(_onednn.blas_threads()) == {1}
     handle.disable()
     assert _onednn.blas_threads() == threads
     assert not fastchain.report()['accelerators']['onednn']['active']
