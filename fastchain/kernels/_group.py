@@ -30,8 +30,7 @@ class KernelGroup(Group):
                 "with oneDNN and BatchNormalization with PyTorch's CPU kernels, from "
                 "PyTorch's CPU build; NOT bitwise equal to Chainer: each convolution "
                 "output within 2**-16 of the sum of the magnitudes it adds up; used for "
-                "every call it "
-                "qualifies for, not measured by autotune); default: off",
+                "every call it qualifies for, not measured by autotune; default: off",
                 default=False),
     )
 
@@ -44,9 +43,9 @@ class KernelGroup(Group):
 
     def plan(self, values, explicit, plan):
         from fastchain.kernels import _bind, _conv, _onednn
-        from fastchain.kernels import _onednn_bn
         onednn = values['onednn'] is True and _onednn.status(load=True)[0]
         if onednn:
+            from fastchain.kernels import _onednn_bn
             plan.value(ONEDNN_FLAG, lambda: _onednn.enabled,
                        lambda v: setattr(_onednn, 'enabled', v), True)
             plan.value(BLAS_THREADS, _onednn.blas_threads, _onednn.set_blas_threads,

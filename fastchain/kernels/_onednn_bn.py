@@ -13,7 +13,6 @@ and its unbiased variance (PyTorch's ``momentum`` is ``1 - decay``).
 Inference: ``FixedBatchNormalization.forward`` computes what Chainer's
 backward needs as Chainer does (per channel, cheap) and the output with
 PyTorch's kernel.
-
 """
 
 import numpy
@@ -49,8 +48,8 @@ class _TorchImpl(_bn.GeneralBatchNormalizationImpl):
 
     def backward(self, axis, gamma, gy, x, x_layout, xp, expander, mean, inv_std, eps,
                  var, forward_data):
-        # Chainer's where the option is off now (a cached backward keeps this
-        # implementation from the forward it recorded) or the arrays do not qualify.
+        # Chainer's where the option is off now (a graph built while it was
+        # on keeps this implementation) or the arrays do not qualify.
         if not _onednn.enabled or not _onednn._float32(gy, mean, inv_std):
             return super().backward(axis, gamma, gy, x, x_layout, xp, expander, mean,
                                     inv_std, eps, var, forward_data)

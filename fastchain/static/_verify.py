@@ -23,11 +23,11 @@ CPU the replay is bitwise define-by-run (measured), so any difference is
 real; the margin is for GPU kernels whose summation order varies. While the
 ``onednn`` option is in force or has run in the process (oneDNN's kernels,
 not bitwise equal to Chainer's: a cache recorded with them and verified
-after the option was turned off sees their rounding), floating-point
-arrays are accepted within ``INEXACT`` of the largest magnitude among the
-arrays compared together (the outputs, or the gradients: a bias's gradient
-sums to little from larger values and carries their rounding); a defect of the cache (a wrong input,
-a stale array) is of the order of the magnitude itself.
+after the option was turned off sees their rounding), float32 arrays are
+accepted within ``INEXACT`` of the largest magnitude among the arrays
+compared together (the outputs, or the gradients: a bias's gradient sums to
+little from larger values and carries their rounding); a defect of the cache
+(a wrong input, a stale array) is of the order of the magnitude itself.
 """
 
 import threading
@@ -40,7 +40,7 @@ from fastchain.kernels import _onednn
 from fastchain.static import _functions
 
 ULPS = 32
-INEXACT = 2.0 ** -10     # relative, while onednn is in force
+INEXACT = 2.0 ** -10     # relative, float32, once onednn is in force (_inexact)
 RAISED = 'raised'       # what a difference is "in" when the replay's backward raised
 ACCUMULATED = 'accumulated'     # ... when gradients left from before were not kept
 
