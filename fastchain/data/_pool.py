@@ -76,6 +76,7 @@ class WorkerPool:
         self.next_cursor = None     # (epoch, position) of the next batch to send
         self.workers, self.task_conns, self.result_conns = [], [], []
         self.active = n_workers     # workers batches are sent to (autotune may lower it)
+        self.depth = slots          # batches sent ahead at most (autotune may lower it)
         parent = os.getpid()
         for w in range(n_workers):
             task_r, task_w = ctx.Pipe(duplex=False)
@@ -105,8 +106,10 @@ class WorkerPool:
         self.fill()
 
     def fill(self):
-        """Send planned batches to the free slots, after the last one sent."""
-        while self.free_slots and self.next_cursor is not None:
+        """Send planned batches to the free slots, after the last one sent,
+        up to ``depth`` in flight."""
+        while self.free_slots and len(self.in_flight) < self.depth and \
+                self.next_cursor is not None:
             planned = self.plan(*self.next_cursor)
             if planned is None:
                 break

@@ -1,4 +1,5 @@
-"""autotune for the loader: how many of its workers load (:mod:`fastchain.tune`).
+"""autotune for the loader: how many of its workers load, and how many
+batches are in flight (:mod:`fastchain.tune`).
 
 On a machine with few cores the workers decode on the cores the step
 computes on, and more of them can make a step slower. Which count is faster
@@ -6,13 +7,17 @@ depends on the step, the decode and the machine, so it is measured: the
 counts from all the workers down to one take turns over whole steps (each
 turn runs ``settle`` steps for the batches already in flight to drain, then
 times ``timed`` steps), and the fastest count stays. Idle workers wait on
-their pipe and use no CPU. Every batch and the order stay the same whatever
-the count: a batch's examples and their NumPy seeds come from the schedule,
-not from the worker that loads it. (Random numbers a dataset draws
-elsewhere, from Python's ``random`` or a generator of its own, are the
-worker's, as in any multiprocess loader; which worker loads a batch now
-depends on the count in force.) (Loading in the training process instead is
-not an alternative: with ``rng='global'`` it draws the examples' random
+their pipe and use no CPU. Then, for the count kept, the prefetch depth (the
+batches sent ahead: all the slots, two per loading worker, one per loading
+worker) is measured the same way and the fastest kept; a shallower depth
+starts loading a batch later, so the loading runs at other moments of the
+step. Every batch and the order stay the same whatever the count and the
+depth: a batch's examples and their NumPy seeds come from the schedule, not
+from the worker that loads it or from when it is loaded. (Random numbers a
+dataset draws elsewhere, from Python's ``random`` or a generator of its own,
+are the worker's, as in any multiprocess loader; which worker loads a batch
+now depends on the count in force.) (Loading in the training process instead
+is not an alternative: with ``rng='global'`` it draws the examples' random
 numbers from NumPy's global RNG, the workers from seeds.)
 """
 
@@ -21,21 +26,43 @@ from fastchain.tune import _tuner
 TIMED_STEPS = 2
 
 
+def depths(active, slots):
+    """The prefetch depths measured for ``active`` loading workers: all the
+    slots (the default, first), two batches per worker, one per worker."""
+    return tuple(str(d) for d in sorted({slots, 2 * active, active}, reverse=True)
+                 if 1 <= d <= slots)
+
+
 class WorkerTuner:
-    """Chooses the pool's active worker count, step by step (:meth:`step`)."""
+    """Chooses the pool's active worker count, then its prefetch depth, step
+    by step (:meth:`step`)."""
 
     def __init__(self, key, n_workers, slots, label):
         self.key = key
+        self.slots = slots
         self.names = tuple(str(k) for k in range(n_workers, 0, -1))
         self.label = label
         # a batch sent under the previous count is used after ``slots`` steps
         self.turns = _tuner.Turns(settle=slots, timed=TIMED_STEPS)
+        self.depth_turns = _tuner.Turns(settle=slots, timed=TIMED_STEPS)
 
     def step(self, pool):
-        """Call at the start of each step (each ``next()``): sets ``pool.active``."""
+        """Call at the start of each step (each ``next()``): sets
+        ``pool.active`` and ``pool.depth``."""
         if not _tuner.enabled:
-            pool.active = len(pool.workers)     # autotune off (again): all of them
+            # autotune off (again): all of them, all the slots
+            pool.active, pool.depth = len(pool.workers), self.slots
             self.turns.reset()
+            self.depth_turns.reset()
             return
-        pool.active = int(self.turns.step('loader_workers', self.key, self.names,
-                                          self.label))
+        active = int(self.turns.step('loader_workers', self.key, self.names, self.label))
+        pool.active = active
+        decided = _tuner.forced.get('loader_workers') is not None or \
+            _tuner.choice('loader_workers', self.key, self.names).picked is not None
+        names = depths(active, self.slots)
+        if not decided or len(names) == 1:
+            pool.depth = self.slots
+            return
+        pool.depth = int(self.depth_turns.step(
+            'loader_prefetch', self.key + (active,), names,
+            lambda: '{}, {} loading: batches in flight'.format(self.label, active)))

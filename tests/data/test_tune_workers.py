@@ -1,5 +1,6 @@
-"""autotune picks how many of the loader's workers load; every batch, their
-order and the training stay what they are with any count."""
+"""autotune picks how many of the loader's workers load, then how many
+batches are in flight; every batch, their order and the training stay what
+they are with any count and any depth."""
 
 import warnings
 
@@ -10,11 +11,12 @@ import chainer
 import chainer.links as L
 
 import fastchain
-from fastchain.data import _group
+from fastchain.data import _group, _tune
 from fastchain.tune import _tuner
 from tests.helpers import Indexed, Noisy
 
 ITERATIONS = 80     # 3 counts x 3 turns (1 untimed, 2 timed) x 8 steps, and after
+BOTH = 160          # and then 3 depths x 3 turns x 8 steps
 
 
 def run(dataset, options=None, iterations=ITERATIONS):
@@ -40,11 +42,12 @@ def run(dataset, options=None, iterations=ITERATIONS):
             main = updater.get_iterator('main')
             pool = getattr(getattr(main, 'iterator', main), '_pool', None)
             active = None if pool is None else pool.active
+            depth = None if pool is None else pool.depth
             updater.finalize()
         finally:
             if handle is not None:
                 handle.disable()
-    return seen, model.predictor.W.array.copy(), active
+    return seen, model.predictor.W.array.copy(), active, depth
 
 
 def assert_same(a, b):
@@ -85,6 +88,54 @@ def test_any_count_gives_the_same_random_examples(tuner, three_workers, monkeypa
         assert got[2] == int(forced)
 
 
+def test_then_the_fastest_depth_is_kept_and_training_is_plain_chainers(tuner, three_workers):
+    """After the count (2 of 3), the depths 6 (all the slots), 4 (two a
+    worker) and 2 (one a worker) take turns; the fastest stays."""
+    tuner.update({('loader_workers', '3'): 2.0, ('loader_workers', '2'): 1.0,
+                  ('loader_workers', '1'): 3.0, ('loader_prefetch', '6'): 2.0,
+                  ('loader_prefetch', '4'): 1.0, ('loader_prefetch', '2'): 3.0})
+    got = run(Indexed(), {}, iterations=BOTH)
+    [c] = _tuner.choices('loader_prefetch')
+    assert c['picked'] == '4' and c['trials'] == {'6': 2, '4': 2, '2': 2}
+    assert '2 loading' in c['key']
+    assert got[2:] == (2, 4)
+    plain = run(Indexed(), iterations=BOTH)
+    # the device prefetcher may have converted one batch more, ahead
+    assert_same(plain, (got[0][:BOTH],) + got[1:])
+
+
+@pytest.mark.parametrize('depth', ['1', '2'])
+def test_a_depth_bounds_the_batches_in_flight_and_changes_no_batch(
+        tuner, three_workers, monkeypatch, depth):
+    """Forced to one worker and a depth: at most that many batches are ever
+    sent ahead, and the batches are still plain Chainer's."""
+    from fastchain.data._pool import WorkerPool
+    most = []
+    fill = WorkerPool.fill
+
+    def counting_fill(self):
+        fill(self)
+        most.append(len(self.in_flight))
+    monkeypatch.setattr(WorkerPool, 'fill', counting_fill)
+    monkeypatch.setitem(_tuner.forced, 'loader_workers', '1')
+    monkeypatch.setitem(_tuner.forced, 'loader_prefetch', depth)
+    got = run(Indexed(), {}, iterations=40)
+    # the first fills (before the first step sets the depth) send the rest
+    # of the epoch (3 batches: the next epoch's order is drawn by next());
+    # those are taken within 6 steps
+    assert max(most) == 3 and max(most[-60:]) == int(depth)
+    assert got[2:] == (1, int(depth))
+    assert_same(run(Indexed(), iterations=40), (got[0][:40],) + got[1:])
+
+
+def test_the_depths_measured():
+    assert _tune.depths(3, 6) == ('6', '3')
+    assert _tune.depths(2, 6) == ('6', '4', '2')
+    assert _tune.depths(1, 4) == ('4', '2', '1')
+    assert _tune.depths(2, 4) == ('4', '2')
+    assert _tune.depths(1, 1) == ('1',)
+
+
 def test_workers_asked_for_are_not_tuned(tuner, three_workers):
     tuner.update({'3': 2.0, '2': 1.0, '1': 3.0})
     got = run(Indexed(), {'loader_workers': 3})
@@ -94,13 +145,14 @@ def test_workers_asked_for_are_not_tuned(tuner, three_workers):
 def test_without_autotune_all_workers_load(tuner, three_workers):
     tuner.update({'3': 2.0, '2': 1.0, '1': 3.0})
     got = run(Indexed(), {'autotune': False})
-    assert _tuner.choices('loader_workers') == [] and got[2] == 3
+    assert _tuner.choices('loader_workers') == [] and got[2:] == (3, 6)
 
 
 def test_autotune_turned_off_later_gives_all_workers_back(tuner, three_workers):
     """An iterator made while autotune measured loads with every worker once
     no handle asks for autotune any more."""
-    tuner.update({'3': 2.0, '2': 1.0, '1': 3.0})
+    tuner.update({'3': 2.0, '2': 1.0, '1': 3.0, ('loader_prefetch', '6'): 0.9,
+                  ('loader_prefetch', '4'): 0.5, ('loader_prefetch', '2'): 0.7})
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         with fastchain.enable():
@@ -110,12 +162,15 @@ def test_autotune_turned_off_later_gives_all_workers_back(tuner, three_workers):
                 it, chainer.optimizers.SGD().setup(model))
             main = updater.get_iterator('main')
             pool = getattr(main, 'iterator', main)._pool
-            for _ in range(ITERATIONS):
+            for _ in range(BOTH):
                 updater.update()
-            assert pool.active == 2
+            assert (pool.active, pool.depth) == (2, 4)
         with fastchain.enable(autotune=False):
+            # the first batch may have been fetched ahead before this handle;
+            # the second's next() ran after it
             updater.update()
-            assert pool.active == 3
+            updater.update()
+            assert (pool.active, pool.depth) == (3, 6)
     updater.finalize()
 
 

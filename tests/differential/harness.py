@@ -139,10 +139,10 @@ def handles(layout, folder):
 FORCED = {
     'chainer': {'cpu_conv': 'chainer', 'cpu_conv_bound': 'chainer',
                 'fused_update': 'chainer', 'static_graph': 'define-by-run',
-                'loader_workers': '1'},
+                'loader_workers': '1', 'loader_prefetch': '1'},
     'fastchain': {'cpu_conv': 'fastchain', 'cpu_conv_bound': 'fastchain',
                   'fused_update': 'fused', 'static_graph': 'cached',
-                  'loader_workers': '2'},
+                  'loader_workers': '2', 'loader_prefetch': '2'},
 }
 ONEDNN_TOLERANCE = 1e-4     # onednn: of the largest value of the same kind (measured: 3.2e-5)
 
@@ -251,7 +251,7 @@ def _tuner_events():
     if _onednn.enabled and _onednn.calls:
         event('onednn: ran')
     for kind in ('cpu_conv', 'cpu_conv_bound', 'fused_update', 'static_graph',
-                 'loader_workers'):
+                 'loader_workers', 'loader_prefetch'):
         forced = _tuner.forced.get(kind) if _tuner.forced_calls.get(kind) else None
         picked = {c['picked'] for c in _tuner.choices(kind)} - {None}
         if forced or _tuner.choices(kind):
