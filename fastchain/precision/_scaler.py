@@ -2,7 +2,6 @@
 
 import math
 
-import numpy
 
 # Largest power of two an fp16 loss can carry: Chainer seeds backward with
 # `ones_like(loss) * loss_scale` in the loss's dtype, and fp16 tops out at 65504.
@@ -153,23 +152,7 @@ def _positive(name, value):
 
 
 def _any_nonfinite(grads):
-    """True if any gradient holds inf or NaN: one host sync for all of them.
-
-    Each gradient is summed in fp32 on its device (inf or NaN anywhere makes
-    the sum non-finite; fp16 values cannot overflow an fp32 sum at any real
-    model size) and only the total is brought to the host.
-    """
-    grads = [g for g in grads if g is not None]
-    if not grads:
-        return False
-    from chainer import backend
-    xp = backend.get_array_module(grads[0])
-    # fp16 is summed in fp32; fp32/fp64 in their own precision.
-    if xp is numpy:
-        return not all(numpy.isfinite(g.sum(dtype=_acc(g))) for g in grads)
-    total = xp.stack([g.sum(dtype=_acc(g)) for g in grads]).sum()
-    return not bool(xp.isfinite(total))     # the one synchronisation
-
-
-def _acc(array):
-    return numpy.promote_types(array.dtype, numpy.float32)
+    """True if any gradient holds inf or NaN: one host synchronisation for
+    all of them (:mod:`fastchain.precision._nonfinite`)."""
+    from fastchain.precision._nonfinite import any_nonfinite
+    return any_nonfinite(grads)
