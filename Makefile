@@ -11,6 +11,7 @@
 #   make mutation-check     shows the differential suite fails on four known defects put back
 #   make wheelhouse         dist/wheelhouse/: fastchain, Chainer and what an offline GPU node lacks
 #   make wheelhouse-check   a clean Python 3.12 venv with the node's packages installs from it offline
+#   make cupy14-check       Chainer and fastchain beside CuPy 14 and CUDA 13's libraries, GPU or not
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -26,7 +27,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.fastchain-setup
 
 .PHONY: setup test test-np1 doctor demo bench gpu-check clean test-differential mutation-check \
-	wheelhouse wheelhouse-check
+	wheelhouse wheelhouse-check cupy14-check
 
 setup: $(STAMP)
 
@@ -97,6 +98,22 @@ gpu-check: setup
 	  sys.exit(0 if s.available else 'gpu-check: CuPy cannot use the GPU: {} (fix: {})'.format(s.why, s.fix))"
 	$(PY) benchmarks/gpu_check.py --results $(GPU_RESULTS) $(GPU_CHECK_ARGS)
 	$(PY) benchmarks/summary.py $(GPU_RESULTS)
+
+# Chainer 7.8.1 and fastchain beside CuPy 14 (cupy-cuda13x and what its ctk extra
+# brings in CuPy 14.2: CUDA 13's runtime, NVRTC, cuBLAS, cuFFT, cuRAND, cuSOLVER,
+# cuSPARSE from NVIDIA's wheels, about 1.3 GB) in a folder of their own, so the
+# venv stays as CI has it. Works without a GPU: every module is imported and what
+# Chainer and fastchain conclude is written down (tests/cupy14_check.py).
+CUPY14_DIR ?= .cupy14
+CUPY14_LIBS := $(CUPY14_DIR)/nvidia/cu13/lib
+
+cupy14-check: setup
+	@test -d $(CUPY14_DIR)/cupy || { \
+	  $(PIP) install --target $(CUPY14_DIR) --no-deps "cupy-cuda13x==14.*" && \
+	  $(PIP) install --target $(CUPY14_DIR) "cuda-pathfinder==1.*,>=1.3.4" \
+	    "cuda-toolkit[cublas,cudart,cufft,curand,cusolver,cusparse,nvrtc]==13.*"; }
+	PYTHONPATH=$(CUPY14_DIR) LD_LIBRARY_PATH=$(CUPY14_LIBS)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} \
+	  $(PY) tests/cupy14_check.py benchmarks/results/cupy14_check.json
 
 # --- offline install (../shared/GPU-NODE.md) -----------------------------------
 # dist/wheelhouse/ holds what a machine with no package index needs besides

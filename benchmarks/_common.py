@@ -104,10 +104,11 @@ def write(name, args, config, rows, ratios, notes=None):
 def markdown(result):
     m = result['machine']
     lines = ['## {}'.format(result['benchmark']), '',
-             'Machine: {} ({} cores), {} GPU; Python {}, NumPy {}, Chainer {}.'.format(
+             'Machine: {} ({} cores), {} GPU; Python {}, NumPy {}{}, Chainer {}.'.format(
                  m.get('cpu'), m.get('cores'),
                  ', '.join(g['name'] for g in m.get('gpus') or []) or 'no',
-                 m.get('python'), m.get('numpy'), m.get('chainer')),
+                 m.get('python'), m.get('numpy'),
+                 ' ({})'.format(m['blas']) if m.get('blas') else '', m.get('chainer')),
              '', '| variant | median | unit | spread (min, max) | windows |',
              '| --- | --- | --- | --- | --- |']
     for r in result['rows']:

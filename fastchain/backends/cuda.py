@@ -162,7 +162,10 @@ def nccl_status():
     try:
         from cupy.cuda import nccl
         if not getattr(nccl, 'available', True):
-            raise ImportError('CuPy was built without NCCL')
+            # CuPy's wheels load libnccl.so.2 at run time, from NVIDIA's
+            # nvidia-nccl-cu* package (seen with CuPy 14.2 and no such package)
+            raise ImportError('CuPy {} could not load the NCCL library '
+                              '(libnccl.so.2)'.format(cupy.__version__))
         version = str(nccl.get_version())
     except Exception as e:
         return Status(False, why='NCCL is not usable: {}'.format(e),

@@ -24,6 +24,17 @@ def _cpu_model():
     return platform.processor() or None
 
 
+def blas():
+    """The BLAS NumPy was built with, as ``'name version'`` (OpenBLAS for
+    PyPI's wheels; MKL for conda's and Intel's), or None if NumPy does not say."""
+    import numpy
+    try:
+        info = numpy.show_config(mode='dicts')['Build Dependencies']['blas']
+    except Exception:       # NumPy < 1.25, or a build that does not record it
+        return None
+    return ' '.join(str(info[k]) for k in ('name', 'version') if info.get(k)) or None
+
+
 def machine():
     """The machine description benchmarks record (BENCHMARKS.md)."""
     import numpy
@@ -44,6 +55,7 @@ def machine():
         'gpus': cuda.gpus(),
         'python': platform.python_version(),
         'numpy': numpy.__version__,
+        'blas': blas(),
         'chainer': chainer.__version__,
         'cupy': cupy.version,
         'cudnn': cudnn.version,
