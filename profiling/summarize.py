@@ -8,7 +8,11 @@ Reads the ``fastchain`` domain's push/pop ranges from ``NVTX_EVENTS``
 (eventType 59; the domain from its NvtxDomainCreate row, eventType 75;
 category names from NvtxCategory rows, eventType 33; registered strings
 through ``StringIds``) and, when present, device kernels from
-``CUPTI_ACTIVITY_KIND_KERNEL`` to measure how long the device sat idle.
+``CUPTI_ACTIVITY_KIND_KERNEL`` to measure how long the device sat idle;
+NCCL's kernels among them (short name ``nccl...``) give the allreduce time on
+the device per step, each counted in the step that launched it (its launch
+call's start in ``CUPTI_ACTIVITY_KIND_RUNTIME``, matched by correlationId;
+the kernel's own start where that table is missing).
 Prints the median time of each phase of a step, its share, the one-off
 events (a snapshot, an evaluation: see ``fastchain/nvtx/_summary.py``) by
 name and duration, the device's idle share and a one-line diagnosis.
@@ -106,6 +110,37 @@ def read_kernels(db):
     return [tuple(r) for r in db.execute('SELECT start, end FROM CUPTI_ACTIVITY_KIND_KERNEL')]
 
 
+def _columns(db, table):
+    return {r[1] for r in db.execute('PRAGMA table_info({})'.format(table))}
+
+
+def read_device(db):
+    """NCCL's kernels as summary DeviceRanges (category 'allreduce'), or None."""
+    tables = _tables(db)
+    if 'CUPTI_ACTIVITY_KIND_KERNEL' not in tables or 'StringIds' not in tables:
+        return None
+    kernel = _columns(db, 'CUPTI_ACTIVITY_KIND_KERNEL')
+    if not {'shortName', 'correlationId'} <= kernel:
+        return None
+    launch = 'k.start'
+    join = ''
+    if 'CUPTI_ACTIVITY_KIND_RUNTIME' in tables and \
+            'correlationId' in _columns(db, 'CUPTI_ACTIVITY_KIND_RUNTIME'):
+        launch = 'COALESCE(r.start, k.start)'
+        join = ('LEFT JOIN CUPTI_ACTIVITY_KIND_RUNTIME AS r ON r.correlationId = '
+                'k.correlationId')
+        if 'globalPid' in kernel and 'globalTid' in _columns(db, 'CUPTI_ACTIVITY_KIND_RUNTIME'):
+            # Correlation ids are per process: a report of several ranks repeats them.
+            join += ' AND (r.globalTid >> 24) = (k.globalPid >> 24)'
+    rows = db.execute(
+        'SELECT s.value, k.deviceId, k.streamId, k.start, k.end, {} '
+        'FROM CUPTI_ACTIVITY_KIND_KERNEL AS k JOIN StringIds AS s ON s.id = k.shortName {} '
+        "WHERE s.value LIKE 'nccl%' ORDER BY k.start".format(launch, join)).fetchall()
+    return [_summary.DeviceRange(name, 'allreduce', 'GPU {} stream {}'.format(dev, stream),
+                                 start, end, launched)
+            for name, dev, stream, start, end, launched in rows]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split('\n\n')[0],
@@ -120,14 +155,15 @@ def main(argv=None):
         path = pathlib.Path(args.sqlite).resolve().as_uri() + '?mode=ro'
         db = sqlite3.connect(path, uri=True)
         try:
-            ranges, kernels = read_ranges(db), read_kernels(db)
+            ranges, kernels, device = read_ranges(db), read_kernels(db), read_device(db)
         finally:
             db.close()
     except ReportError as e:
         _fail('{}: {}'.format(args.sqlite, e))
     except sqlite3.DatabaseError as e:
         _fail('{}: unreadable as SQLite: {} ({})'.format(args.sqlite, e, EXPECTED))
-    result = _summary.summarize(ranges, kernels=kernels, skip=args.skip)
+    result = _summary.summarize(ranges, kernels=kernels, skip=args.skip,
+                                device=device or None)
     print(_summary.format_summary(result))
     if args.png:
         drawn = _summary.plot(result, args.png)

@@ -11,6 +11,13 @@ checks the events still pending against the timeout (and for a peer that
 has left), aborting the job past it, since a stream stuck on a dead peer
 would otherwise block the host at its next synchronisation for ever.
 
+Since the host only launches an allreduce, its 'allreduce' NVTX range covers
+the launch; while fastchain's timeline records, each allreduce is also timed
+on the NCCL stream with CUDA events (:class:`~fastchain.nvtx._timeline.DeviceTrack`),
+so the trace shows it on a device track and the summary reports the
+allreduce time on the device per step. Under Nsight Systems the NCCL kernels
+are in the report itself (``profiling/summarize.py`` reads them).
+
 Not run here: these machines have no GPU. The logic above it (buckets,
 ordering, averaging, loss-scale agreement) is the same code the MPI
 communicator's tests run.
@@ -47,6 +54,7 @@ class NcclCommunicator(CommunicatorBase):
         self._nccl = None
         self._stream = None
         self._pending = _Pending(self)
+        self._track = None
 
     def device(self):
         import chainer
@@ -87,9 +95,27 @@ class NcclCommunicator(CommunicatorBase):
         import cupy
         comm = self._setup()
         self._stream.wait_event(cupy.cuda.get_current_stream().record())
+        track = self._device_track()
+        token = track.begin() if track is not None else None
         comm.allReduce(array.data.ptr, array.data.ptr, array.size, self._dtype(array),
                        nccl.NCCL_SUM, self._stream.ptr)
-        return self._stream.record(), what
+        event = self._stream.record()
+        if track is not None:
+            track.end(token, what, 'allreduce', event)
+        return event, what
+
+    def _device_track(self):
+        """The timeline's track for the NCCL stream while one records, else None."""
+        from fastchain.nvtx import _annotator
+        annotator = _annotator._annotator
+        timeline = annotator.timeline if annotator is not None else None
+        if timeline is None:
+            return None
+        if self._track is None or self._track.timeline is not timeline:
+            from fastchain.nvtx._timeline import DeviceTrack
+            self._track = DeviceTrack(timeline, 'NCCL stream (GPU {})'.format(self.intra_rank),
+                                      self._stream)
+        return self._track
 
     def allgather(self, array, what='allgather'):
         import cupy

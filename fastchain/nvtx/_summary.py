@@ -30,6 +30,11 @@ import statistics
 
 Range = collections.namedtuple('Range', 'name category thread start end depth')
 
+# Work timed on a device (a NCCL allreduce on its stream, from CUDA events or
+# from an Nsight Systems kernel record): where it ran, on the host clock, and
+# when the host launched it. A step counts the device work it launched.
+DeviceRange = collections.namedtuple('DeviceRange', 'name category track start end launched')
+
 PHASES = ('data', 'convert', 'forward', 'backward', 'loss_scale', 'update', 'other',
           'extension')
 
@@ -40,22 +45,29 @@ ONE_OFF_RULE = ("a phase's or an extension's time in a step that is more than {:
                 'step'.format(ONE_OFF_FACTOR, 100 * ONE_OFF_MIN_SHARE))
 
 
-def summarize(ranges, kernels=None, skip=1):
+def summarize(ranges, kernels=None, skip=1, device=None):
     """Median time per phase of a step, shares, one-offs, device idle, diagnosis.
 
     Args:
         ranges: iterable of :class:`Range` (times in ns, one clock).
         kernels: optional list of (start, end) of device kernels, same clock.
         skip (int): leading steps left out (warm-up: autotune, first calls).
+        device: optional list of :class:`DeviceRange`; those of category
+            'allreduce' give each step ``allreduce_device``, the time its
+            allreduces ran on the device (the host's 'allreduce' ranges only
+            cover their launch when the wait is a stream dependency).
 
     Returns a dict: ``median_ms`` (per phase, one-offs at their median time),
     ``share`` (of the sum of those medians, ``total_ms``), ``mean_ms`` (plain
     mean per phase, one-offs included), ``mean_step_ms``, ``one_offs`` (dicts
     with name, phase, step, ms, typical_ms; longest first), ``warmup`` ((step,
     ms) of the steps left out), ``device_idle`` (median share of a step),
-    ``diagnosis`` and ``per_step``.
+    ``diagnosis`` and ``per_step``; with ``device``, ``median_ms`` and
+    ``share`` have ``allreduce_device``.
     """
     ranges = list(ranges)
+    launched = sorted((d.launched, d.end - d.start) for d in (device or ())
+                      if d.category == 'allreduce')
     by_thread = collections.defaultdict(list)
     for r in ranges:
         by_thread[r.thread].append(r)
@@ -68,6 +80,9 @@ def summarize(ranges, kernels=None, skip=1):
     for i, step in enumerate(steps):
         following = steps[i + 1].start if i + 1 < len(steps) else None
         phases = _phases(step, by_thread[step.thread], following)
+        if device is not None:
+            lo, hi = phases['window']
+            phases['allreduce_device'] = sum(t for at, t in launched if lo <= at <= hi)
         phases['index'] = i + 1
         if i < skip:
             warmup.append((i + 1, sum(phases[p] for p in PHASES) / 1e6))
@@ -80,7 +95,10 @@ def summarize(ranges, kernels=None, skip=1):
                       device_idle=None, diagnosis='no training step was recorded')
         return result
     one_offs = _one_offs(per_step)
-    names = PHASES + ('allreduce',)
+    names = PHASES + ('allreduce',) + (('allreduce_device',) if device is not None else ())
+    for s in per_step:
+        if device is not None:
+            s['adjusted']['allreduce_device'] = s['allreduce_device']
     median = {p: statistics.median(s['adjusted'][p] for s in per_step) / 1e6 for p in names}
     mean = {p: sum(s[p] for s in per_step) / len(per_step) / 1e6 for p in names}
     total = sum(median[p] for p in PHASES)
@@ -216,10 +234,10 @@ def format_summary(result):
         lines += _unclosed(result)
         return '\n'.join(lines)
     lines.append('{:12s} {:>10s} {:>7s}'.format('phase', 'median ms', 'share'))
-    for p in PHASES + ('allreduce',):
-        if p == 'allreduce' and not result['median_ms'][p]:
+    for p in PHASES + ('allreduce', 'allreduce_device'):
+        if p in ('allreduce', 'allreduce_device') and not result['median_ms'].get(p):
             continue
-        label = p if p != 'allreduce' else '(allreduce)'
+        label = {'allreduce': '(allreduce)', 'allreduce_device': '(on device)'}.get(p, p)
         lines.append('{:12s} {:10.2f} {:6.1f}%'.format(
             label, result['median_ms'][p], 100 * result['share'][p]))
     lines.append('{:12s} {:10.2f}'.format('total', result['total_ms']))

@@ -6,6 +6,16 @@ Perfetto or chrome://tracing), a PNG chart of the per-phase time of a step,
 and the summary of :mod:`fastchain.nvtx._summary` (median per-step figures;
 one-off events such as a snapshot or an evaluation listed by name and
 duration, and hatched and named in the chart).
+
+Device work the host only launches (the NCCL allreduce of a gradient bucket,
+on its own stream, which the compute stream waits for without the host) is
+timed with a pair of CUDA events per launch through a :class:`DeviceTrack`
+and placed on the host clock through an anchor: one event recorded on the
+stream and waited for by the host, once per track, so a device time is the
+anchor's host time plus the events' elapsed time (exact to the
+synchronisation's latency, microseconds, and to CUDA's event resolution,
+about half a microsecond). The events are read when the trace or the summary
+is made, not in the step.
 """
 
 import json
@@ -27,6 +37,8 @@ class Timeline:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self.saved = None       # what save() wrote
+        self.device_ranges = []     # _summary.DeviceRange, resolved
+        self._device_pending = []   # (name, category, track, start, end events, launched)
 
     def push(self, name, category):
         tid = threading.get_ident()
@@ -47,9 +59,30 @@ class Timeline:
         with self._lock:
             self.marks.append((name, category, threading.get_ident(), time.perf_counter_ns()))
 
+    def device_range(self, name, category, track, start_event, end_event, launched):
+        """Device work between two timing events of ``track`` (a
+        :class:`DeviceTrack`), launched by the host at ``launched`` (ns)."""
+        with self._lock:
+            self._device_pending.append((name, category, track, start_event, end_event,
+                                         launched))
+
+    def resolve_device(self):
+        """Reads the pending device events (waiting for each to complete) into
+        :attr:`device_ranges`. Called by the trace and the summary."""
+        with self._lock:
+            pending, self._device_pending = self._device_pending, []
+        for name, category, track, start, end, launched in pending:
+            end.synchronize()
+            self.device_ranges.append(_summary.DeviceRange(
+                name, category, track.label, track.host_ns(start), track.host_ns(end),
+                launched))
+        return self.device_ranges
+
     def chrome_trace(self):
-        """The Trace Event Format dict (times in microseconds)."""
+        """The Trace Event Format dict (times in microseconds). Device work
+        has a track of its own per stream, after the host's threads."""
         events = []
+        device = self.resolve_device()
         threads = sorted({r.thread for r in self.ranges} | {m[2] for m in self.marks})
         tid_of = {t: i for i, t in enumerate(threads)}
         for r in sorted(self.ranges, key=lambda r: (r.start, -r.end)):
@@ -64,6 +97,16 @@ class Timeline:
             label = 'main' if thread == threading.main_thread().ident else 'thread {}'.format(i)
             events.append({'name': 'thread_name', 'ph': 'M', 'pid': self._pid, 'tid': i,
                            'args': {'name': label}})
+        tracks = {}
+        for d in sorted(device, key=lambda d: d.start):
+            tid = tracks.setdefault(d.track, len(tid_of) + len(tracks))
+            events.append({'name': d.name, 'cat': d.category, 'ph': 'X',
+                           'ts': d.start / 1e3, 'dur': (d.end - d.start) / 1e3,
+                           'pid': self._pid, 'tid': tid, 'cname': _chrome_colour(d.category),
+                           'args': {'launched_us': d.launched / 1e3}})
+        for label, tid in tracks.items():
+            events.append({'name': 'thread_name', 'ph': 'M', 'pid': self._pid, 'tid': tid,
+                           'args': {'name': label}})
         return {'traceEvents': events, 'displayTimeUnit': 'ms',
                 'otherData': {'source': 'fastchain timeline', 'domain': 'fastchain'}}
 
@@ -74,7 +117,8 @@ class Timeline:
                 for name, category, _ in stack]
 
     def summary(self, skip=1):
-        result = _summary.summarize(self.ranges, skip=skip)
+        device = self.resolve_device()
+        result = _summary.summarize(self.ranges, skip=skip, device=device or None)
         result['unclosed'] = self.open_ranges()
         return result
 
@@ -91,6 +135,40 @@ class Timeline:
         png = _summary.plot(result, base + '.png')
         self.saved = {'summary': result, 'json': path, 'txt': base + '.txt', 'png': png}
         return result
+
+
+class DeviceTrack:
+    """Times launches on one CUDA stream for a :class:`Timeline`:
+    ``token = track.begin()`` before the launch, ``track.end(token, name,
+    category)`` after it (both record a timing event on the stream). The
+    first ``begin`` anchors the stream to the host clock (module docstring)."""
+
+    def __init__(self, timeline, label, stream):
+        self.timeline = timeline
+        self.label = label
+        self.stream = stream
+        self._anchor = None         # (event, host ns)
+
+    def begin(self):
+        launched = time.perf_counter_ns()
+        if self._anchor is None:
+            event = self.stream.record()
+            event.synchronize()
+            self._anchor = (event, time.perf_counter_ns())
+        return self.stream.record(), launched
+
+    def end(self, token, name, category, event=None):
+        """``event``: one already recorded on the stream right after the
+        launch (it then serves both the caller and the timeline)."""
+        start, launched = token
+        end = event if event is not None else self.stream.record()
+        self.timeline.device_range(name, category, self, start, end, launched)
+        return end
+
+    def host_ns(self, event):
+        import cupy
+        anchor, host = self._anchor
+        return host + int(round(cupy.cuda.get_elapsed_time(anchor, event) * 1e6))
 
 
 def _chrome_colour(category):
