@@ -6,9 +6,9 @@ one rung after another, each adding one change to the one before, as in the
 talk:
 
   baseline            SerialIterator, fp32, no cuDNN   (benchmarks/ladder_scripts/plain.py)
-  cudnn               + cuDNN
-  autotune            + autotuning: cuDNN's algorithm search, and from here on
-                        fastchain's measure-and-choose between its bitwise-equal
+  cudnn               + cuDNN (CuPy 13's, or on CuPy 14 cuDNN 9 through fastchain's graphs)
+  autotune            + autotuning: cuDNN's algorithm search (the graphs' plans timed),
+                        and from here on fastchain's measure-and-choose between its bitwise-equal
                         alternatives (a rung of its own only where cuDNN works)
   fp16                + fp16 compute, preprocessing in NumPy fp16 (the talk's slow rung)
   fp32_preprocessing  + preprocessing back in fp32, cast on the device
@@ -187,6 +187,10 @@ def main(argv=None):
     device.use()
     workers = available_cores()
     cudnn = cuda.cudnn_status()
+    if not cudnn.available and cuda.available():
+        # CuPy 14: cuDNN 9 through fastchain's graphs, or why not.
+        from fastchain.cudnn._group import graph_status
+        cudnn = graph_status()
     paths = make_demo_dataset(os.path.join(HERE, '.cache', 'ladder-jpegs-{}'.format(n_images)),
                               n_train=n_images // 10, n_val=0, size=(300, 640), seed=2018)
 

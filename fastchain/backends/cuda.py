@@ -139,9 +139,12 @@ def cudnn_status():
         import cupy.cuda.cudnn as libcudnn
         version = str(libcudnn.getVersion())
     except Exception as e:
-        why = ('CuPy {} has no cuDNN (removed in CuPy 14)'.format(cupy.__version__)
-               if major >= 14 else 'cuDNN did not load: {}'.format(e))
-        return Status(False, why=why, fix=CUDNN_FIX)
+        if major >= 14:
+            # What brings cuDNN back on CuPy 14: cuDNN 9 through its graph API.
+            from fastchain.cudnn import _frontend
+            return Status(False, why='CuPy {} has no cuDNN (removed in CuPy 14)'.format(
+                cupy.__version__), fix=_frontend.fix() + '; or ' + CUDNN_FIX)
+        return Status(False, why='cuDNN did not load: {}'.format(e), fix=CUDNN_FIX)
     if not available():
         return Status(False, version=version, why=cupy_status().why,
                       fix=cupy_status().fix)

@@ -1,6 +1,9 @@
-"""Applies the cuDNN options through Chainer's own configuration."""
+"""Applies the cuDNN options through Chainer's own configuration and, where
+CuPy has no cuDNN (CuPy 14), through fastchain's cuDNN graphs
+(:mod:`fastchain.cudnn._layers`)."""
 
 from fastchain.backends import cuda
+from fastchain.config import _patches
 from fastchain.config._options import Group, Option, State
 
 _MODES = ('always', 'auto', 'never')
@@ -48,9 +51,17 @@ class CudnnGroup(Group):
 
     def probe(self):
         status = cuda.cudnn_status()
+        graphs = graph_status()
+        if not status.available and graphs.available:
+            status = graphs
         tc_ok = status.available and cuda.tensor_cores_available()
         return [
-            State('cudnn', status.available, False, why=status.why, fix=status.fix),
+            State('cudnn', status.available, False, why=status.why, fix=status.fix,
+                  note=None if status is not graphs else
+                  'cuDNN graphs ({}): CuPy {} has no cuDNN, fastchain runs convolutions '
+                  'and BatchNormalization through cuDNN 9 graphs (not bitwise equal to '
+                  "Chainer's im2col, as cuDNN never was)".format(
+                      graphs.version, cuda.cupy_status().version)),
             State('tensor_cores', tc_ok, False,
                   why=status.why or (None if tc_ok else
                                      'no GPU with compute capability >= 7.0'),
@@ -61,6 +72,10 @@ class CudnnGroup(Group):
     def plan(self, values, explicit, plan):
         if values['cudnn'] is not None:
             plan.config('use_cudnn', values['cudnn'])
+        if values['cudnn'] != 'never' and graph_status().available:
+            from fastchain.cudnn import _layers
+            for owner, name, layer in _layers.functions():
+                plan.wrap(owner, name, 'cudnn', layer)
         if values['tensor_cores'] is not None:
             plan.config('use_cudnn_tensor_core', values['tensor_cores'])
         if values['tensor_cores'] == 'always' and cuda.available():
@@ -82,6 +97,12 @@ class CudnnGroup(Group):
             s.setting = values[name]
             s.requested = name in explicit and values[name] not in (False, 'never')
             s.active = s.available and on
+        cudnn = states['cudnn']
+        if graph_status().available:            # the graphs: are the layers in force?
+            cudnn.active = cudnn.active and graphs_in_force()
+            if cudnn.active:
+                from fastchain.cudnn import _paths
+                cudnn.calls = _paths.summary()
         tc = states['tensor_cores']
         if not tc.active and cuda.tensor_cores_available() and _tf32_in_force():
             # No cuDNN (CuPy 14): fp32 GEMMs on TensorCores through TF32.
@@ -98,6 +119,26 @@ class CudnnGroup(Group):
                 requested='workspace_size' in explicit, why=cudnn.why, fix=cudnn.fix,
                 setting=size)
         return list(states.values())
+
+
+def graph_status():
+    """cuDNN graphs usable here (a GPU, CuPy without cuDNN, the frontend and
+    cuDNN 9), as a :class:`~fastchain.backends._status.Status`. Not looked
+    for without a GPU or where CuPy's own cuDNN works."""
+    from fastchain.backends._status import Status
+    if not cuda.available():
+        return Status(False, why=cuda.cupy_status().why, fix=cuda.cupy_status().fix)
+    if cuda.cudnn_status().available:
+        return Status(False, why="CuPy's own cuDNN is in use (Chainer's cuDNN code)")
+    from fastchain.cudnn import _frontend
+    available, version, why, fix = _frontend.status()
+    return Status(available, version=version, why=why, fix=fix)
+
+
+def graphs_in_force():
+    from fastchain.cudnn import _layers
+    return all(_patches.in_force(owner, name, 'cudnn') is not None
+               for owner, name, _ in _layers.functions())
 
 
 def _tf32_in_force():

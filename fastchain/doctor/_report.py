@@ -40,8 +40,10 @@ def machine():
     import numpy
     import chainer
     from fastchain.backends import cuda
+    from fastchain.cudnn._group import graph_status
     cupy = cuda.cupy_status()
     cudnn = cuda.cudnn_status()
+    graphs = graph_status() if not cudnn.available else None
     nccl = cuda.nccl_status()
     try:
         memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
@@ -58,7 +60,9 @@ def machine():
         'blas': blas(),
         'chainer': chainer.__version__,
         'cupy': cupy.version,
-        'cudnn': cudnn.version,
+        # CuPy's own cuDNN, else cuDNN 9 through fastchain's graphs.
+        'cudnn': cudnn.version or (
+            'graphs: ' + graphs.version if graphs is not None and graphs.available else None),
         'nccl': nccl.version,
         'platform': platform.platform(),
     }
@@ -84,10 +88,13 @@ def report(mpi=False, preview=False):
     from fastchain.backends import cuda, nvtx
     from fastchain.backends import mpi as mpi_backend
     from fastchain.config import _enable, _patches
+    from fastchain.cudnn._group import graph_status
 
     deps = {
         'cupy': cuda.cupy_status().as_dict(),
         'cudnn': cuda.cudnn_status().as_dict(),
+        # cuDNN 9 through the frontend's graphs (fastchain's backend on CuPy 14).
+        'cudnn9': graph_status().as_dict(),
         'nccl': cuda.nccl_status().as_dict(),
         'nvtx': nvtx.nvtx_status().as_dict(),
     }
@@ -106,7 +113,8 @@ def report(mpi=False, preview=False):
         'machine': machine(),
         'packages': {name: _dist_version(name) for name in
                      ('chainer', 'numpy', 'cupy-cuda13x', 'cupy-cuda12x', 'setuptools',
-                      'mpi4py', 'mpich', 'nvtx', 'pillow')},
+                      'mpi4py', 'mpich', 'nvtx', 'pillow', 'nvidia-cudnn-frontend',
+                      'nvidia-cudnn-cu13', 'nvidia-cudnn-cu12')},
         'dependencies': deps,
         'shims': _compat.applied(),
         'compat_hook_installed': _compat.installed(),

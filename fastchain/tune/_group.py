@@ -1,10 +1,12 @@
 """The autotune group of ``fastchain.enable``: ``autotune``.
 
-One option, two tuners: cuDNN's algorithm search (Chainer's ``autotune``
-configuration) where cuDNN works, and fastchain's own measure-and-choose
-(:mod:`fastchain.tune._tuner`) between bitwise-equal alternatives of its CPU
-convolution kernels, its fused update, its static cache and its loader
-workers, everywhere.
+One option, three tuners: cuDNN's algorithm search (Chainer's ``autotune``
+configuration) where CuPy's own cuDNN works; on CuPy 14, the plans of
+fastchain's cuDNN graphs, each timed with CUDA events on a key's first call
+(:mod:`fastchain.cudnn._graphs`); and everywhere fastchain's own
+measure-and-choose (:mod:`fastchain.tune._tuner`) between bitwise-equal
+alternatives of its CPU convolution kernels, its fused update, its static
+cache and its loader workers.
 """
 
 from fastchain.backends import cuda
@@ -33,8 +35,13 @@ class AutotuneGroup(Group):
         status = cuda.cudnn_status()
         if status.available:
             return None
-        return ("cuDNN's algorithm search is not available here ({}; fix: {}); only "
-                "fastchain's CPU choices are tuned".format(status.why, status.fix))
+        from fastchain.cudnn._group import graph_status
+        graphs = graph_status()
+        if graphs.available:
+            return None         # the graphs' plans are timed by fastchain's tuner
+        return ("cuDNN's algorithm search is not available here ({}, and {}; fix: {}); "
+                "only fastchain's CPU choices are tuned".format(status.why, graphs.why,
+                                                                graphs.fix))
 
     def plan(self, values, explicit, plan):
         from fastchain.tune import _tuner

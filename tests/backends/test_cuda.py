@@ -104,6 +104,8 @@ def test_cupy14_has_no_cudnn(monkeypatch):
     assert cuda.available()
     s = cuda.cudnn_status()
     assert not s.available and 'CuPy 14.2.0 has no cuDNN' in s.why
+    # What brings cuDNN back: cuDNN 9's graphs for CuPy's CUDA (12 here), or CuPy 13.
+    assert s.fix.startswith('pip install nvidia-cudnn-frontend nvidia-cudnn-cu12 ')
     assert 'cupy-cuda12x<14' in s.fix
     assert cuda.gpus() == [{'index': 0, 'name': 'Tesla V100', 'compute_capability': '7.0',
                             'memory_bytes': 16 << 30, 'tensor_cores': True}]

@@ -151,12 +151,16 @@ def test_autotune_on_a_gpu_without_cudnn_says_what_it_cannot_tune(monkeypatch):
     monkeypatch.setattr(cuda, 'available', lambda: True)
     monkeypatch.setattr(cuda, 'cudnn_status', lambda: Status(
         False, why='CuPy 14 has no cuDNN', fix='the cudnn extra'))
+    from fastchain.cudnn import _frontend
+    monkeypatch.setattr(_frontend, 'status', lambda: (
+        False, None, 'the cuDNN frontend is not installed', 'pip install the frontend'))
     with pytest.warns(FastchainWarning) as record:
         h = fastchain.enable(autotune=True, loader_workers=0)
     try:
         msgs = [str(w.message) for w in record if w.category is FastchainWarning]
-        assert any("cuDNN's algorithm search is not available here (CuPy 14 has no cuDNN; "
-                   'fix: the cudnn extra)' in m for m in msgs), msgs
+        assert any("cuDNN's algorithm search is not available here (CuPy 14 has no cuDNN, "
+                   'and the cuDNN frontend is not installed; fix: pip install the frontend)'
+                   in m for m in msgs), msgs
         assert h.states['autotune'].active      # the CPU choices still are tuned
     finally:
         h.disable()

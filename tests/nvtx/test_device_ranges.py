@@ -13,7 +13,7 @@ import pytest
 
 from fastchain.distributed import _nccl
 from fastchain.nvtx import _annotator, _summary
-from fastchain.nvtx._timeline import DeviceTrack, Timeline
+from fastchain.nvtx._timeline import Timeline
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..')
 sys.path.insert(0, os.path.join(ROOT, 'profiling'))

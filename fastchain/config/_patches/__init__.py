@@ -29,6 +29,10 @@ fused_update  replaces update kernels of rules the inner layers have set up
 cpu_conv      replaces convolution kernels (nothing runs inside it)
 onednn        replaces convolution kernels where cpu_conv is off, and
               BatchNormalization's (nothing runs inside it)
+cudnn         runs GPU convolutions and BatchNormalization through cuDNN
+              graphs where CuPy has no cuDNN; on the BatchNormalization
+              points it passes CPU arrays on to Chainer, as onednn passes
+              GPU arrays, so the two never both act on one call
 fp16          innermost on ``GradientMethod.setup``: fp32 master weights and
               the loss scaler are attached first, so the layers outside see
               the finished optimizer; inside nvtx on the converter, so the
@@ -47,8 +51,11 @@ point                                      layers
 ``StandardUpdater.__init__``               nvtx, loader
 ``Trainer.run``                            nvtx
 ``<Convolution/Deconvolution>._forward_cpu_core``  cpu_conv, onednn (only one of them)
-``BatchNormalization.forward``,            onednn
+``BatchNormalization.forward``,            onednn, cudnn
 ``FixedBatchNormalization.forward``
+``Convolution2DFunction.forward_gpu``,     cudnn
+``Deconvolution2DFunction.forward_gpu``,
+``Convolution2DGradW.forward_gpu``
 ``BatchNormalization.backward``,           static_graph (held while a chain is cached)
 ``FixedBatchNormalization.backward``,
 ``StaticScheduleFunction.build_schedule``,

@@ -1,0 +1,188 @@
+"""cuDNN graphs for BatchNormalization: the training forward (batch
+statistics, running statistics updated as Chainer does), its backward, and
+the inference forward; built, cached and refused per key as the convolution
+graphs are (:mod:`fastchain.cudnn._graphs`, which also says how they run).
+
+Layout: the NCHW graph where cuDNN has an engine for it, else the NHWC graph
+on channels-last copies of the 4-d arrays (cuDNN's normalization engines
+favour NHWC); a key neither builds for stays Chainer's, with both reasons.
+Not autotuned: the heuristics' first plan (BatchNormalization is memory
+bound; the choice that matters is the layout).
+"""
+
+import numpy
+
+from fastchain.cudnn import _frontend
+from fastchain.cudnn._graphs import (Unsupported, _dtype, _entries, _Entry, _execute,
+                                     _finish, _lock, _new_graph, _nhwc, _refused, _tensor,
+                                     builds, strides)
+
+
+def _param_shape(x_shape):
+    return (1, x_shape[1], 1, 1)
+
+
+def build_bn(key, layout='nchw'):
+    """The graph of a BatchNormalization key."""
+    cudnn = _frontend.module()
+    handle = _frontend.handle(key.device)
+    graph = _new_graph(cudnn, key, key.dtype, handle)
+    p_shape = _param_shape(key.x_shape)
+    x = _tensor(graph, cudnn, 'x', key.x_shape, key.dtype, layout)
+
+    def param(name):
+        return _tensor(graph, cudnn, name, p_shape, key.param_dtype)
+
+    tensors = {'x': x}
+    if key.op == 'batchnorm forward':
+        tensors.update(gamma=param('gamma'), beta=param('beta'))
+        if key.running:
+            tensors.update(running_mean=param('running_mean'),
+                           running_var=param('running_var'))
+        scalar = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT,
+                      is_pass_by_value=True)
+        tensors['eps'] = graph.tensor(name='eps', **scalar)
+        tensors['momentum'] = graph.tensor(name='momentum', **scalar)
+        y, mean, inv_std, next_mean, next_var = graph.batchnorm(
+            name='bn', input=x, scale=tensors['gamma'], bias=tensors['beta'],
+            in_running_mean=tensors.get('running_mean'),
+            in_running_var=tensors.get('running_var'),
+            epsilon=tensors['eps'], momentum=tensors['momentum'], peer_stats=[])
+        outputs = {'y': (y, key.x_shape, key.dtype, layout),
+                   'mean': (mean, p_shape, 'float32', 'nchw'),
+                   'inv_std': (inv_std, p_shape, 'float32', 'nchw')}
+        if key.running:
+            outputs.update(next_mean=(next_mean, p_shape, key.param_dtype, 'nchw'),
+                           next_var=(next_var, p_shape, key.param_dtype, 'nchw'))
+    elif key.op == 'batchnorm backward':
+        tensors.update(gy=_tensor(graph, cudnn, 'gy', key.x_shape, key.dtype, layout),
+                       gamma=param('gamma'),
+                       mean=_tensor(graph, cudnn, 'mean', p_shape, 'float32'),
+                       inv_std=_tensor(graph, cudnn, 'inv_std', p_shape, 'float32'))
+        gx, ggamma, gbeta = graph.batchnorm_backward(
+            name='bn_backward', grad=tensors['gy'], input=x, scale=tensors['gamma'],
+            mean=tensors['mean'], inv_variance=tensors['inv_std'], peer_stats=[])
+        outputs = {'gx': (gx, key.x_shape, key.dtype, layout),
+                   'ggamma': (ggamma, p_shape, key.param_dtype, 'nchw'),
+                   'gbeta': (gbeta, p_shape, key.param_dtype, 'nchw')}
+    else:
+        tensors.update(gamma=param('gamma'), beta=param('beta'), mean=param('mean'),
+                       inv_std=param('inv_std'))
+        y = graph.batchnorm_inference(name='bn_inference', input=x, mean=tensors['mean'],
+                                      inv_variance=tensors['inv_std'],
+                                      scale=tensors['gamma'], bias=tensors['beta'])
+        outputs = {'y': (y, key.x_shape, key.dtype, layout)}
+    for name, (tensor, shape, dtype, out_layout) in outputs.items():
+        if tensor is None:
+            continue
+        tensor.set_output(True).set_data_type(_dtype(cudnn, dtype)) \
+            .set_dim(list(shape)).set_stride(strides(shape, out_layout))
+        tensors[name] = tensor
+    with _lock:
+        builds[(key, layout)] += 1
+    return _finish(cudnn, graph, key, tensors, layout)
+
+
+def _bn_entry(key):
+    """BatchNormalization: NCHW where cuDNN has an engine for it, else the
+    NHWC graph on channels-last copies."""
+    entry = _entries.get(key)
+    if entry is not None:
+        return entry
+    reason = _refused.get(key)
+    if reason is not None:
+        raise Unsupported(reason)
+    entry = _Entry(key)
+    reasons = []
+    for layout in ('nchw', 'nhwc'):
+        try:
+            entry.graphs[layout] = build_bn(key, layout)
+            entry.chosen = (layout, 0)
+            break
+        except Unsupported as e:
+            reasons.append(e.reason)
+    if entry.chosen is None:
+        _refused[key] = '; '.join(reasons)
+        raise Unsupported(_refused[key])
+    _entries[key] = entry
+    return entry
+
+
+def _run_bn(entry, arrays):
+    """Executes the entry's chosen graph; 4-d arrays go through
+    channels-last copies where the graph is NHWC. Returns the outputs."""
+    import cupy
+    layout, plan = entry.chosen
+    g = entry.graphs[layout]
+    pack, host = {}, []
+    outputs = {}
+    for name, tensor in g.tensors.items():
+        if name in ('eps', 'momentum'):
+            value = numpy.full((1, 1, 1, 1), arrays[name], numpy.float32)
+            host.append(value)          # alive until the graph has run
+            pack[tensor] = value.ctypes.data
+            continue
+        array = arrays.get(name)
+        if array is None:               # an output: allocate it
+            shape = entry.key.x_shape if name in ('y', 'gx') else \
+                _param_shape(entry.key.x_shape)
+            dtype = entry.key.dtype if name in ('y', 'gx') else (
+                'float32' if name in ('mean', 'inv_std') else entry.key.param_dtype)
+            array = outputs[name] = cupy.empty(shape, dtype=dtype)
+        if array.ndim == 4 and array.shape[1:] != (array.shape[1], 1, 1) and layout == 'nhwc':
+            if name in outputs:
+                array = outputs[name] = cupy.empty(
+                    array.shape[:1] + array.shape[2:] + array.shape[1:2],
+                    array.dtype).transpose(0, 3, 1, 2)
+            else:
+                array = _nhwc(array)
+                host.append(array)
+        pack[tensor] = array.data.ptr
+    _execute(g, pack, plan, entry.key.device)
+    for name, array in outputs.items():
+        if not array.flags.c_contiguous:
+            outputs[name] = cupy.ascontiguousarray(array)
+    return outputs
+
+
+def bn_forward(key, x, gamma, beta, running_mean, running_var, eps, decay):
+    """Training forward: (y, batch mean, inverse std), the running
+    statistics updated in place (Chainer's decay; cuDNN's unbiased
+    variance, as Chainer's)."""
+    entry = _bn_entry(key)
+    p = _param_shape(key.x_shape)
+    arrays = {'x': x, 'gamma': gamma.reshape(p), 'beta': beta.reshape(p),
+              'eps': eps, 'momentum': 1.0 - decay}
+    if key.running:
+        arrays.update(running_mean=running_mean.reshape(p), running_var=running_var.reshape(p))
+    out = _run_bn(entry, arrays)
+    if key.running:
+        running_mean[...] = out['next_mean'].reshape(running_mean.shape)
+        running_var[...] = out['next_var'].reshape(running_var.shape)
+    # Chainer keeps them in x's and gamma's promoted dtype (its backward and
+    # double backward expect that one).
+    interm = numpy.promote_types(key.dtype, key.param_dtype)
+    c = key.x_shape[1]
+    return (out['y'], out['mean'].reshape(c).astype(interm, copy=False),
+            out['inv_std'].reshape(c).astype(interm, copy=False))
+
+
+def bn_backward(key, x, gamma, gy, mean, inv_std):
+    """(gx, ggamma, gbeta) from the forward's batch mean and inverse std."""
+    entry = _bn_entry(key)
+    p = _param_shape(key.x_shape)
+    import cupy
+    out = _run_bn(entry, {'x': x, 'gy': gy, 'gamma': gamma.reshape(p),
+                          'mean': cupy.ascontiguousarray(mean, numpy.float32).reshape(p),
+                          'inv_std': cupy.ascontiguousarray(inv_std, numpy.float32).reshape(p)})
+    c = key.x_shape[1]
+    return out['gx'], out['ggamma'].reshape(c), out['gbeta'].reshape(c)
+
+
+def bn_inference(key, x, gamma, beta, mean, inv_std):
+    """Inference forward from the running mean and 1/sqrt(var + eps)."""
+    entry = _bn_entry(key)
+    p = _param_shape(key.x_shape)
+    out = _run_bn(entry, {'x': x, 'gamma': gamma.reshape(p), 'beta': beta.reshape(p),
+                          'mean': mean.reshape(p), 'inv_std': inv_std.reshape(p)})
+    return out['y']

@@ -1,0 +1,290 @@
+"""cuDNN 9 operation graphs for Chainer's convolutions and BatchNormalization.
+
+One graph per key (:mod:`fastchain.cudnn._keys`), built on the key's first
+call and kept for the process: validated, lowered, its execution plans made
+from the heuristics (mode A, then the fallback list) and checked, and the
+plans built. Calls of a key then execute a plan with raw device pointers
+of CuPy's arrays, a workspace from CuPy's memory pool and the device's cuDNN
+handle set to CuPy's current stream.
+
+Which plan: without autotune, the heuristics' first. With autotune
+(``fastchain.tune._tuner.enabled``, what ``enable(autotune=...)`` sets), on
+the key's first call every plan that builds (at most ``MAX_PLANS``) is run
+``TRIALS`` times after one untimed run, each timed with CUDA events, and the
+fastest median is kept, for convolutions also against the same graph on
+channels-last (NHWC) copies, the transposes timed with it (cuDNN's
+TensorCore engines favour NHWC; Chainer's arrays stay NCHW outside).
+The key's first call gives the kept plan's result (it runs last); the
+choice is in ``handle.report()`` under autotune, kind ``'cudnn_graph'``.
+
+Numerics. float16 graphs take float16 data with float32 accumulation
+(``compute_data_type`` FLOAT), TensorCores allowed unless
+``use_cudnn_tensor_core='never'``; float32 graphs exclude the engines cuDNN
+notes as TensorCore (TF32) unless ``use_cudnn_tensor_core='always'``.
+``cudnn_deterministic`` excludes the engines noted non-deterministic.
+BatchNormalization keeps its statistics and parameters in their own dtype
+(float32 under ``mixed16``). Results are cuDNN's, not bitwise Chainer's
+im2col: the GPU tests state the tolerance per dtype
+(``tests/cudnn/test_graphs_gpu.py``).
+
+A key cuDNN has no plan for raises :class:`Unsupported` once; the reason is
+kept, Chainer's code runs for that key from then on, and ``doctor`` and
+``handle.report()`` show the reason (:mod:`fastchain.cudnn._paths`).
+"""
+
+import collections
+import statistics
+import threading
+
+import numpy
+
+from fastchain.cudnn import _frontend, _keys
+
+TRIALS = 3
+MAX_PLANS = 16
+
+_lock = threading.Lock()
+_entries = {}           # key -> _Entry
+_refused = {}           # key -> reason
+builds = collections.Counter()      # key -> graphs built (tests: once per key)
+
+
+class Unsupported(Exception):
+    """cuDNN has no plan for a key (the reason is kept for reports)."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def refused(key):
+    """The reason cuDNN refused ``key`` before, or None."""
+    return _refused.get(key)
+
+
+class _Entry:
+    """A key's graphs (one per layout tried) and the chosen (layout, plan)."""
+
+    __slots__ = ('key', 'graphs', 'chosen', 'times')
+
+    def __init__(self, key):
+        self.key = key
+        self.graphs = {}        # layout -> _Graph
+        self.chosen = None      # (layout, plan index)
+        self.times = {}         # 'layout plan i' -> median ms (autotune)
+
+
+class _Graph:
+    __slots__ = ('graph', 'tensors', 'plans', 'layout')
+
+    def __init__(self, graph, tensors, plans, layout):
+        self.graph, self.tensors, self.plans, self.layout = graph, tensors, plans, layout
+
+
+def _dtype(cudnn, dtype):
+    return {numpy.dtype(numpy.float16): cudnn.data_type.HALF,
+            numpy.dtype(numpy.float32): cudnn.data_type.FLOAT}[numpy.dtype(dtype)]
+
+
+def strides(shape, layout):
+    """Element strides of a 4-d NCHW-ordered ``shape`` stored as ``layout``."""
+    n, c, h, w = shape
+    if layout == 'nhwc':
+        return [h * w * c, 1, w * c, c]
+    return [c * h * w, h * w, w, 1]
+
+
+def _new_graph(cudnn, key, io_dtype, handle):
+    return cudnn.pygraph(io_data_type=_dtype(cudnn, io_dtype),
+                         intermediate_data_type=cudnn.data_type.FLOAT,
+                         compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+
+
+def _tensor(graph, cudnn, name, shape, dtype, layout='nchw'):
+    return graph.tensor(name=name, dim=list(shape), stride=strides(shape, layout),
+                        data_type=_dtype(cudnn, dtype))
+
+
+def _finish(cudnn, graph, key, tensors, layout):
+    """Validate, lower, make and check the plans, build them; Unsupported
+    when no plan remains."""
+    try:
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        notes = []
+        if isinstance(key, _keys.ConvKey) and not key.tensor_cores:
+            notes.append(cudnn.numerical_note.TENSOR_CORE)
+        if getattr(key, 'deterministic', False):
+            notes.append(cudnn.numerical_note.NONDETERMINISTIC)
+        if notes:
+            graph.deselect_numeric_notes(notes)
+        graph.check_support()
+        graph.build_plans(cudnn.build_plan_policy.ALL)
+        plans = graph.get_execution_plan_count()
+    except Exception as e:      # the frontend's errors (cudnnGraphNotSupportedError, ...)
+        raise Unsupported('no cuDNN engine for {} ({}: {})'.format(
+            layout.upper(), type(e).__name__, _first_line(e)))
+    if plans < 1:
+        raise Unsupported('no cuDNN engine for {} (no plan built)'.format(layout.upper()))
+    return _Graph(graph, tensors, plans, layout)
+
+
+def _first_line(e):
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ''
+
+
+def build_conv(key, layout='nchw'):
+    """The graph of a convolution key, its tensors named 'a', 'b' (inputs)
+    and 'out', in ``layout``."""
+    cudnn = _frontend.module()
+    handle = _frontend.handle(key.device)
+    graph = _new_graph(cudnn, key, key.dtype, handle)
+    x_shape, w_shape, y_shape = key.x_shape, key.w_shape, key.y_shape
+    dims = dict(padding=list(key.pad), stride=list(key.stride), dilation=list(key.dilation),
+                compute_data_type=cudnn.data_type.FLOAT)
+    if key.op == 'conv forward':
+        a = _tensor(graph, cudnn, 'x', x_shape, key.dtype, layout)
+        b = _tensor(graph, cudnn, 'w', w_shape, key.dtype, layout)
+        out = graph.conv_fprop(image=a, weight=b, name='fprop', **dims)
+        out_shape = y_shape
+    elif key.op == 'conv input gradient':
+        a = _tensor(graph, cudnn, 'dy', y_shape, key.dtype, layout)
+        b = _tensor(graph, cudnn, 'w', w_shape, key.dtype, layout)
+        out = graph.conv_dgrad(loss=a, filter=b, name='dgrad', **dims)
+        out_shape = x_shape
+    else:
+        a = _tensor(graph, cudnn, 'x', x_shape, key.dtype, layout)
+        b = _tensor(graph, cudnn, 'dy', y_shape, key.dtype, layout)
+        out = graph.conv_wgrad(image=a, loss=b, name='wgrad', **dims)
+        out_shape = w_shape
+    out.set_output(True).set_data_type(_dtype(cudnn, key.dtype)) \
+        .set_dim(list(out_shape)).set_stride(strides(out_shape, layout))
+    with _lock:
+        builds[(key, layout)] += 1
+    return _finish(cudnn, graph, key, {'a': a, 'b': b, 'out': out}, layout)
+
+
+def _entry(key, builder):
+    entry = _entries.get(key)
+    if entry is not None:
+        return entry
+    reason = _refused.get(key)
+    if reason is not None:
+        raise Unsupported(reason)
+    entry = _Entry(key)
+    try:
+        entry.graphs['nchw'] = builder(key, 'nchw')
+    except Unsupported as e:
+        _refused[key] = e.reason
+        raise
+    _entries[key] = entry
+    return entry
+
+
+def _workspace(graph, plan):
+    import cupy
+    size = graph.graph.get_workspace_size_plan_at_index(plan)
+    return cupy.empty(max(1, size), dtype=numpy.uint8)
+
+
+def _execute(g, pack, plan, device):
+    handle = _frontend.bind_stream(device)
+    g.graph.execute_plan_at_index(pack, _workspace(g, plan), plan, handle=handle)
+
+
+def _pointers(g, arrays):
+    """The variant pack: each graph tensor to its array's device pointer."""
+    return {g.tensors[name]: array.data.ptr for name, array in arrays.items()}
+
+
+def _nhwc(array):
+    """A channels-last copy, viewed in NCHW index order (what the NHWC graph
+    is told: NCHW dims, NHWC strides)."""
+    import cupy
+    return cupy.ascontiguousarray(array.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
+def _run_conv_layout(entry, layout, plan, a, b, out):
+    """One run of (layout, plan) into ``out`` (NCHW), copies included."""
+    g = entry.graphs[layout]
+    if layout == 'nchw':
+        _execute(g, _pointers(g, {'a': a, 'b': b, 'out': out}), plan, entry.key.device)
+        return
+    import cupy
+    a2, b2 = _nhwc(a), _nhwc(b)
+    out2 = cupy.empty(out.shape[:1] + out.shape[2:] + out.shape[1:2], out.dtype)
+    _execute(g, _pointers(g, {'a': a2, 'b': b2, 'out': out2}), plan, entry.key.device)
+    out[...] = out2.transpose(0, 3, 1, 2)
+
+
+def conv(key, a, b, out):
+    """Runs a convolution key's graph: ``out`` gets the forward output, the
+    input gradient or the weight gradient (``a``, ``b``: x and W, dy and W,
+    x and dy; CuPy arrays, C-contiguous NCHW)."""
+    entry = _entry(key, build_conv)
+    if entry.chosen is None:
+        entry.chosen = _choose(entry, lambda layout, plan: _run_conv_layout(
+            entry, layout, plan, a, b, out), conv_layouts=True)
+    layout, plan = entry.chosen
+    _run_conv_layout(entry, layout, plan, a, b, out)
+
+
+def _tuning():
+    from fastchain.tune import _tuner
+    return _tuner.enabled
+
+
+def _choose(entry, run, conv_layouts=False):
+    """(layout, plan) for a key: the heuristics' first NCHW plan, or with
+    autotune the fastest of every plan (and layout) timed."""
+    if not _tuning():
+        return 'nchw', 0
+    import cupy
+    if conv_layouts and 'nhwc' not in entry.graphs:
+        try:
+            entry.graphs['nhwc'] = build_conv(entry.key, 'nhwc')
+        except Unsupported:
+            pass
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = {}
+    for layout, g in entry.graphs.items():
+        for plan in range(min(g.plans, MAX_PLANS)):
+            try:
+                run(layout, plan)           # warm: first-call costs, caches
+            except Exception:
+                continue                    # a plan that fails to run is not a candidate
+            trials = []
+            for _ in range(TRIALS):
+                start.record()
+                run(layout, plan)
+                end.record()
+                end.synchronize()
+                trials.append(cupy.cuda.get_elapsed_time(start, end))
+            times[(layout, plan)] = statistics.median(trials)
+    if not times:
+        raise Unsupported('no cuDNN plan ran for this key')
+    chosen = min(times, key=lambda c: (times[c], c != ('nchw', 0)))
+    entry.times = {'{} plan {}'.format(*c): round(t, 4) for c, t in times.items()}
+    _report(entry, chosen, times)
+    return chosen
+
+
+def _report(entry, chosen, times):
+    """The choice as an autotune Choice (kind 'cudnn_graph') for reports."""
+    from fastchain.tune import _tuner
+    names = ['{} plan {}'.format(*c) for c in times]
+    c = _tuner.choice('cudnn_graph', entry.key, names, lambda: _keys.describe(entry.key))
+    with _tuner._lock:
+        for (layout, plan), ms in times.items():
+            c.times['{} plan {}'.format(layout, plan)] = [ms / 1e3]
+        c.picked = '{} plan {}'.format(*chosen)
+
+
+def forget():
+    """Drops every graph, refusal and count (tests)."""
+    with _lock:
+        _entries.clear()
+        _refused.clear()
+        builds.clear()

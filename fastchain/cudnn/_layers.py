@@ -1,0 +1,279 @@
+"""The ``cudnn`` layers on Chainer's GPU code: convolutions and
+BatchNormalization through cuDNN graphs where CuPy has no cuDNN.
+
+Convolutions: a layer on ``forward_gpu`` of ``Convolution2DFunction`` (the
+forward), ``Deconvolution2DFunction`` (the convolution's input gradient, and
+Chainer's deconvolution) and ``Convolution2DGradW`` (the weight gradient).
+Chainer decides there whether cuDNN runs (``chainer.should_use_cudnn``,
+False on CuPy 14 whatever ``use_cudnn`` says); the layer decides the same
+way on the graph backend's terms: ``use_cudnn`` 'always' or 'auto', and the
+call qualifies (:func:`fastchain.cudnn._keys.conv_refusal`). Otherwise, and
+for a key cuDNN has no engine for, Chainer's own code runs, and the reason
+is counted (:mod:`fastchain.cudnn._paths`). Chainer's backward is unchanged:
+it builds the same function nodes, whose ``forward_gpu`` lands here again.
+The bias is added outside the graph, by the same CuPy broadcast add as
+Chainer's.
+
+BatchNormalization (training): the node's ``_impl_selector`` returns
+:class:`GraphImpl` where Chainer would take its general (elementwise)
+implementation; its forward updates the running statistics as Chainer does
+(``decay``, unbiased variance) and returns the batch mean and inverse
+standard deviation Chainer's backward and double backward use; its backward
+is a graph too. ``FixedBatchNormalization`` (inference): a layer on
+``forward`` computes what Chainer's backward keeps, as Chainer does, and the
+output with a graph. Statistics and gamma/beta stay in their dtype (float32
+under ``mixed16``), as Chainer's cuDNN path did.
+"""
+
+import chainer
+from chainer.functions.connection import convolution_2d as _conv2d
+from chainer.functions.connection import deconvolution_2d as _deconv2d
+from chainer.functions.normalization import batch_normalization as _bn
+from chainer.utils import conv as _conv_utils
+
+from fastchain.cudnn import _bn_graphs, _graphs, _keys, _paths
+
+
+def _setting():
+    """Chainer's ``use_cudnn`` ('always', 'auto', 'never') in force here."""
+    return chainer.config.use_cudnn
+
+
+def _device_id(array):
+    return array.device.id
+
+
+def _conv_path(op, node, arrays, w_dtype=None):
+    """None where the call takes a graph, else the reason it does not."""
+    if _setting() == 'never':
+        return "use_cudnn='never'"
+    return _keys.conv_refusal(op, node, arrays, w_dtype)
+
+
+def _run_conv(op, node, key, a, b, out):
+    """The graph for ``key`` into ``out``; False (counted) where cuDNN has
+    no engine for it, and Chainer's code is to run."""
+    reason = _graphs.refused(key)
+    if reason is None:
+        try:
+            _graphs.conv(key, a, b, out)
+            _paths.record(op, 'graph')
+            return True
+        except _graphs.Unsupported as e:
+            reason = e.reason
+    _paths.record(op, 'chainer', reason)
+    return False
+
+
+def _key(op, node, x_shape, w_shape, y_shape, dtype, device):
+    config = chainer.config
+    return _keys.conv_key(op, node, x_shape, w_shape, y_shape, dtype,
+                          _keys.tensor_cores_allowed(dtype, config.use_cudnn_tensor_core),
+                          config.cudnn_deterministic, device)
+
+
+def forward_layer(next_, node, inputs):
+    """``Convolution2DFunction.forward_gpu``."""
+    x, W = inputs[:2]
+    b = inputs[2] if len(inputs) == 3 else None
+    reason = _conv_path('conv forward', node, (x, W))
+    if reason is not None:
+        _paths.record('conv forward', 'chainer', reason)
+        return next_(node, inputs)
+    import cupy
+    n, _, h, w = x.shape
+    out_c, _, kh, kw = W.shape
+    out_h = _conv_utils.get_conv_outsize(h, kh, node.sy, node.ph, d=node.dy)
+    out_w = _conv_utils.get_conv_outsize(w, kw, node.sx, node.pw, d=node.dx)
+    if out_h <= 0 or out_w <= 0:
+        _paths.record('conv forward', 'chainer', 'an empty output')
+        return next_(node, inputs)
+    y = cupy.empty((n, out_c, out_h, out_w), dtype=x.dtype)
+    key = _key('conv forward', node, x.shape, W.shape, y.shape, x.dtype, _device_id(x))
+    if not _run_conv('conv forward', node, key, x, W, y):
+        return next_(node, inputs)
+    node.retain_inputs((0, 1))
+    if b is not None:
+        y += b.reshape(1, b.size, 1, 1)
+    return y,
+
+
+def input_gradient_layer(next_, node, inputs):
+    """``Deconvolution2DFunction.forward_gpu``: the convolution's input
+    gradient (x is the output gradient, W the convolution's weight)."""
+    x, W = inputs[:2]
+    b = inputs[2] if len(inputs) == 3 else None
+    op = 'conv input gradient'
+    node._calc_out_size(x.shape, W.shape)
+    node._set_cover_all(x.shape, W.shape)
+    # An outsize the convolution would not map back onto x sets cover_all
+    # (Chainer's _set_cover_all), which the graphs refuse.
+    reason = _conv_path(op, node, (x, W))
+    if reason is not None:
+        _paths.record(op, 'chainer', reason)
+        return next_(node, inputs)
+    import cupy
+    n = x.shape[0]
+    c = W.shape[1] * node.groups
+    y = cupy.empty((n, c, node.outh, node.outw), dtype=x.dtype)
+    # The key in the forward convolution's terms: its x is our output.
+    key = _key(op, node, y.shape, W.shape, x.shape, x.dtype, _device_id(x))
+    if not _run_conv(op, node, key, x, W, y):
+        return next_(node, inputs)
+    node.retain_inputs((0, 1))
+    if b is not None:
+        y += b.reshape(1, b.size, 1, 1)
+    return y,
+
+
+def weight_gradient_layer(next_, node, inputs):
+    """``Convolution2DGradW.forward_gpu``."""
+    x, gy = inputs
+    op = 'conv weight gradient'
+    reason = _conv_path(op, node, (x, gy), node.W_dtype)
+    if reason is not None:
+        _paths.record(op, 'chainer', reason)
+        return next_(node, inputs)
+    import cupy
+    w_shape = (gy.shape[1], x.shape[1] // node.groups, node.kh, node.kw)
+    gW = cupy.empty(w_shape, dtype=node.W_dtype)
+    key = _key(op, node, x.shape, w_shape, gy.shape, x.dtype, _device_id(x))
+    if not _run_conv(op, node, key, x, gy, gW):
+        return next_(node, inputs)
+    node.retain_inputs((0, 1))
+    return gW,
+
+
+def conv_functions():
+    """(class, method, layer) of the convolution layers."""
+    return ((_conv2d.Convolution2DFunction, 'forward_gpu', forward_layer),
+            (_deconv2d.Deconvolution2DFunction, 'forward_gpu', input_gradient_layer),
+            (_conv2d.Convolution2DGradW, 'forward_gpu', weight_gradient_layer))
+
+
+# BatchNormalization ----------------------------------------------------------
+
+def _bn_refusal(x, gamma, axis, layouts, running):
+    if _setting() == 'never':
+        return "use_cudnn='never'"
+    return _keys.bn_refusal(x, gamma, axis, layouts, running)
+
+
+class GraphImpl(_bn.GeneralBatchNormalizationImpl):
+    """Chainer's BatchNormalization implementation interface, on graphs."""
+
+    def forward(self, axis, gamma, x, x_layout, xp, expander, beta, eps, decay,
+                running_mean, running_var):
+        op = 'batchnorm forward'
+        key = _keys.bn_key(op, x, gamma, eps, running_mean is not None, _device_id(x))
+        reason = _graphs.refused(key)
+        if reason is None:
+            try:
+                y, mean, inv_std = _bn_graphs.bn_forward(key, x, gamma, beta, running_mean,
+                                                      running_var, eps, decay)
+                _paths.record(op, 'graph')
+                return y, x_layout, running_mean, running_var, mean, None, inv_std, None
+            except _graphs.Unsupported as e:
+                reason = e.reason
+        _paths.record(op, 'chainer', reason)
+        return super().forward(axis, gamma, x, x_layout, xp, expander, beta, eps, decay,
+                               running_mean, running_var)
+
+    def backward(self, axis, gamma, gy, x, x_layout, xp, expander, mean, inv_std, eps,
+                 var, forward_data):
+        op = 'batchnorm backward'
+        reason = None
+        if _setting() == 'never':
+            reason = "use_cudnn='never'"
+        elif gy.dtype != x.dtype or not gy.flags.c_contiguous:
+            reason = 'an output gradient of another dtype or layout than x'
+        if reason is None:
+            key = _keys.bn_key(op, x, gamma, eps, False, _device_id(x))
+            reason = _graphs.refused(key)
+            if reason is None:
+                try:
+                    gx, ggamma, gbeta = _bn_graphs.bn_backward(key, x, gamma, gy, mean, inv_std)
+                    _paths.record(op, 'graph')
+                    return gx, None, ggamma, gbeta
+                except _graphs.Unsupported as e:
+                    reason = e.reason
+        _paths.record(op, 'chainer', reason)
+        return super().backward(axis, gamma, gy, x, x_layout, xp, expander, mean, inv_std,
+                                eps, var, forward_data)
+
+
+_IMPL = GraphImpl()
+
+
+def _select(func, inputs, base=_bn._impl_selector):
+    impl = base(func, inputs)
+    if type(impl) is not _bn.GeneralBatchNormalizationImpl:
+        return impl
+    x, gamma, _ = inputs
+    if not _is_cupy(x):
+        return impl
+    reason = _bn_refusal(x, gamma, func.axis, getattr(func, 'input_layouts', None),
+                         (func.running_mean, func.running_var))
+    if reason is not None:
+        _paths.record('batchnorm forward', 'chainer', reason)
+        return impl
+    return _IMPL
+
+
+def _is_cupy(x):
+    return type(x).__module__.split('.')[0] == 'cupy'
+
+
+def training_layer(next_, node, inputs):
+    """``BatchNormalization.forward``: the node selects the graph
+    implementation where the selector it has (Chainer's, or the onednn
+    layer's, which keeps GPU arrays on Chainer's) gives Chainer's general one."""
+    base = node._impl_selector
+    if not getattr(base, 'cudnn_graphs', False):
+        def select(func, inputs):
+            return _select(func, inputs, base)
+        select.cudnn_graphs = True
+        node._impl_selector = select
+    return next_(node, inputs)
+
+
+def inference_layer(next_, node, inputs):
+    """``FixedBatchNormalization.forward``."""
+    x, gamma, beta, mean, var = inputs
+    op = 'batchnorm inference'
+    if not _is_cupy(x):
+        return next_(node, inputs)
+    axis = node.axis if node.axis is not None else (0,) + tuple(range(2, x.ndim))
+    reason = _bn_refusal(x, gamma, axis, getattr(node, 'input_layouts', None), (mean, var))
+    if reason is None and not (beta.dtype == gamma.dtype and mean.ndim == 1 and var.ndim == 1):
+        reason = 'beta, mean or var of another dtype or shape than gamma'
+    if reason is None:
+        key = _keys.bn_key(op, x, gamma, node.eps, True, _device_id(x))
+        reason = _graphs.refused(key)
+    if reason is not None:
+        _paths.record(op, 'chainer', reason)
+        return next_(node, inputs)
+    import cupy
+    # What Chainer's forward keeps for its backward, computed as it does.
+    node.retain_inputs((0, 1, 3, 4))
+    node.axis, node.key_axis = axis, (1,)
+    node.expander = (None, slice(None)) + (None,) * (x.ndim - 2)
+    node.inv_var = cupy.reciprocal(var + node.eps)
+    node.inv_std = cupy.sqrt(node.inv_var, dtype=node.inv_var.dtype)
+    try:
+        y = _bn_graphs.bn_inference(key, x, gamma, beta, mean, node.inv_std)
+    except _graphs.Unsupported as e:
+        _paths.record(op, 'chainer', e.reason)
+        return next_(node, inputs)
+    _paths.record(op, 'graph')
+    return y,
+
+
+def bn_functions():
+    """(class, method, layer) of the BatchNormalization layers."""
+    return ((_bn.BatchNormalization, 'forward', training_layer),
+            (_bn.FixedBatchNormalization, 'forward', inference_layer))
+
+
+def functions():
+    return conv_functions() + bn_functions()

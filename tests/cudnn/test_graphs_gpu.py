@@ -1,0 +1,167 @@
+"""cuDNN graphs against Chainer's im2col code on a GPU (``gpu`` marker):
+for generated shapes and settings, every operation's output within the
+stated tolerance per dtype, each key built once, and the graph path taken.
+
+Tolerances. A convolution output adds up products in another order than
+Chainer's GEMM: each element within ``CONV_TOL[dtype]`` times the sum of
+the magnitudes of the products it adds (Chainer's own convolution of |x|
+and |W|, |dy| and |W|, |x| and |dy|), plus one rounding of the output
+dtype. float32 graphs run without TF32 (``tensor_cores`` not 'always').
+BatchNormalization: within ``BN_TOL[dtype]`` of the largest magnitude of
+that output (at least 1), statistics within ``BN_TOL['float32']``.
+"""
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+
+pytestmark = pytest.mark.gpu
+
+hypothesis = pytest.importorskip('hypothesis')
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+CONV_TOL = {'float32': 2.0 ** -16, 'float16': 2.0 ** -9}
+BN_TOL = {'float32': 2.0 ** -14, 'float16': 2.0 ** -8}
+
+
+@pytest.fixture(scope='module')
+def graphs():
+    import fastchain
+    from fastchain.cudnn import _group
+    status = _group.graph_status()
+    if not status.available:
+        pytest.skip('cuDNN graphs are not available here: {} (fix: {})'.format(
+            status.why, status.fix))
+    handle = fastchain.enable(cudnn='auto', autotune=False, loader_workers=0, nvtx=False)
+    yield handle
+    handle.disable()
+
+
+def _chainer(fn):
+    with chainer.using_config('use_cudnn', 'never'):
+        return fn()
+
+
+def _graph(fn):
+    with chainer.using_config('use_cudnn', 'always'):
+        return fn()
+
+
+conv_cases = st.fixed_dictionaries({
+    'n': st.integers(1, 4), 'groups': st.sampled_from([1, 2]),
+    'c_per_group': st.integers(1, 8), 'k_per_group': st.integers(1, 8),
+    'size': st.integers(3, 12), 'kernel': st.sampled_from([1, 3, 5]),
+    'stride': st.integers(1, 2), 'pad': st.integers(0, 2), 'dilate': st.integers(1, 2),
+    'bias': st.booleans(), 'dtype': st.sampled_from(['float32', 'float16']),
+    'seed': st.integers(0, 2 ** 16)})
+
+
+def _within(name, got, want, scale, tol, dtype):
+    got, want, scale = (numpy.asarray(chainer.backends.cuda.to_cpu(a), numpy.float64)
+                        for a in (got, want, scale))
+    bound = tol * scale + numpy.finfo(dtype).eps * numpy.abs(want) + 1e-30
+    excess = numpy.abs(got - want) - bound
+    assert (excess <= 0).all(), '{}: {} elements beyond the bound, worst by {}'.format(
+        name, int((excess > 0).sum()), float(excess.max()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=conv_cases)
+def test_convolution_graphs_match_im2col(graphs, case):
+    import cupy
+    from fastchain.cudnn import _paths
+    c = case
+    kernel_extent = c['dilate'] * (c['kernel'] - 1) + 1
+    if kernel_extent > c['size'] + 2 * c['pad']:
+        return
+    rng = numpy.random.RandomState(c['seed'])
+    dtype = c['dtype']
+    C, K = c['c_per_group'] * c['groups'], c['k_per_group'] * c['groups']
+    x = cupy.asarray(rng.uniform(-1, 1, (c['n'], C, c['size'], c['size'])).astype(dtype))
+    W = cupy.asarray(rng.uniform(-1, 1, (K, c['c_per_group'], c['kernel'],
+                                         c['kernel'])).astype(dtype))
+    b = cupy.asarray(rng.uniform(-1, 1, K).astype(dtype)) if c['bias'] else None
+    kw = dict(stride=c['stride'], pad=c['pad'], dilate=c['dilate'], groups=c['groups'])
+
+    def run(x, W, b):
+        xv, Wv = chainer.Variable(x), chainer.Variable(W)
+        bv = chainer.Variable(b) if b is not None else None
+        y = F.convolution_2d(xv, Wv, bv, **kw)
+        gy = cupy.asarray(numpy.random.RandomState(c['seed'] + 1).uniform(
+            -1, 1, y.shape).astype(dtype))
+        y.grad = gy
+        y.backward()
+        return y.array, xv.grad, Wv.grad, gy
+
+    before = _paths.summary()
+    y, gx, gW, gy = _graph(lambda: run(x, W, b))
+    after = _paths.summary()
+    for op in ('conv forward', 'conv input gradient', 'conv weight gradient'):
+        taken = after.get(op, {'paths': {}})['paths'].get('graph', 0) - \
+            before.get(op, {'paths': {}})['paths'].get('graph', 0)
+        assert taken == 1, (op, after.get(op))
+    y0, gx0, gW0, _ = _chainer(lambda: run(x, W, b))
+    ax, aW, agy = abs(x), abs(W), abs(gy)
+    scale_y = _chainer(lambda: F.convolution_2d(ax, aW, **kw).array)
+    if b is not None:
+        scale_y = scale_y + abs(b).reshape(1, -1, 1, 1)
+    scale_gx = _chainer(lambda: F.deconvolution_2d(agy, aW, stride=c['stride'], pad=c['pad'],
+                                                   dilate=c['dilate'], groups=c['groups'],
+                                                   outsize=x.shape[2:]).array)
+    scale_gW = _chainer(lambda: _wgrad(ax, agy, W.shape, kw))
+    tol = CONV_TOL[dtype]
+    _within('forward', y, y0, scale_y, tol, dtype)
+    _within('input gradient', gx, gx0, scale_gx, tol, dtype)
+    _within('weight gradient', gW, gW0, scale_gW, tol, dtype)
+
+
+def _wgrad(x, gy, w_shape, kw):
+    from chainer.functions.connection import convolution_2d as _c
+    node = _c.Convolution2DFunction(**kw)
+    grad = _c.Convolution2DGradW(node, w_shape, x.dtype, None)
+    return grad.apply((x, gy))[0].array
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 8), c=st.integers(1, 16), size=st.integers(1, 9),
+       dtype=st.sampled_from(['float32', 'float16']), seed=st.integers(0, 2 ** 16))
+def test_batchnorm_graphs_match_chainer(graphs, n, c, size, dtype, seed):
+    import cupy
+    rng = numpy.random.RandomState(seed)
+    x = cupy.asarray(rng.normal(0.5, 2, (n, c, size, size)).astype(dtype))
+    param = 'float32'       # as under mixed16 (and float32)
+    gamma = cupy.asarray(rng.uniform(0.5, 1.5, c).astype(param))
+    beta = cupy.asarray(rng.uniform(-1, 1, c).astype(param))
+    gy = cupy.asarray(rng.uniform(-1, 1, x.shape).astype(dtype))
+
+    def run():
+        mean, var = cupy.zeros(c, param), cupy.ones(c, param)
+        xv, gv, bv = (chainer.Variable(a) for a in (x, gamma, beta))
+        y = F.batch_normalization(xv, gv, bv, running_mean=mean, running_var=var,
+                                  decay=0.9)
+        y.grad = gy
+        y.backward()
+        fixed = F.fixed_batch_normalization(x, gamma, beta, mean, var).array
+        return y.array, xv.grad, gv.grad, bv.grad, mean, var, fixed
+
+    got = _graph(run)
+    want = _chainer(run)
+    names = ('y', 'gx', 'ggamma', 'gbeta', 'running mean', 'running var', 'inference y')
+    for name, g, w in zip(names, got, want):
+        tol = BN_TOL[dtype] if name in ('y', 'gx', 'inference y') else BN_TOL['float32']
+        scale = max(1.0, float(abs(w).max()))
+        _within(name, g, w, numpy.full(w.shape, scale), tol, w.dtype)
+
+
+def test_each_key_is_built_once(graphs):
+    import cupy
+    from fastchain.cudnn import _graphs
+    x = cupy.ones((2, 3, 8, 8), 'f')
+    W = cupy.ones((4, 3, 3, 3), 'f')
+    _graph(lambda: F.convolution_2d(x, W, pad=1))
+    built = dict(_graphs.builds)
+    for _ in range(3):
+        _graph(lambda: F.convolution_2d(x, W, pad=1))
+    assert dict(_graphs.builds) == built
