@@ -15,7 +15,7 @@ import numpy
 from fastchain.cudnn import _frontend
 from fastchain.cudnn._graphs import (Unsupported, _dtype, _entries, _Entry, _execute,
                                      _finish, _lock, _new_graph, _nhwc, _refused, _tensor,
-                                     builds, strides)
+                                     builds, guarded, strides)
 
 
 def _param_shape(x_shape):
@@ -47,7 +47,7 @@ def build_bn(key, layout='nchw'):
             name='bn', input=x, scale=tensors['gamma'], bias=tensors['beta'],
             in_running_mean=tensors.get('running_mean'),
             in_running_var=tensors.get('running_var'),
-            epsilon=tensors['eps'], momentum=tensors['momentum'], peer_stats=[])
+            epsilon=tensors['eps'], momentum=tensors['momentum'])
         outputs = {'y': (y, key.x_shape, key.dtype, layout),
                    'mean': (mean, p_shape, 'float32', 'nchw'),
                    'inv_std': (inv_std, p_shape, 'float32', 'nchw')}
@@ -61,7 +61,7 @@ def build_bn(key, layout='nchw'):
                        inv_std=_tensor(graph, cudnn, 'inv_std', p_shape, 'float32'))
         gx, ggamma, gbeta = graph.batchnorm_backward(
             name='bn_backward', grad=tensors['gy'], input=x, scale=tensors['gamma'],
-            mean=tensors['mean'], inv_variance=tensors['inv_std'], peer_stats=[])
+            mean=tensors['mean'], inv_variance=tensors['inv_std'])
         outputs = {'gx': (gx, key.x_shape, key.dtype, layout),
                    'ggamma': (ggamma, p_shape, key.param_dtype, 'nchw'),
                    'gbeta': (gbeta, p_shape, key.param_dtype, 'nchw')}
@@ -96,7 +96,7 @@ def _bn_entry(key):
     reasons = []
     for layout in ('nchw', 'nhwc'):
         try:
-            entry.graphs[layout] = build_bn(key, layout)
+            entry.graphs[layout] = guarded(build_bn, key, layout)
             entry.chosen = (layout, 0)
             break
         except Unsupported as e:
@@ -114,13 +114,10 @@ def _run_bn(entry, arrays):
     import cupy
     layout, plan = entry.chosen
     g = entry.graphs[layout]
-    pack, host = {}, []
-    outputs = {}
+    pack, outputs = {}, {}
     for name, tensor in g.tensors.items():
         if name in ('eps', 'momentum'):
-            value = numpy.full((1, 1, 1, 1), arrays[name], numpy.float32)
-            host.append(value)          # alive until the graph has run
-            pack[tensor] = value.ctypes.data
+            pack[tensor] = numpy.full((1, 1, 1, 1), arrays[name], numpy.float32)
             continue
         array = arrays.get(name)
         if array is None:               # an output: allocate it
@@ -136,8 +133,7 @@ def _run_bn(entry, arrays):
                     array.dtype).transpose(0, 3, 1, 2)
             else:
                 array = _nhwc(array)
-                host.append(array)
-        pack[tensor] = array.data.ptr
+        pack[tensor] = array
     _execute(g, pack, plan, entry.key.device)
     for name, array in outputs.items():
         if not array.flags.c_contiguous:

@@ -3,9 +3,9 @@
 One graph per key (:mod:`fastchain.cudnn._keys`), built on the key's first
 call and kept for the process: validated, lowered, its execution plans made
 from the heuristics (mode A, then the fallback list) and checked, and the
-plans built. Calls of a key then execute a plan with raw device pointers
-of CuPy's arrays, a workspace from CuPy's memory pool and the device's cuDNN
-handle set to CuPy's current stream.
+plans built. Calls of a key then execute a plan on CuPy's arrays (the
+frontend takes their pointers through DLPack), a workspace from CuPy's
+memory pool and the device's cuDNN handle set to CuPy's current stream.
 
 Which plan: without autotune, the heuristics' first. With autotune
 (``fastchain.tune._tuner.enabled``, what ``enable(autotune=...)`` sets), on
@@ -121,7 +121,7 @@ def _finish(cudnn, graph, key, tensors, layout):
             graph.deselect_numeric_notes(notes)
         graph.check_support()
         graph.build_plans(cudnn.build_plan_policy.ALL)
-        plans = graph.get_execution_plan_count()
+        plans = plan_count(graph)
     except Exception as e:      # the frontend's errors (cudnnGraphNotSupportedError, ...)
         raise Unsupported('no cuDNN engine for {} ({}: {})'.format(
             layout.upper(), type(e).__name__, _first_line(e)))
@@ -166,6 +166,20 @@ def build_conv(key, layout='nchw'):
     return _finish(cudnn, graph, key, {'a': a, 'b': b, 'out': out}, layout)
 
 
+def guarded(builder, key, layout):
+    """``builder(key, layout)``; any error of the frontend while the graph is
+    described (an API it does not have, a tensor it refuses) is an
+    :class:`Unsupported` naming it, so the call stays Chainer's with the
+    reason shown instead of failing the training step."""
+    try:
+        return builder(key, layout)
+    except Unsupported:
+        raise
+    except Exception as e:
+        raise Unsupported('the cuDNN frontend could not describe the {} graph ({}: {})'.format(
+            layout.upper(), type(e).__name__, _first_line(e)))
+
+
 def _entry(key, builder):
     entry = _entries.get(key)
     if entry is not None:
@@ -175,7 +189,7 @@ def _entry(key, builder):
         raise Unsupported(reason)
     entry = _Entry(key)
     try:
-        entry.graphs['nchw'] = builder(key, 'nchw')
+        entry.graphs['nchw'] = guarded(builder, key, 'nchw')
     except Unsupported as e:
         _refused[key] = e.reason
         raise
@@ -183,20 +197,37 @@ def _entry(key, builder):
     return entry
 
 
+def plan_count(graph):
+    """Plans built (frontends before 1.5 have no per-plan calls: one, the
+    heuristics' choice)."""
+    count = getattr(graph, 'get_execution_plan_count', None)
+    return count() if count is not None else 1
+
+
 def _workspace(graph, plan):
     import cupy
-    size = graph.graph.get_workspace_size_plan_at_index(plan)
+    size_of = getattr(graph.graph, 'get_workspace_size_plan_at_index', None)
+    size = size_of(plan) if size_of is not None else graph.graph.get_workspace_size()
     return cupy.empty(max(1, size), dtype=numpy.uint8)
 
 
 def _execute(g, pack, plan, device):
-    handle = _frontend.bind_stream(device)
-    g.graph.execute_plan_at_index(pack, _workspace(g, plan), plan, handle=handle)
+    """Runs plan ``plan`` of ``g`` on CuPy's current stream. ``pack`` maps
+    the graph's tensors to arrays: the frontend takes each one's pointer
+    through DLPack (CuPy arrays on the device, NumPy arrays for the scalars
+    passed by value), as it does the workspace's."""
+    _frontend.bind_stream(device)
+    workspace = _workspace(g, plan)
+    run_plan = getattr(g.graph, 'execute_plan_at_index', None)
+    if run_plan is not None:
+        run_plan(pack, workspace, plan)
+    else:
+        g.graph.execute(pack, workspace)
 
 
 def _pointers(g, arrays):
-    """The variant pack: each graph tensor to its array's device pointer."""
-    return {g.tensors[name]: array.data.ptr for name, array in arrays.items()}
+    """The variant pack: each graph tensor to its array."""
+    return {g.tensors[name]: array for name, array in arrays.items()}
 
 
 def _nhwc(array):
@@ -244,7 +275,7 @@ def _choose(entry, run, conv_layouts=False):
     import cupy
     if conv_layouts and 'nhwc' not in entry.graphs:
         try:
-            entry.graphs['nhwc'] = build_conv(entry.key, 'nhwc')
+            entry.graphs['nhwc'] = guarded(build_conv, entry.key, 'nhwc')
         except Unsupported:
             pass
     start, end = cupy.cuda.Event(), cupy.cuda.Event()

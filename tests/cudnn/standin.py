@@ -164,10 +164,13 @@ class Graph:
         return 256 * index
 
     def execute_plan_at_index(self, pack, workspace, index, handle=None):
-        import ctypes
-        # Scalars passed by value are read now, from host memory.
-        self.scalars = {t.name: ctypes.c_float.from_address(ptr).value
-                        for t, ptr in pack.items() if t.is_pass_by_value}
+        # The frontend takes every pointer through DLPack: device arrays,
+        # and host (NumPy) arrays for the scalars passed by value.
+        assert all(hasattr(a, '__dlpack__') for a in pack.values())
+        assert hasattr(workspace, '__dlpack__')
+        self.scalars = {t.name: float(numpy.asarray(a).ravel()[0])
+                        for t, a in pack.items() if t.is_pass_by_value}
+        assert all(type(a) is numpy.ndarray for t, a in pack.items() if t.is_pass_by_value)
         self.executed.append(index)
         self.frontend.executions.append((self.layout, index, pack))
         self.frontend.clock.now += self.frontend.plan_costs.get(self.layout, [1.0])[index]

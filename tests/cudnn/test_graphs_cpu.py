@@ -207,7 +207,7 @@ def test_one_build_per_key_and_a_refusal_is_kept(monkeypatch):
     assert [e[:2] for e in fe.executions] == [('nchw', 0), ('nchw', 0)]
     pack = fe.executions[0][2]
     assert sorted(t.name for t in pack) == ['conv_fprop_out0', 'w', 'x']
-    assert pack[fe.graphs[0].tensors[0]] == a.data.ptr
+    assert pack[fe.graphs[0].tensors[0]] is a
     assert fe.streams == [1234, 1234]       # CuPy's current stream, each call
     # A key cuDNN has no engine for: refused once, the reason kept, no rebuild.
     fe.unsupported.add('nchw')
@@ -265,7 +265,7 @@ def test_an_nhwc_pick_copies_in_and_out_and_gives_nchw(monkeypatch):
     layout, _, pack = fe.executions[-1]
     assert layout == 'nhwc'
     x_tensor = [t for t in pack if t.name == 'x'][0]
-    assert pack[x_tensor] != x.data.ptr     # a channels-last copy went in
+    assert pack[x_tensor].data.ptr != x.data.ptr    # a channels-last copy went in
     assert out.flags.c_contiguous and out.shape == (2, 8, 6, 6)
 
 
@@ -398,7 +398,7 @@ def test_batchnorm_goes_nhwc_where_nchw_has_no_engine_and_says_why_when_neither(
     assert y.flags.c_contiguous and y.shape == (2, 4, 3, 3)
     assert [e[0] for e in fe.executions] == ['nhwc']
     x_tensor = [t for t in fe.executions[0][2] if t.name == 'x'][0]
-    assert fe.executions[0][2][x_tensor] != x.data.ptr       # a channels-last copy
+    assert fe.executions[0][2][x_tensor].data.ptr != x.data.ptr     # a channels-last copy
     fe.unsupported.add('nhwc')
     other = bn_key('batchnorm inference', shape=(4, 4, 3, 3))
     with pytest.raises(_graphs.Unsupported, match='NCHW .*; no cuDNN engine for NHWC'):
@@ -486,3 +486,22 @@ def test_batchnorm_layer_chains_after_the_selector_the_node_has(monkeypatch):
     with chainer.using_config('use_cudnn', 'auto'):
         assert node._impl_selector(node, (x, g, g)) is _layers._IMPL
     assert asked == [node]
+
+
+def test_a_frontend_that_refuses_the_description_leaves_the_call_to_chainer(monkeypatch):
+    """An older or newer frontend without an argument fastchain passes: the
+    key is refused with the error named, and Chainer's code runs."""
+    fe = standin.install(monkeypatch)
+
+    def old_batchnorm(**kwargs):
+        raise TypeError('batchnorm(): incompatible function arguments')
+    monkeypatch.setattr(standin.Graph, 'batchnorm', lambda self, **kw: old_batchnorm(**kw))
+    key = bn_key('batchnorm forward')
+    x, g = dev(numpy.zeros((2, 4, 3, 3), 'f')), dev(numpy.ones(4, 'f'))
+    with pytest.raises(_graphs.Unsupported) as e:
+        _bn_graphs.bn_forward(key, x, g, g, g.copy(), g.copy(), 2e-5, 0.9)
+    assert e.value.reason.startswith(
+        'the cuDNN frontend could not describe the NCHW graph (TypeError: batchnorm(): '
+        'incompatible function arguments); the cuDNN frontend could not describe the NHWC')
+    assert _graphs.refused(key) == e.value.reason
+    assert len(fe.graphs) == 2
