@@ -21,6 +21,10 @@ NUMPY_SPEC ?=
 # 1: keep setuptools<82 (which still ships pkg_resources) after building Chainer.
 OLD_SETUPTOOLS ?= 0
 PYTEST_ARGS ?=
+# The cuDNN frontend's Python module (11.6 MiB, without the CUTLASS DSL and TVM FFI
+# it asks for, which fastchain's graphs do not use): the tests describe every cuDNN
+# graph fastchain builds through its real API. Empty: not installed.
+CUDNN_FRONTEND ?= nvidia-cudnn-frontend
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
@@ -42,6 +46,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import importlib.metadata as m; m.version('chainer')" 2>/dev/null \
 	  || $(PIP) install --no-build-isolation "chainer==7.8.1"
 	$(PIP) install -e ".[$(EXTRAS)]" $(NUMPY_SPEC)
+	@if [ -n "$(CUDNN_FRONTEND)" ]; then $(PIP) install --no-deps $(CUDNN_FRONTEND); fi
 	@if [ "$(OLD_SETUPTOOLS)" != 1 ]; then $(PIP) install -U setuptools; fi
 	$(PY) -c "import chainer, fastchain; print('fastchain ready: Chainer', chainer.__version__)"
 	@touch $(STAMP)
@@ -127,6 +132,9 @@ WHEELHOUSE ?= dist/wheelhouse
 # fastchain's and Chainer's requirements that the node does not have (GPU-NODE.md:
 # it has numpy, pillow, filelock, protobuf, six, typing-extensions, mpi4py, ...).
 NODE_LACKS ?= nvtx simplejpeg threadpoolctl packaging setuptools
+# Not a requirement of fastchain, installed on the node with --no-deps: cuDNN 9's graphs
+# (the node has cuDNN 9 itself, nvidia-cudnn-cu13, and cuda-bindings).
+NODE_OPTIONAL ?= nvidia-cudnn-frontend
 # The node's own packages, for wheelhouse-check's stand-in of it.
 NODE_HAS ?= numpy pillow filelock protobuf six typing-extensions pyyaml
 WHEEL_PLATFORM := --only-binary=:all: --implementation cp --python-version $(WHEEL_PY) \
@@ -137,7 +145,7 @@ wheelhouse: setup
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
 	$(PIP) wheel --no-deps --no-build-isolation -w $(WHEELHOUSE) "chainer==7.8.1"
 	$(PIP) wheel --no-deps -w $(WHEELHOUSE) .
-	$(PIP) download --no-deps -d $(WHEELHOUSE) $(WHEEL_PLATFORM) $(NODE_LACKS)
+	$(PIP) download --no-deps -d $(WHEELHOUSE) $(WHEEL_PLATFORM) $(NODE_LACKS) $(NODE_OPTIONAL)
 	@du -sh $(WHEELHOUSE); ls $(WHEELHOUSE)
 
 # A clean venv of Python $(WHEEL_PY) gets the node's packages from the index

@@ -31,9 +31,11 @@ def cudnn_wheel(cuda_major=None):
 
 def fix(cuda_major=None):
     """The packages that bring cuDNN back on CuPy 14."""
+    major = 12 if cudnn_wheel(cuda_major).endswith('12') else 13
     return ('pip install {} {} (cuDNN 9 through its graph API: fastchain runs Chainer\'s '
-            'convolutions and BatchNormalization there; the gpu-cudnn extra)'.format(
-                PACKAGE, cudnn_wheel(cuda_major)))
+            'convolutions and BatchNormalization there; the {} extra)'.format(
+                PACKAGE, cudnn_wheel(cuda_major),
+                'gpu-cudnn' if major == 13 else 'gpu-cudnn-cuda12'))
 
 
 def _cupy_cuda_major():
@@ -47,15 +49,20 @@ def _cupy_cuda_major():
 _loaded = None      # the module, once status() found it usable
 
 
+def installed_version():
+    """The installed frontend distribution's version, or None."""
+    try:
+        return importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def status():
     """``(available, version, why, fix)``: the frontend and the cuDNN 9 it
     loads, usable from CuPy here. ``version`` reads ``frontend X, cuDNN Y``."""
     global _loaded
-    try:
-        frontend_version = importlib.metadata.version(PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        frontend_version = None
+    frontend_version = installed_version()
     try:
         module = importlib.import_module(MODULE)
     except ImportError as e:

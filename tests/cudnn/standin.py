@@ -203,6 +203,7 @@ def install(monkeypatch, clock=None, **kwargs):
     m = frontend(clock, **kwargs)
     monkeypatch.setitem(sys.modules, 'cudnn', m)
     monkeypatch.setitem(sys.modules, 'cupy', fake_cupy(clock))
+    monkeypatch.setattr(_frontend, 'installed_version', lambda: None)   # the stand-in's
     _frontend.forget()
     _graphs.forget()
     _paths.forget()

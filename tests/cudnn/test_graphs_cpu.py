@@ -34,6 +34,7 @@ def clean():
 
 def test_no_frontend_says_which_packages_bring_cudnn_back(monkeypatch):
     monkeypatch.setitem(sys.modules, 'cudnn', None)     # import cudnn fails
+    monkeypatch.setattr(_frontend, 'installed_version', lambda: None)
     _frontend.forget()
     available, version, why, fix = _frontend.status()
     assert not available and version is None
@@ -65,6 +66,7 @@ def test_cudnn_8_is_refused_and_9_is_named(monkeypatch):
 
 def test_a_module_named_cudnn_that_is_not_the_frontend(monkeypatch):
     monkeypatch.setitem(sys.modules, 'cudnn', types.ModuleType('cudnn'))
+    monkeypatch.setattr(_frontend, 'installed_version', lambda: None)
     _frontend.forget()
     available, _, why, _ = _frontend.status()
     assert not available and 'not the cuDNN frontend' in why

@@ -1,0 +1,91 @@
+"""fastchain's graph descriptions against the real cuDNN frontend (the
+``nvidia-cudnn-frontend`` wheel, which ``make setup`` installs without its
+dependencies): every convolution and BatchNormalization graph fastchain
+builds is described through the frontend's own API, up to the point where
+the frontend needs cuDNN and a GPU (validation lowers the graph to cuDNN's
+backend). What cuDNN then does with them is test_graphs_gpu.py's."""
+
+import numpy
+import pytest
+
+from fastchain.cudnn import _bn_graphs, _frontend, _graphs, _keys
+
+cudnn = pytest.importorskip('cudnn', reason='the cuDNN frontend is not installed '
+                            '(pip install --no-deps nvidia-cudnn-frontend)')
+if not hasattr(cudnn, 'pygraph'):
+    pytest.skip('a module named cudnn that is not the cuDNN frontend', allow_module_level=True)
+
+
+@pytest.fixture
+def described(monkeypatch):
+    """Builders run against the real module; the steps that need cuDNN stop."""
+    monkeypatch.setattr(_frontend, '_loaded', cudnn)
+    monkeypatch.setattr(_frontend, 'handle', lambda device: None)
+
+    def describe_only(module, graph, key, tensors, layout):
+        return _graphs._Graph(graph, tensors, 1, layout)
+    monkeypatch.setattr(_graphs, '_finish', describe_only)
+    monkeypatch.setattr(_bn_graphs, '_finish', describe_only)
+    yield
+    _graphs.forget()
+
+
+class Node:
+    sy = sx = 2
+    ph = pw = 1
+    dy = dx = 1
+    groups = 2
+
+
+@pytest.mark.parametrize('layout', ['nchw', 'nhwc'])
+@pytest.mark.parametrize('dtype', ['float16', 'float32'])
+@pytest.mark.parametrize('op, out', [('conv forward', [4, 6, 5, 5]),
+                                     ('conv input gradient', [4, 8, 9, 9]),
+                                     ('conv weight gradient', [6, 4, 3, 3])])
+def test_convolution_graphs_are_described_through_the_frontend(described, op, out, dtype,
+                                                               layout):
+    key = _keys.conv_key(op, Node, (4, 8, 9, 9), (6, 4, 3, 3), (4, 6, 5, 5), dtype, True,
+                         False, 0)
+    g = _graphs.build_conv(key, layout)
+    t = g.tensors['out']
+    assert list(t.dim) == out
+    assert list(t.stride) == _graphs.strides(out, layout)
+    assert t.data_type == (cudnn.data_type.HALF if dtype == 'float16' else cudnn.data_type.FLOAT)
+
+
+@pytest.mark.parametrize('layout', ['nchw', 'nhwc'])
+@pytest.mark.parametrize('running', [True, False])
+@pytest.mark.parametrize('op, outputs', [
+    ('batchnorm forward', {'y', 'mean', 'inv_std'}),
+    ('batchnorm backward', {'gx', 'ggamma', 'gbeta'}),
+    ('batchnorm inference', {'y'})])
+def test_batchnorm_graphs_are_described_through_the_frontend(described, op, outputs, running,
+                                                             layout):
+    key = _keys.bn_key(op, numpy.zeros((4, 8, 5, 5), 'e'), numpy.zeros(8, 'f'), 2e-5,
+                       running, 0)
+    g = _bn_graphs.build_bn(key, layout)
+    if op == 'batchnorm forward' and running:
+        outputs = outputs | {'next_mean', 'next_var'}
+    assert outputs <= set(g.tensors)
+    assert ('next_mean' in g.tensors) == (op == 'batchnorm forward' and running)
+    for name in outputs:
+        assert g.tensors[name].dim[1] == 8
+    assert list(g.tensors['x'].stride) == _graphs.strides((4, 8, 5, 5), layout)
+
+
+def test_the_frontend_without_cudnn_says_so():
+    """This machine has the frontend but no cuDNN library: status names it."""
+    _frontend.forget()
+    try:
+        available, _, why, fix = _frontend.status()
+    finally:
+        _frontend.forget()
+    try:
+        cudnn.backend_version()
+        pytest.skip('cuDNN loads here')
+    except Exception:
+        pass
+    assert not available
+    assert why.startswith('the cuDNN frontend {} could not load cuDNN 9: '.format(
+        cudnn.__version__))
+    assert 'nvidia-cudnn-cu' in fix
