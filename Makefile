@@ -118,7 +118,7 @@ cupy14-check: setup
 	  $(PIP) install --target $(CUPY14_DIR) "cuda-pathfinder==1.*,>=1.3.4" \
 	    "cuda-toolkit[cublas,cudart,cufft,curand,cusolver,cusparse,nvrtc]==13.*"; }
 	PYTHONPATH=$(CUPY14_DIR) LD_LIBRARY_PATH=$(CUPY14_LIBS)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} \
-	  $(PY) tests/cupy14_check.py benchmarks/results/cupy14_check.json
+	  $(PY) -P tests/cupy14_check.py benchmarks/results/cupy14_check.json
 
 # --- offline install (../shared/GPU-NODE.md) -----------------------------------
 # dist/wheelhouse/ holds what a machine with no package index needs besides
@@ -148,6 +148,8 @@ wheelhouse: setup
 	$(PIP) download --no-deps -d $(WHEELHOUSE) $(WHEEL_PLATFORM) $(NODE_LACKS) $(NODE_OPTIONAL)
 	@du -sh $(WHEELHOUSE); ls $(WHEELHOUSE)
 
+# (Scripts under tests/ run with -P: tests/ on sys.path would put its nvtx/ and cudnn/
+# test packages in place of the real nvtx and cudnn modules.)
 # A clean venv of Python $(WHEEL_PY) gets the node's packages from the index
 # (the node has them already), then fastchain from the wheelhouse alone
 # (--no-index): a missing dependency fails here. Then Chainer and fastchain
@@ -163,7 +165,9 @@ wheelhouse-check: wheelhouse
 	$(WHEELCHECK_VENV)/bin/python -m pip --disable-pip-version-check -q install $(NODE_HAS)
 	$(WHEELCHECK_VENV)/bin/python -m pip --disable-pip-version-check -q install \
 	  --no-index --find-links $(WHEELHOUSE) fastchain
-	cd $(WHEELCHECK_VENV) && ./bin/python $(CURDIR)/tests/wheelhouse_check.py
+	$(WHEELCHECK_VENV)/bin/python -m pip --disable-pip-version-check -q install \
+	  --no-index --find-links $(WHEELHOUSE) --no-deps $(NODE_OPTIONAL)
+	cd $(WHEELCHECK_VENV) && ./bin/python -P $(CURDIR)/tests/wheelhouse_check.py
 	$(WHEELCHECK_VENV)/bin/fastchain doctor > /dev/null && echo "wheelhouse-check: doctor ran"
 
 clean:
