@@ -269,48 +269,50 @@ def _tuning():
 
 def _choose(entry, run, conv_layouts=False):
     """(layout, plan) for a key: the heuristics' first NCHW plan, or with
-    autotune the fastest of every plan (and layout) timed."""
+    autotune the fastest of every plan (and layout) timed, or the pick an
+    autotune cache file holds for the key (:mod:`fastchain.tune._cache`)."""
     if not _tuning():
         return 'nchw', 0
     import cupy
+    from fastchain.tune import _tuner
     if conv_layouts and 'nhwc' not in entry.graphs:
         try:
             entry.graphs['nhwc'] = guarded(build_conv, entry.key, 'nhwc')
         except Unsupported:
             pass
+    candidates = [(layout, plan) for layout, g in entry.graphs.items()
+                  for plan in range(min(g.plans, MAX_PLANS))]
+    choice = _tuner.choice('cudnn_graph', entry.key, [_name(c) for c in candidates],
+                           lambda: _keys.describe(entry.key))
+    if choice.picked is not None:           # read from a cache file
+        return candidates[choice.names.index(choice.picked)]
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     times = {}
-    for layout, g in entry.graphs.items():
-        for plan in range(min(g.plans, MAX_PLANS)):
-            try:
-                run(layout, plan)           # warm: first-call costs, caches
-            except Exception:
-                continue                    # a plan that fails to run is not a candidate
-            trials = []
-            for _ in range(TRIALS):
-                start.record()
-                run(layout, plan)
-                end.record()
-                end.synchronize()
-                trials.append(cupy.cuda.get_elapsed_time(start, end))
-            times[(layout, plan)] = statistics.median(trials)
+    for layout, plan in candidates:
+        try:
+            run(layout, plan)               # warm: first-call costs, caches
+        except Exception:
+            continue                        # a plan that fails to run is not a candidate
+        trials = []
+        for _ in range(TRIALS):
+            start.record()
+            run(layout, plan)
+            end.record()
+            end.synchronize()
+            trials.append(cupy.cuda.get_elapsed_time(start, end))
+        times[(layout, plan)] = statistics.median(trials)
     if not times:
         raise Unsupported('no cuDNN plan ran for this key')
     chosen = min(times, key=lambda c: (times[c], c != ('nchw', 0)))
-    entry.times = {'{} plan {}'.format(*c): round(t, 4) for c, t in times.items()}
-    _report(entry, chosen, times)
+    entry.times = {_name(c): round(t, 4) for c, t in times.items()}
+    with _tuner._lock:
+        choice.times = {_name(c): [times[c] / 1e3] if c in times else [] for c in candidates}
+        choice.picked = _name(chosen)
     return chosen
 
 
-def _report(entry, chosen, times):
-    """The choice as an autotune Choice (kind 'cudnn_graph') for reports."""
-    from fastchain.tune import _tuner
-    names = ['{} plan {}'.format(*c) for c in times]
-    c = _tuner.choice('cudnn_graph', entry.key, names, lambda: _keys.describe(entry.key))
-    with _tuner._lock:
-        for (layout, plan), ms in times.items():
-            c.times['{} plan {}'.format(layout, plan)] = [ms / 1e3]
-        c.picked = '{} plan {}'.format(*chosen)
+def _name(candidate):
+    return '{} plan {}'.format(*candidate)
 
 
 def forget():

@@ -9,10 +9,24 @@ alternatives of its CPU convolution kernels, its fused update, its static
 cache and its loader workers.
 """
 
+import atexit
+import os
+
 from fastchain.backends import cuda
-from fastchain.config._options import Group, State, boolean
+from fastchain.config._options import Group, Option, State, boolean
 
 FLAG = 'fastchain.tune._tuner.enabled'
+_saved_at_exit = set()      # cache files written again when the process ends
+
+
+def _path(value):
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise TypeError('expected the path of a JSON file (str or os.PathLike)')
+    path = os.fspath(value)
+    if os.path.isdir(path):
+        raise ValueError('{} is a folder; give a file path, e.g. {}'.format(
+            path, os.path.join(path, 'autotune.json')))
+    return path
 
 
 class AutotuneGroup(Group):
@@ -23,6 +37,9 @@ class AutotuneGroup(Group):
                 "fastest of fastchain's bitwise-equal alternatives (CPU convolution "
                 "kernels, fused update, static cache, how many default loader workers "
                 "load); default: on"),
+        Option('tune_cache', "a JSON file that keeps autotune's choices for this machine "
+               'and versions: read at enable(), written at disable() and at exit; keys '
+               'found there are not measured again (default: none)', check=_path),
     )
 
     def probe(self):
@@ -42,6 +59,17 @@ class AutotuneGroup(Group):
         return ("cuDNN's algorithm search is not available here ({}, and {}; fix: {}); "
                 "only fastchain's CPU choices are tuned".format(status.why, graphs.why,
                                                                 graphs.fix))
+
+    def open(self, handle, values):
+        path = values['tune_cache']
+        if path is None:
+            return
+        from fastchain.tune import _cache
+        handle.resources['tune_cache'] = {'path': path, 'read': _cache.load(path)}
+        handle.on_disable(lambda: _cache.save(path), 'autotune cache -> ' + path)
+        if path not in _saved_at_exit:
+            _saved_at_exit.add(path)
+            atexit.register(_save_quietly, path)
 
     def plan(self, values, explicit, plan):
         from fastchain.tune import _tuner
@@ -68,6 +96,17 @@ class AutotuneGroup(Group):
         elif values['autotune'] is False:
             state.why = 'autotune=False'
         return [state]
+
+
+def _save_quietly(path):
+    """At exit: a cache that cannot be written says so, without a traceback."""
+    from fastchain.tune import _cache
+    try:
+        _cache.save(path)
+    except OSError as e:
+        import sys
+        print('fastchain: the autotune cache {} could not be written: {}'.format(path, e),
+              file=sys.stderr)
 
 
 GROUP = AutotuneGroup()

@@ -8,6 +8,11 @@ on. Only alternatives that give bitwise-equal results are offered, so the
 choice changes speed and nothing else; while it is being made the results
 are the same whichever runs (kernels that are not bitwise equal, the
 ``onednn`` option's, are never an alternative: the user turns them on).
+One exception, by what it is: the plans of a cuDNN graph (kind
+``'cudnn_graph'``, :mod:`fastchain.cudnn._graphs`) are timed with CUDA
+events and recorded here for the reports and the cache file; like cuDNN's
+algorithms under Chainer's own autotune they round differently, and they
+run only where ``cudnn`` allows cuDNN at all.
 
 The cost is bounded: ``(TRIALS + 1)`` calls of each alternative per key.
 Each data-parallel process chooses for itself (they may pick differently:
@@ -29,18 +34,20 @@ forced_calls = {}   # kind -> calls that took the forced alternative
 
 _lock = threading.Lock()
 _choices = {}       # (kind, key) -> Choice
+_known = {}         # (kind, repr(key)) -> a choice read from a cache file (_cache.py)
 
 
 class Choice:
     """One key's alternatives, their times so far, and the pick."""
 
-    __slots__ = ('kind', 'key', 'names', 'times', 'calls', 'picked', 'label')
+    __slots__ = ('kind', 'key', 'names', 'times', 'calls', 'picked', 'label', 'cached')
 
     def __init__(self, kind, key, names, label):
         self.kind, self.key, self.names, self.label = kind, key, tuple(names), label
         self.times = {n: [] for n in self.names}
         self.calls = 0
         self.picked = None
+        self.cached = False     # picked from a cache file, not measured in this process
 
     def next(self):
         """(alternative to run now, whether to time it)."""
@@ -61,7 +68,8 @@ class Choice:
         return {'kind': self.kind, 'key': self.label, 'picked': self.picked,
                 'median_ms': {n: round(statistics.median(t) * 1e3, 4) if t else None
                               for n, t in self.times.items()},
-                'trials': {n: len(t) for n, t in self.times.items()}}
+                'trials': {n: len(t) for n, t in self.times.items()},
+                'from_cache': self.cached}
 
 
 def choice(kind, key, names, label=None):
@@ -74,8 +82,32 @@ def choice(kind, key, names, label=None):
             if c is None:
                 c = Choice(kind, key, names, label() if callable(label) else
                            (label if label is not None else repr(key)))
+                known = _known.get((kind, repr(key)))
+                if known is not None and tuple(known['names']) == c.names:
+                    c.picked, c.cached = known['picked'], True
+                    c.times = {n: [known['median_ms'][n] / 1e3] if known.get(
+                        'median_ms', {}).get(n) is not None else [] for n in c.names}
                 _choices[(kind, key)] = c
     return c
+
+
+def know(entries):
+    """Choices read from a cache file (:mod:`fastchain.tune._cache`):
+    ``{(kind, repr(key)): {'names', 'picked', 'median_ms', ...}}``; a key
+    met later with the same alternatives takes the stored pick unmeasured."""
+    with _lock:
+        _known.update(entries)
+
+
+def decided():
+    """The decided choices, as a cache file keeps them:
+    ``{(kind, repr(key)): {'names', 'picked', 'median_ms', 'label'}}``."""
+    with _lock:
+        return {(c.kind, repr(c.key)): {
+            'names': list(c.names), 'picked': c.picked, 'label': c.label,
+            'median_ms': {n: round(statistics.median(t) * 1e3, 4) if t else None
+                          for n, t in c.times.items()}}
+            for c in _choices.values() if c.picked is not None}
 
 
 def call(kind, key, alternatives, label=None):
@@ -189,17 +221,19 @@ def choices(kind=None):
 
 
 def summary():
-    """{kind: {'keys', 'decided', 'picked' {alternative: keys}, 'ms' {alternative:
-    sum of medians over the decided keys}}}: one line's worth per kind."""
+    """{kind: {'keys', 'decided', 'from_cache' (decided keys read from a cache
+    file), 'picked' {alternative: keys}, 'ms' {alternative: sum of medians over
+    the decided keys}}}: one line's worth per kind."""
     out = {}
     with _lock:
         for c in _choices.values():
-            s = out.setdefault(c.kind, {'keys': 0, 'decided': 0, 'picked': {},
-                                        'ms': {n: 0.0 for n in c.names}})
+            s = out.setdefault(c.kind, {'keys': 0, 'decided': 0, 'from_cache': 0,
+                                        'picked': {}, 'ms': {n: 0.0 for n in c.names}})
             s['keys'] += 1
             if c.picked is None:
                 continue
             s['decided'] += 1
+            s['from_cache'] += c.cached
             s['picked'][c.picked] = s['picked'].get(c.picked, 0) + 1
             for n, t in c.times.items():
                 s['ms'][n] = round(s['ms'].get(n, 0.0) + statistics.median(t) * 1e3, 3)
@@ -213,6 +247,8 @@ def describe(summary):
         picked = ', '.join('{} {}'.format(n, k) for n, k in sorted(
             s['picked'].items(), key=lambda item: -item[1]))
         line = '{}: {} of {} keys decided'.format(kind, s['decided'], s['keys'])
+        if s.get('from_cache'):
+            line += ' ({} from the autotune cache file)'.format(s['from_cache'])
         if s['decided']:
             line += ': {}; sum of medians: {}'.format(picked, ', '.join(
                 '{} {:.1f} ms'.format(n, ms) for n, ms in s['ms'].items()))
@@ -221,9 +257,12 @@ def describe(summary):
 
 
 def forget(kind=None):
-    """Drop the choices made (of one kind), so they are measured again."""
+    """Drop the choices made (of one kind), and those read from a cache
+    file, so they are measured again."""
     with _lock:
         for k in [k for k in _choices if kind is None or k[0] == kind]:
             del _choices[k]
+        for k in [k for k in _known if kind is None or k[0] == kind]:
+            del _known[k]
         for k in [k for k in forced_calls if kind is None or k == kind]:
             del forced_calls[k]

@@ -1,0 +1,104 @@
+"""autotune's choices kept in a file (``enable(tune_cache=PATH)``), so the
+next run on the same machine skips the measurements.
+
+The file is JSON: ``{"format": 1, "machines": {FINGERPRINT: {"saved": ISO
+time, "machine": {...}, "choices": {KIND: {repr(key): {"names", "picked",
+"median_ms", "label"}}}}}}``. The fingerprint is what a choice's speed
+depends on besides its key: the CPU and core count, the GPUs, Python,
+NumPy and its BLAS, Chainer, CuPy, cuDNN and fastchain's versions; another
+machine's (or another version's) choices are kept in the file but not used.
+Keys are those of the measurements (a convolution's by function, shapes,
+dtypes and geometry; the loader's by dataset size, batch and worker count,
+not by model). Only choices between bitwise-equal alternatives are kept
+(all autotune makes), so a stale entry can cost speed, never change a
+result; a choice whose alternatives differ from the stored ones (a new
+option, another worker count) is measured again.
+
+Read when the handle is enabled; written when it is disabled and at the
+process's exit (each write merges this process's decided choices into what
+the file holds, through a temporary file and a rename). A file that cannot
+be read or parsed gives one warning naming it, and is measured around and
+rewritten.
+"""
+
+import datetime
+import json
+import os
+import threading
+import warnings
+
+FORMAT = 1
+_lock = threading.Lock()
+
+
+def fingerprint():
+    """(text, dict): what a choice's speed depends on besides its key."""
+    from fastchain import __version__
+    from fastchain.doctor._report import machine
+    m = machine()
+    described = {k: m.get(k) for k in ('cpu', 'cores', 'python', 'numpy', 'blas', 'chainer',
+                                       'cupy', 'cudnn')}
+    described['gpus'] = [g.get('name') for g in m.get('gpus') or ()]
+    described['fastchain'] = __version__
+    return json.dumps(described, sort_keys=True), described
+
+
+def _read(path):
+    """The file's contents, {} where there is none; a warning (and {}) where
+    it cannot be used."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get('format') != FORMAT or \
+                not isinstance(data.get('machines'), dict):
+            raise ValueError('not a fastchain autotune cache of format {}'.format(FORMAT))
+        return data
+    except (OSError, ValueError) as e:
+        from fastchain.config._enable import FastchainWarning
+        warnings.warn('fastchain: the autotune cache {} could not be used ({}); autotune '
+                      'measures again and the file will be rewritten'.format(path, e),
+                      FastchainWarning, stacklevel=3)
+        return {}
+
+
+def load(path):
+    """Makes this machine's choices in ``path`` known to the tuner; returns
+    how many were read."""
+    from fastchain.tune import _tuner
+    key, _ = fingerprint()
+    with _lock:
+        entry = _read(path).get('machines', {}).get(key, {})
+    known = {}
+    for kind, entries in (entry.get('choices') or {}).items():
+        for key_repr, choice in entries.items():
+            if isinstance(choice, dict) and choice.get('picked') in (choice.get('names') or ()):
+                known[(kind, key_repr)] = choice
+    _tuner.know(known)
+    return len(known)
+
+
+def save(path):
+    """Merges this process's decided choices into ``path``; returns how many
+    it holds for this machine."""
+    from fastchain.tune import _tuner
+    key, described = fingerprint()
+    decided = _tuner.decided()
+    with _lock:
+        data = _read(path) or {'format': FORMAT, 'machines': {}}
+        entry = data['machines'].setdefault(key, {'choices': {}})
+        entry['machine'] = described
+        entry['saved'] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec='seconds')
+        choices = entry.setdefault('choices', {})
+        for (kind, key_repr), choice in decided.items():
+            choices.setdefault(kind, {})[key_repr] = choice
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        tmp = '{}.tmp{}'.format(path, os.getpid())
+        with open(tmp, 'w') as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write('\n')
+        os.replace(tmp, path)
+    return sum(len(v) for v in choices.values())

@@ -1,0 +1,141 @@
+"""autotune's cache file (``enable(tune_cache=PATH)``): the next run on the
+same machine takes the stored picks without measuring, and trains to the
+same bits; another machine's picks, changed alternatives and a corrupt
+file are measured around, the last with a warning naming it."""
+
+import json
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import fastchain
+from fastchain.config._enable import FastchainWarning
+from fastchain.tune import _cache, _tuner
+
+
+def _abc(ran):
+    return tuple((n, lambda n=n: ran.append(n) or n) for n in 'abc')
+
+
+def _decide(tuner, path):
+    """One 'process': measure key ('k', 'key') with made-up costs, save."""
+    tuner.update(a=3.0, b=1.0, c=2.0)
+    ran = []
+    with fastchain.enable(autotune=True, tune_cache=path, loader_workers=0):
+        for _ in range(10):
+            _tuner.call('k', ('key', 1), _abc(ran))
+    return ran
+
+
+def test_the_next_run_takes_the_stored_pick_without_measuring(tuner, tmp_path):
+    path = str(tmp_path / 'autotune.json')
+    assert len(set(_decide(tuner, path))) == 3          # all three measured
+    data = json.load(open(path))
+    (machine,) = data['machines'].values()
+    stored = machine['choices']['k']["('key', 1)"]
+    assert stored['picked'] == 'b' and stored['names'] == ['a', 'b', 'c']
+    assert stored['median_ms'] == {'a': 3000.0, 'b': 1000.0, 'c': 2000.0}
+    assert machine['machine']['cores'] >= 1
+    _tuner.forget()                                      # a new process
+    tuner.clear()
+    ran = []
+    with fastchain.enable(autotune=True, tune_cache=path, loader_workers=0) as h:
+        assert [_tuner.call('k', ('key', 1), _abc(ran)) for _ in range(3)] == ['b'] * 3
+        summary = h.report()['autotune']['choices']['k']
+    assert ran == ['b'] * 3                              # nothing else ran
+    assert summary['from_cache'] == 1 and summary['decided'] == 1
+    assert _tuner.choices('k')[0]['from_cache'] is True
+    assert _tuner.describe(_tuner.summary())[0].startswith(
+        'k: 1 of 1 keys decided (1 from the autotune cache file): b 1;')
+
+
+def test_another_machine_or_other_alternatives_are_measured_again(tuner, tmp_path,
+                                                                  monkeypatch):
+    path = str(tmp_path / 'autotune.json')
+    _decide(tuner, path)
+    _tuner.forget()
+    real = _cache.fingerprint
+    monkeypatch.setattr(_cache, 'fingerprint', lambda: (real()[0] + ' elsewhere', {}))
+    ran = []
+    with fastchain.enable(autotune=True, tune_cache=path, loader_workers=0):
+        _tuner.call('k', ('key', 1), _abc(ran))
+    assert _tuner.choices('k')[0]['picked'] is None      # measuring
+    assert len(json.load(open(path))['machines']) == 2    # both machines kept
+    monkeypatch.setattr(_cache, 'fingerprint', real)
+    _tuner.forget()
+    with fastchain.enable(autotune=True, tune_cache=path, loader_workers=0):
+        # The same key with a fourth alternative: the stored pick does not apply.
+        _tuner.call('k', ('key', 1), _abc(ran) + (('d', lambda: 'd'),))
+        assert _tuner.choices('k')[0]['picked'] is None
+
+
+def test_a_corrupt_file_is_named_measured_around_and_rewritten(tuner, tmp_path):
+    path = tmp_path / 'autotune.json'
+    path.write_text('{"format": 1, "machines": ')
+    with pytest.warns(FastchainWarning, match='the autotune cache {} could not be used'.format(
+            path)):
+        ran = _decide(tuner, str(path))
+    assert len(set(ran)) == 3
+    assert json.load(open(path))['format'] == 1
+
+
+def test_the_option_wants_a_file_path(tmp_path):
+    with pytest.raises(ValueError, match=r'tune_cache=3\): expected the path of a JSON file'):
+        fastchain.enable(tune_cache=3)
+    with pytest.raises(ValueError, match='is a folder; give a file path, e.g. .*autotune.json'):
+        fastchain.enable(tune_cache=str(tmp_path))
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.c1 = L.Convolution2D(3, 8, 3, pad=1)
+            self.c2 = L.Convolution2D(8, 8, 3, stride=2, pad=1)
+            self.fc = L.Linear(None, 4)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.c2(F.relu(self.c1(x)))))
+
+
+def _train(steps, **options):
+    numpy.random.seed(0)
+    model = L.Classifier(Net())
+    rng = numpy.random.RandomState(1)
+    x = rng.rand(4, 3, 8, 8).astype(numpy.float32)
+    t = rng.randint(0, 4, 4).astype(numpy.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with fastchain.enable(loader_workers=0, **options) as h:
+            opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+            for _ in range(steps):
+                opt.update(model, x, t)
+            choices = h.report()['autotune']['choices']
+    return [p.array.copy() for p in model.params()], choices
+
+
+def test_a_model_trained_from_the_cache_is_measured_nowhere_and_bit_for_bit_the_same(
+        tmp_path):
+    path = str(tmp_path / 'autotune.json')
+    _tuner.forget()
+    try:
+        first, made = _train(12, autotune=True, tune_cache=path)
+        assert made['cpu_conv']['decided'] == made['cpu_conv']['keys'] > 0
+        assert made['fused_update']['decided'] == made['fused_update']['keys'] > 0
+        _tuner.forget()
+        second, read = _train(12, autotune=True, tune_cache=path)
+        for kind in ('cpu_conv', 'fused_update'):
+            assert read[kind]['from_cache'] == read[kind]['keys'] == made[kind]['keys']
+            assert all(len(c['trials']) and max(c['trials'].values()) <= 1
+                       for c in _tuner.choices(kind))          # no timed trial ran
+        _tuner.forget()
+        plain, _ = _train(12, autotune=False)
+    finally:
+        _tuner.forget()
+    for a, b, c in zip(first, second, plain):
+        assert numpy.array_equal(a, b) and numpy.array_equal(a, c)
