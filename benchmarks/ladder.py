@@ -25,16 +25,23 @@ talk:
   all                 plain.py + one fastchain.enable() call (ladder_scripts/with_fastchain.py)
   all_onednn          the same with onednn=True added to that call
   torch               PyTorch eager ResNet-50, DataLoader with PIL (when torch is installed)
+  baseline_again      the baseline built again, an A/A control: baseline_again/baseline is
+                        the run's noise floor (a ratio no accelerator can be told apart from)
 
-A rung that cannot run here is listed with the reason. Each rung is built
-fresh, warmed up (worker start, first calls, schedule building), then timed
-for one window; rungs take turns window by window. Rows are iterations per
-second (median of windows); ``RUNG/baseline`` is a rung's speed over the
-baseline's. Writes JSON, a Markdown table and a PNG bar chart.
+A rung that cannot run here is listed with the reason. First the "all" rung
+runs until autotune has decided every key (its choices are shared by every
+rung, keyed by shapes and structure), so no window pays for measurements;
+steps and seconds are recorded. Then each rung is built fresh, warmed up
+(worker start, first calls, schedule building) and timed for one window;
+rungs take turns, each window starting one rung later. Rows are iterations
+per second (median of windows); ``RUNG/baseline`` is a rung's speed over the
+baseline's, ``RUNG/baseline@paired`` the median of the per-window ratios.
+Writes JSON, a Markdown table and a PNG bar chart.
 """
 
 import difflib
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -134,6 +141,41 @@ def torch_rung(paths, args, workers):
     return step, lambda: None
 
 
+TUNING_STEPS = 240     # at most; the loader's count and depth take 96 with 2 workers
+
+
+def tune_first(build, limit):
+    """Runs the "all" rung until autotune has decided every key it met (or
+    ``limit`` steps); returns the steps and seconds it took, for the record."""
+    from fastchain import tune
+    if build is None:
+        return None
+    step, close = build()
+    start, steps = time.perf_counter(), 0
+    try:
+        while steps < limit:
+            step()
+            steps += 1
+            summary = tune.summary()
+            if steps >= 8 and summary and all(s['decided'] == s['keys']
+                                              for s in summary.values()):
+                break
+    finally:
+        close()
+    summary = tune.summary()
+    return {'steps': steps, 'seconds': round(time.perf_counter() - start, 1),
+            'undecided': {k: s['keys'] - s['decided'] for k, s in summary.items()
+                          if s['decided'] < s['keys']}}
+
+
+def paired_ratio(rows, a, b):
+    """Median over windows of a's speed over b's in the same window."""
+    if a not in rows.windows or b not in rows.windows:
+        return None
+    pairs = [x / y for x, y in zip(rows.windows[a], rows.windows[b])]
+    return round(statistics.median(pairs), 3)
+
+
 def chart(result, path):
     try:
         import matplotlib
@@ -142,7 +184,7 @@ def chart(result, path):
     except ImportError:
         return
     rows = {r['name']: r for r in result['rows']}
-    names = [n for n in RUNGS + ('torch',) if n in rows or
+    names = [n for n in RUNGS + ('torch', 'baseline_again') if n in rows or
              any(u['name'] == n for u in result['unavailable'])]
     values = [rows[n]['value'] if n in rows else 0 for n in names]
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -222,9 +264,19 @@ def main(argv=None):
         builders['torch'] = lambda: torch_rung(paths, args, workers)
     except ImportError:
         rows.skip('torch', 'PyTorch is not installed (pip install torch)')
+    builders['baseline_again'] = builders['baseline']
+    # autotune's choices are kept across rungs and windows (keyed by shapes and
+    # structure): make them all before any window is timed, on the rung that
+    # meets every key, so no rung's windows pay for the measurements.
+    tuning = tune_first(builders.get('all'), TUNING_STEPS)
     warmup = {}
+    names = list(builders)
     for w in range(windows):
-        for name, build in builders.items():
+        # Each window starts one rung later, so no rung always runs first or
+        # right after another (a slow rung's leftovers, the order's drift).
+        shift = w % len(names)
+        for name in names[shift:] + names[:shift]:
+            build = builders[name]
             t0 = time.perf_counter()
             step, close = build()
             try:
@@ -241,14 +293,20 @@ def main(argv=None):
             '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
 
     ratios = {'{}/baseline'.format(r): rows.ratio(r, 'baseline')
-              for r in RUNGS[1:] + ('torch',)}
+              for r in RUNGS[1:] + ('torch', 'baseline_again')}
     ratios['all/torch'] = rows.ratio('all', 'torch')
     ratios['all_onednn/torch'] = rows.ratio('all_onednn', 'torch')
+    # Paired: the median over windows of one window's ratio, which cancels
+    # what drifts from window to window (the machine's load).
+    for r in RUNGS[1:] + ('torch', 'baseline_again'):
+        ratios['{}/baseline@paired'.format(r)] = paired_ratio(rows, r, 'baseline')
+    ratios['all/cpu_conv@paired'] = paired_ratio(rows, 'all', 'cpu_conv')
     diff = changed_lines()
     config = {'model': 'ResNet-50 v1.5', 'batch': args.batch, 'crop': args.crop,
               'images': n_images, 'image_sides_px': [300, 640], 'device': str(device),
               'loader_workers': workers, 'windows': windows,
               'iterations_per_window': per_window,
+              'tuning_before_the_windows': tuning,
               'warmup_seconds_first_window': warmup,
               'changed_lines_plain_to_all': len(diff), 'changed_lines': diff,
               'talk_changed_lines': 8}
@@ -262,6 +320,12 @@ def main(argv=None):
              'onednn and all_onednn: enable(onednn=True), oneDNN/PyTorch kernels that are '
              "NOT bitwise equal to Chainer's (README, 'What is the same training'); "
              'NumPy\'s BLAS on one thread while they run.',
+             'Before the windows, the "all" rung ran until autotune had decided every key '
+             '(choices are shared by the rungs): {}.'.format(tuning),
+             'baseline_again is the baseline built again (an A/A control): '
+             'baseline_again/baseline is this run\'s noise floor. Rungs take turns, each '
+             'window starting one rung later; "@paired" ratios are medians of per-window '
+             'ratios.',
              'Target on CPU: all/baseline >= 1.5.']
     result = _common.write('ladder', args, config, rows, ratios, notes)
     chart(result, os.path.join(args.results, 'ladder' + ('-quick' if args.quick else '')
