@@ -293,6 +293,12 @@ def speed_report(args, handle, meter, log, device, n_classes, world=1):
                                       else 'off: loading in the main process'))
     for name in getattr(args, 'not_available', []):
         lines.append('  {:18s} not in this version of fastchain yet'.format(name))
+    paths = report.get('cudnn', {}).get('calls')
+    if paths:
+        from fastchain.cudnn._paths import describe as describe_paths
+        lines.append('cuDNN graphs, the path each operation took (calls; reasons where not '
+                     'a graph):')
+        lines.extend('  ' + line for line in describe_paths(paths))
     choices = report.get('autotune', {}).get('choices')
     if choices:
         from fastchain.tune import describe
