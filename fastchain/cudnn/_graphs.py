@@ -65,13 +65,14 @@ def refused(key):
 class _Entry:
     """A key's graphs (one per layout tried) and the chosen (layout, plan)."""
 
-    __slots__ = ('key', 'graphs', 'chosen', 'times')
+    __slots__ = ('key', 'graphs', 'chosen', 'times', 'proven')
 
     def __init__(self, key):
         self.key = key
         self.graphs = {}        # layout -> _Graph
         self.chosen = None      # (layout, plan index)
         self.times = {}         # 'layout plan i' -> median ms (autotune)
+        self.proven = False     # a call ran to the end: later errors are real errors
 
 
 class _Graph:
@@ -216,13 +217,34 @@ def _execute(g, pack, plan, device):
     the graph's tensors to arrays: the frontend takes each one's pointer
     through DLPack (CuPy arrays on the device, NumPy arrays for the scalars
     passed by value), as it does the workspace's."""
-    _frontend.bind_stream(device)
+    handle = _frontend.bind_stream(device)
     workspace = _workspace(g, plan)
     run_plan = getattr(g.graph, 'execute_plan_at_index', None)
     if run_plan is not None:
-        run_plan(pack, workspace, plan)
+        run_plan(pack, workspace, plan, handle=handle)
     else:
         g.graph.execute(pack, workspace)
+
+
+def first_runs(entry, run):
+    """``run()`` for ``entry``; until one call of the key has run to the end,
+    an error (cuDNN refusing a plan at execution) refuses the key with the
+    error named, and the call goes to Chainer's code: raises
+    :class:`Unsupported`. Afterwards errors propagate as they are."""
+    if entry.proven:
+        return run()
+    try:
+        out = run()
+    except Exception as e:
+        reason = e.reason if isinstance(e, Unsupported) else \
+            'cuDNN could not run the {} graph ({}: {})'.format(
+                (entry.chosen or ('nchw',))[0].upper(), type(e).__name__, _first_line(e))
+        with _lock:
+            _refused[entry.key] = reason
+            _entries.pop(entry.key, None)
+        raise Unsupported(reason) from None
+    entry.proven = True
+    return out
 
 
 def _pointers(g, arrays):
@@ -255,11 +277,15 @@ def conv(key, a, b, out):
     input gradient or the weight gradient (``a``, ``b``: x and W, dy and W,
     x and dy; CuPy arrays, C-contiguous NCHW)."""
     entry = _entry(key, build_conv)
-    if entry.chosen is None:
-        entry.chosen = _choose(entry, lambda layout, plan: _run_conv_layout(
-            entry, layout, plan, a, b, out), conv_layouts=True)
-    layout, plan = entry.chosen
-    _run_conv_layout(entry, layout, plan, a, b, out)
+
+    def run():
+        if entry.chosen is None:
+            entry.chosen, wrote = _choose(entry, lambda layout, plan: _run_conv_layout(
+                entry, layout, plan, a, b, out), conv_layouts=True)
+            if wrote:       # the chosen plan's run was the last: ``out`` is its result
+                return
+        _run_conv_layout(entry, *entry.chosen, a, b, out)
+    first_runs(entry, run)
 
 
 def _tuning():
@@ -268,11 +294,22 @@ def _tuning():
 
 
 def _choose(entry, run, conv_layouts=False):
-    """(layout, plan) for a key: the heuristics' first NCHW plan, or with
-    autotune the fastest of every plan (and layout) timed, or the pick an
-    autotune cache file holds for the key (:mod:`fastchain.tune._cache`)."""
+    """((layout, plan), wrote) for a key: the first NCHW plan in the
+    heuristics' order that runs, or with autotune the fastest of every plan
+    (and layout) timed, or the pick an autotune cache file holds for the key
+    (:mod:`fastchain.tune._cache`). ``wrote``: the last run made here was the
+    chosen one's (its output is the call's)."""
     if not _tuning():
-        return 'nchw', 0
+        # The heuristics' order: the first plan that runs.
+        g, last = entry.graphs['nchw'], None
+        for plan in range(g.plans):
+            try:
+                run('nchw', plan)
+                return ('nchw', plan), True
+            except Exception as e:
+                last = e
+        raise Unsupported('cuDNN could run none of the NCHW graph\'s {} plan(s) ({}: {})'.format(
+            g.plans, type(last).__name__, _first_line(last)))
     import cupy
     from fastchain.tune import _tuner
     if conv_layouts and 'nhwc' not in entry.graphs:
@@ -285,7 +322,7 @@ def _choose(entry, run, conv_layouts=False):
     choice = _tuner.choice('cudnn_graph', entry.key, [_name(c) for c in candidates],
                            lambda: _keys.describe(entry.key))
     if choice.picked is not None:           # read from a cache file
-        return candidates[choice.names.index(choice.picked)]
+        return candidates[choice.names.index(choice.picked)], False
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     times = {}
     for layout, plan in candidates:
@@ -308,7 +345,7 @@ def _choose(entry, run, conv_layouts=False):
     with _tuner._lock:
         choice.times = {_name(c): [times[c] / 1e3] if c in times else [] for c in candidates}
         choice.picked = _name(chosen)
-    return chosen
+    return chosen, False
 
 
 def _name(candidate):

@@ -164,6 +164,9 @@ class Graph:
         return 256 * index
 
     def execute_plan_at_index(self, pack, workspace, index, handle=None):
+        self.frontend.handles.append(handle)
+        if self.frontend.fail_plans.get(self.layout, set()) & {index}:
+            raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED: plan {} cannot run".format(index))
         # The frontend takes every pointer through DLPack: device arrays,
         # and host (NumPy) arrays for the scalars passed by value.
         assert all(hasattr(a, '__dlpack__') for a in pack.values())
@@ -180,7 +183,8 @@ def frontend(clock, backend=90300):
     """A ``cudnn`` module: the names the graph backend uses."""
     m = types.ModuleType('cudnn')
     m.__version__ = '1.16.0'
-    m.graphs, m.executions, m.streams = [], [], []
+    m.graphs, m.executions, m.streams, m.handles = [], [], [], []
+    m.fail_plans = {}       # layout -> plan indices that raise when executed
     m.plan_costs = {}
     m.unsupported = set()
     m.clock = clock

@@ -507,3 +507,47 @@ def test_a_frontend_that_refuses_the_description_leaves_the_call_to_chainer(monk
         'incompatible function arguments); the cuDNN frontend could not describe the NHWC')
     assert _graphs.refused(key) == e.value.reason
     assert len(fe.graphs) == 2
+
+
+def _conv_arrays():
+    return (dev(numpy.zeros((2, 4, 6, 6), 'f')), dev(numpy.zeros((8, 4, 3, 3), 'f')),
+            dev(numpy.zeros((2, 8, 6, 6), 'f')))
+
+
+def test_a_plan_cudnn_will_not_run_is_passed_over_then_the_key_refused(monkeypatch):
+    fe = standin.install(monkeypatch)
+    monkeypatch.setattr(_tuner, 'enabled', False)
+    fe.plan_costs = {'nchw': [1.0, 1.0, 1.0]}
+    fe.fail_plans = {'nchw': {0}}
+    key = key_of('conv forward')
+    _graphs.conv(key, *_conv_arrays())
+    # Plan 0 refused at execution (tried: a handle passed), plan 1 ran once:
+    # the call's own result.
+    assert len(fe.handles) == 2 and all(h is not None for h in fe.handles)
+    assert [e[:2] for e in fe.executions] == [('nchw', 1)]
+    _graphs.conv(key, *_conv_arrays())
+    assert [e[:2] for e in fe.executions][-1] == ('nchw', 1)
+    # Every plan refused: the key goes to Chainer, with cuDNN's error named.
+    fe.fail_plans = {'nchw': {0, 1, 2}}
+    other = key_of('conv forward', dtype='e')
+    with pytest.raises(_graphs.Unsupported, match="cuDNN could run none of the NCHW graph's "
+                                                  '3 plan.s. .RuntimeError: CUDNN_STATUS_NOT_'):
+        _graphs.conv(other, *_conv_arrays())
+    assert _graphs.refused(other).startswith('cuDNN could run none')
+    # Once a key has run, an error is an error (not a quiet fallback).
+    fe.fail_plans = {'nchw': {1}}
+    with pytest.raises(RuntimeError, match='CUDNN_STATUS_NOT_SUPPORTED'):
+        _graphs.conv(key, *_conv_arrays())
+    assert _graphs.refused(key) is None
+
+
+def test_a_batchnorm_graph_that_fails_its_first_run_leaves_the_statistics_alone(monkeypatch):
+    fe = standin.install(monkeypatch)
+    fe.fail_plans = {'nchw': {0}}
+    key = bn_key('batchnorm forward')
+    x, g = dev(numpy.zeros((2, 4, 3, 3), 'f')), dev(numpy.ones(4, 'f'))
+    mean, var = dev(numpy.full(4, 5.0, 'f')), dev(numpy.full(4, 7.0, 'f'))
+    with pytest.raises(_graphs.Unsupported, match='cuDNN could not run the NCHW graph'):
+        _bn_graphs.bn_forward(key, x, g, g, mean, var, 2e-5, 0.9)
+    assert (mean == 5).all() and (var == 7).all()       # Chainer's code updates them
+    assert _graphs.refused(key).startswith('cuDNN could not run the NCHW graph')
