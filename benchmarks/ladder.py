@@ -142,6 +142,7 @@ def torch_rung(paths, args, workers):
 
 
 TUNING_STEPS = 240     # at most; the loader's count and depth take 96 with 2 workers
+STALLED = 40           # steps without a new decision that end the tuning early
 
 
 def tune_first(build, limit):
@@ -151,15 +152,20 @@ def tune_first(build, limit):
     if build is None:
         return None
     step, close = build()
-    start, steps = time.perf_counter(), 0
+    start, steps, last_progress, decided = time.perf_counter(), 0, 0, -1
     try:
         while steps < limit:
             step()
             steps += 1
             summary = tune.summary()
+            now = sum(s['decided'] for s in summary.values())
+            if now != decided:
+                decided, last_progress = now, steps
             if steps >= 8 and summary and all(s['decided'] == s['keys']
                                               for s in summary.values()):
                 break
+            if steps - last_progress >= STALLED:
+                break       # what is left is met rarely in this rung (a key of define-by-run)
     finally:
         close()
     summary = tune.summary()
