@@ -142,7 +142,8 @@ def torch_rung(paths, args, workers):
 
 
 TUNING_STEPS = 240     # at most; the loader's count and depth take 96 with 2 workers
-STALLED = 40           # steps without a new decision that end the tuning early
+STALLED = 64           # steps without a new decision that end the tuning early (a
+                       # loader turn series is 48 steps with 2 workers)
 
 
 def tune_first(build, limit):
