@@ -15,7 +15,7 @@ import numpy
 from fastchain.cudnn import _frontend
 from fastchain.cudnn._graphs import (Unsupported, _dtype, _entries, _Entry, _execute,
                                      _finish, _lock, _new_graph, _nhwc, _refused, _tensor,
-                                     builds, first_runs, guarded, strides)
+                                     builds, first_runs, guarded, is_oom, strides)
 
 
 def _param_shape(x_shape):
@@ -97,7 +97,7 @@ def _bn_entry(key):
     for layout in ('nchw', 'nhwc'):
         try:
             entry.graphs[layout] = guarded(build_bn, key, layout)
-            entry.chosen = (layout, 0)
+            entry.chosen = (layout, entry.graphs[layout].plans[0])
             break
         except Unsupported as e:
             reasons.append(e.reason)
@@ -141,6 +141,23 @@ def _run_bn(entry, arrays):
     return outputs
 
 
+def _run(entry, arrays):
+    """The chosen plan; on a key's first run, the built plans in the
+    heuristics' order until one runs (cuDNN may refuse a plan only then)."""
+    if entry.proven:
+        return _run_bn(entry, arrays)
+    layout, last = entry.chosen[0], None
+    for plan in entry.graphs[layout].plans:
+        entry.chosen = (layout, plan)
+        try:
+            return _run_bn(entry, arrays)
+        except Exception as e:
+            if is_oom(e):
+                raise
+            last = e
+    raise last
+
+
 def bn_forward(key, x, gamma, beta, running_mean, running_var, eps, decay):
     """Training forward: (y, batch mean, inverse std), the running
     statistics updated in place (Chainer's decay; cuDNN's unbiased
@@ -151,7 +168,7 @@ def bn_forward(key, x, gamma, beta, running_mean, running_var, eps, decay):
               'eps': eps, 'momentum': 1.0 - decay}
     if key.running:
         arrays.update(running_mean=running_mean.reshape(p), running_var=running_var.reshape(p))
-    out = first_runs(entry, lambda: _run_bn(entry, arrays))
+    out = first_runs(entry, lambda: _run(entry, arrays))
     if key.running:
         running_mean[...] = out['next_mean'].reshape(running_mean.shape)
         running_var[...] = out['next_var'].reshape(running_var.shape)
@@ -171,7 +188,7 @@ def bn_backward(key, x, gamma, gy, mean, inv_std):
     arrays = {'x': x, 'gy': gy, 'gamma': gamma.reshape(p),
               'mean': cupy.ascontiguousarray(mean, numpy.float32).reshape(p),
               'inv_std': cupy.ascontiguousarray(inv_std, numpy.float32).reshape(p)}
-    out = first_runs(entry, lambda: _run_bn(entry, arrays))
+    out = first_runs(entry, lambda: _run(entry, arrays))
     c = key.x_shape[1]
     return out['gx'], out['ggamma'].reshape(c), out['gbeta'].reshape(c)
 
@@ -180,7 +197,7 @@ def bn_inference(key, x, gamma, beta, mean, inv_std):
     """Inference forward from the running mean and 1/sqrt(var + eps)."""
     entry = _bn_entry(key)
     p = _param_shape(key.x_shape)
-    out = first_runs(entry, lambda: _run_bn(entry, {
+    out = first_runs(entry, lambda: _run(entry, {
         'x': x, 'gamma': gamma.reshape(p), 'beta': beta.reshape(p), 'mean': mean.reshape(p),
         'inv_std': inv_std.reshape(p)}))
     return out['y']

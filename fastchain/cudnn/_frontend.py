@@ -111,15 +111,17 @@ _handles_lock = threading.Lock()
 
 
 def handle(device_id):
-    """The cuDNN handle of a device (made once, under that device)."""
-    h = _handles.get(device_id)
+    """This thread's cuDNN handle for a device (made once, under that device;
+    cuDNN handles are not to be shared between threads)."""
+    key = (device_id, threading.get_ident())
+    h = _handles.get(key)
     if h is None:
         with _handles_lock:
-            h = _handles.get(device_id)
+            h = _handles.get(key)
             if h is None:
                 import cupy
                 with cupy.cuda.Device(device_id):
-                    h = _handles[device_id] = module().create_handle()
+                    h = _handles[key] = module().create_handle()
     return h
 
 

@@ -107,28 +107,69 @@ def _tensor(graph, cudnn, name, shape, dtype, layout='nchw'):
 
 
 def _finish(cudnn, graph, key, tensors, layout):
-    """Validate, lower, make and check the plans, build them; Unsupported
-    when no plan remains."""
+    """Validate, lower, make and filter the plans, build them (all of them
+    under autotune, else the heuristics' choice); keep the indices that
+    built (the frontend keeps deselected and failed ones in its list);
+    Unsupported when none did."""
     try:
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        notes = []
+        # fp32 accumulation as stated: no engine that converts the inputs
+        # down or reduces in a lower precision; TF32 only where asked for.
+        notes = [cudnn.numerical_note.DOWN_CONVERT_INPUTS,
+                 cudnn.numerical_note.REDUCED_PRECISION_REDUCTION]
         if isinstance(key, _keys.ConvKey) and not key.tensor_cores:
             notes.append(cudnn.numerical_note.TENSOR_CORE)
         if getattr(key, 'deterministic', False):
             notes.append(cudnn.numerical_note.NONDETERMINISTIC)
-        if notes:
-            graph.deselect_numeric_notes(notes)
+        graph.deselect_numeric_notes(notes)
+        limit = getattr(key, 'workspace', None)
+        if limit is not None and hasattr(graph, 'deselect_workspace_greater_than'):
+            graph.deselect_workspace_greater_than(limit)
         graph.check_support()
-        graph.build_plans(cudnn.build_plan_policy.ALL)
-        plans = plan_count(graph)
+        graph.build_plans(cudnn.build_plan_policy.ALL if _tuning()
+                          else cudnn.build_plan_policy.HEURISTICS_CHOICE)
+        plans = runnable(graph)
     except Exception as e:      # the frontend's errors (cudnnGraphNotSupportedError, ...)
         raise Unsupported('no cuDNN engine for {} ({}: {})'.format(
             layout.upper(), type(e).__name__, _first_line(e)))
-    if plans < 1:
+    if not plans:
         raise Unsupported('no cuDNN engine for {} (no plan built)'.format(layout.upper()))
     return _Graph(graph, tensors, plans, layout)
+
+
+def runnable(graph):
+    """Indices of the plans that built: those whose workspace the frontend
+    can tell (a deselected or unbuilt one raises there)."""
+    size_of = getattr(graph, 'get_workspace_size_plan_at_index', None)
+    if size_of is None:
+        return [0]          # frontends before 1.5: the heuristics' choice, one plan
+    out = []
+    for i in range(plan_count(graph)):
+        try:
+            size_of(i)
+        except Exception:
+            continue
+        out.append(i)
+    return out
+
+
+def plan_label(g, plan):
+    """'nchw plan 3 (engine name)': how a candidate reads in reports and in
+    a cache file (the engine's name, where the frontend gives it, so a
+    changed plan list does not reuse a stale pick)."""
+    name_of = getattr(g.graph, 'get_plan_name_at_index', None)
+    try:
+        name = name_of(plan) if name_of is not None else None
+    except Exception:
+        name = None
+    return '{} plan {}{}'.format(g.layout, plan, ' ({})'.format(name) if name else '')
+
+
+def is_oom(e):
+    """CuPy's out-of-memory: a condition of the moment, not of the key."""
+    return type(e).__name__ == 'OutOfMemoryError'
 
 
 def _first_line(e):
@@ -236,6 +277,8 @@ def first_runs(entry, run):
     try:
         out = run()
     except Exception as e:
+        if is_oom(e):
+            raise           # memory now, not the key: the next call tries again
         reason = e.reason if isinstance(e, Unsupported) else \
             'cuDNN could not run the {} graph ({}: {})'.format(
                 (entry.chosen or ('nchw',))[0].upper(), type(e).__name__, _first_line(e))
@@ -302,14 +345,16 @@ def _choose(entry, run, conv_layouts=False):
     if not _tuning():
         # The heuristics' order: the first plan that runs.
         g, last = entry.graphs['nchw'], None
-        for plan in range(g.plans):
+        for plan in g.plans:
             try:
                 run('nchw', plan)
                 return ('nchw', plan), True
             except Exception as e:
+                if is_oom(e):
+                    raise
                 last = e
         raise Unsupported('cuDNN could run none of the NCHW graph\'s {} plan(s) ({}: {})'.format(
-            g.plans, type(last).__name__, _first_line(last)))
+            len(g.plans), type(last).__name__, _first_line(last)))
     import cupy
     from fastchain.tune import _tuner
     if conv_layouts and 'nhwc' not in entry.graphs:
@@ -318,38 +363,37 @@ def _choose(entry, run, conv_layouts=False):
         except Unsupported:
             pass
     candidates = [(layout, plan) for layout, g in entry.graphs.items()
-                  for plan in range(min(g.plans, MAX_PLANS))]
-    choice = _tuner.choice('cudnn_graph', entry.key, [_name(c) for c in candidates],
-                           lambda: _keys.describe(entry.key))
+                  for plan in g.plans[:MAX_PLANS]]
+    names = [plan_label(entry.graphs[layout], plan) for layout, plan in candidates]
+    choice = _tuner.choice('cudnn_graph', entry.key, names, lambda: _keys.describe(entry.key))
     if choice.picked is not None:           # read from a cache file
-        return candidates[choice.names.index(choice.picked)], False
+        return candidates[names.index(choice.picked)], False
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     times = {}
-    for layout, plan in candidates:
+    for candidate in candidates:
         try:
-            run(layout, plan)               # warm: first-call costs, caches
-        except Exception:
+            run(*candidate)                 # warm: first-call costs, caches
+            trials = []
+            for _ in range(TRIALS):
+                start.record()
+                run(*candidate)
+                end.record()
+                end.synchronize()
+                trials.append(cupy.cuda.get_elapsed_time(start, end))
+        except Exception as e:
+            if is_oom(e):
+                raise
             continue                        # a plan that fails to run is not a candidate
-        trials = []
-        for _ in range(TRIALS):
-            start.record()
-            run(layout, plan)
-            end.record()
-            end.synchronize()
-            trials.append(cupy.cuda.get_elapsed_time(start, end))
-        times[(layout, plan)] = statistics.median(trials)
+        times[candidate] = statistics.median(trials)
     if not times:
         raise Unsupported('no cuDNN plan ran for this key')
-    chosen = min(times, key=lambda c: (times[c], c != ('nchw', 0)))
-    entry.times = {_name(c): round(t, 4) for c, t in times.items()}
+    chosen = min(times, key=lambda c: (times[c], candidates.index(c)))
+    label = dict(zip(candidates, names))
+    entry.times = {label[c]: round(t, 4) for c, t in times.items()}
     with _tuner._lock:
-        choice.times = {_name(c): [times[c] / 1e3] if c in times else [] for c in candidates}
-        choice.picked = _name(chosen)
+        choice.times = {label[c]: [times[c] / 1e3] if c in times else [] for c in candidates}
+        choice.picked = label[chosen]
     return chosen, False
-
-
-def _name(candidate):
-    return '{} plan {}'.format(*candidate)
 
 
 def forget():

@@ -25,7 +25,7 @@ DTYPES = (numpy.dtype(numpy.float16), numpy.dtype(numpy.float32))
 
 ConvKey = collections.namedtuple('ConvKey', (
     'op', 'x_shape', 'w_shape', 'y_shape', 'dtype', 'stride', 'pad', 'dilation',
-    'groups', 'tensor_cores', 'deterministic', 'device'))
+    'groups', 'tensor_cores', 'deterministic', 'device', 'workspace'))
 
 BNKey = collections.namedtuple('BNKey', (
     'op', 'x_shape', 'dtype', 'param_dtype', 'eps', 'running', 'device'))
@@ -68,7 +68,19 @@ def conv_refusal(op, node, arrays, w_dtype=None):
         return '{} (the graphs take float16 and float32)'.format(dtype.name)
     if any(not a.flags.c_contiguous for a in arrays):
         return 'a non-contiguous input'
+    if not aligned(*arrays):
+        return 'an input not 16-byte aligned (a view into another array)'
     return None
+
+
+def aligned(*arrays):
+    """Device pointers on 16 bytes, as cuDNN's tensors are described (a
+    view at an offset, ``x[1:]``, may not be); arrays without one pass."""
+    for a in arrays:
+        ptr = getattr(getattr(a, 'data', None), 'ptr', None)
+        if a is not None and isinstance(ptr, int) and ptr % 16:
+            return False
+    return True
 
 
 def tensor_cores_allowed(dtype, setting):
@@ -81,11 +93,14 @@ def tensor_cores_allowed(dtype, setting):
 
 
 def conv_key(op, node, x_shape, w_shape, y_shape, dtype, tensor_cores, deterministic,
-             device):
+             device, workspace=None):
+    """``workspace``: the most bytes a plan may take (Chainer's
+    ``max_workspace_size``, which ``enable(workspace_size=...)`` sets)."""
     stride, pad, dilation = conv_geometry(node)
     return ConvKey(op, tuple(x_shape), tuple(w_shape), tuple(y_shape),
                    numpy.dtype(dtype).name, stride, pad, dilation, int(node.groups),
-                   bool(tensor_cores), bool(deterministic), int(device))
+                   bool(tensor_cores), bool(deterministic), int(device),
+                   None if workspace is None else int(workspace))
 
 
 def bn_refusal(x, gamma, axis, layouts=None, running=(None, None)):
@@ -103,6 +118,8 @@ def bn_refusal(x, gamma, axis, layouts=None, running=(None, None)):
         return 'gamma is {} and x {}'.format(gamma.dtype.name, x.dtype.name)
     if not x.flags.c_contiguous:
         return 'a non-contiguous input'
+    if not aligned(x, gamma, *running):
+        return 'an input not 16-byte aligned (a view into another array)'
     if x.size // max(1, gamma.size) < 2:
         return 'one value per channel (the variance of one value)'
     mean, var = running

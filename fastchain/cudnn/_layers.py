@@ -67,9 +67,11 @@ def _run_conv(op, node, key, a, b, out):
 
 def _key(op, node, x_shape, w_shape, y_shape, dtype, device):
     config = chainer.config
+    from chainer.backends import cuda as chainer_cuda
     return _keys.conv_key(op, node, x_shape, w_shape, y_shape, dtype,
                           _keys.tensor_cores_allowed(dtype, config.use_cudnn_tensor_core),
-                          config.cudnn_deterministic, device)
+                          config.cudnn_deterministic, device,
+                          chainer_cuda.get_max_workspace_size())
 
 
 def forward_layer(next_, node, inputs):

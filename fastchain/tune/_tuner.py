@@ -236,7 +236,8 @@ def summary():
             s['from_cache'] += c.cached
             s['picked'][c.picked] = s['picked'].get(c.picked, 0) + 1
             for n, t in c.times.items():
-                s['ms'][n] = round(s['ms'].get(n, 0.0) + statistics.median(t) * 1e3, 3)
+                if t:       # an alternative that could not run has no time
+                    s['ms'][n] = round(s['ms'].get(n, 0.0) + statistics.median(t) * 1e3, 3)
     return out
 
 

@@ -149,6 +149,9 @@ class Graph:
     def deselect_numeric_notes(self, notes):
         self.deselected += list(notes)
 
+    def deselect_workspace_greater_than(self, limit):
+        self.workspace_limit = limit
+
     def check_support(self):
         self.steps.append('check_support')
         if self.layout in self.frontend.unsupported:
@@ -161,11 +164,16 @@ class Graph:
         return len(self.frontend.plan_costs.get(self.layout, [1.0]))
 
     def get_workspace_size_plan_at_index(self, index):
+        # As frontend 1.32: deselected and unbuilt plans stay in the list and
+        # fail here (and when executed).
+        if index in self.frontend.dead.get(self.layout, ()):
+            raise RuntimeError('plan {} is not executable'.format(index))
         return 256 * index
 
     def execute_plan_at_index(self, pack, workspace, index, handle=None):
         self.frontend.handles.append(handle)
-        if self.frontend.fail_plans.get(self.layout, set()) & {index}:
+        if (self.frontend.fail_plans.get(self.layout, set())
+                | self.frontend.dead.get(self.layout, set())) & {index}:
             raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED: plan {} cannot run".format(index))
         # The frontend takes every pointer through DLPack: device arrays,
         # and host (NumPy) arrays for the scalars passed by value.
@@ -185,14 +193,17 @@ def frontend(clock, backend=90300):
     m.__version__ = '1.16.0'
     m.graphs, m.executions, m.streams, m.handles = [], [], [], []
     m.fail_plans = {}       # layout -> plan indices that raise when executed
+    m.dead = {}             # layout -> plan indices kept in the list but never built
     m.plan_costs = {}
     m.unsupported = set()
     m.clock = clock
     m.data_type = types.SimpleNamespace(HALF='HALF', FLOAT='FLOAT', BFLOAT16='BFLOAT16')
     m.heur_mode = types.SimpleNamespace(A='A', B='B', FALLBACK='FALLBACK')
     m.build_plan_policy = types.SimpleNamespace(ALL='ALL', HEURISTICS_CHOICE='HEURISTICS')
-    m.numerical_note = types.SimpleNamespace(TENSOR_CORE='TENSOR_CORE',
-                                             NONDETERMINISTIC='NONDETERMINISTIC')
+    m.numerical_note = types.SimpleNamespace(
+        TENSOR_CORE='TENSOR_CORE', NONDETERMINISTIC='NONDETERMINISTIC',
+        DOWN_CONVERT_INPUTS='DOWN_CONVERT_INPUTS',
+        REDUCED_PRECISION_REDUCTION='REDUCED_PRECISION_REDUCTION')
     m.backend_version = (lambda: backend) if not callable(backend) else backend
     m.create_handle = lambda: object()
     m.set_stream = lambda handle, stream: m.streams.append(stream)

@@ -48,6 +48,14 @@ def test_convolution_graphs_are_described_through_the_frontend(described, op, ou
                          False, 0)
     g = _graphs.build_conv(key, layout)
     t = g.tensors['out']
+    # Each tensor at the port the frontend's node has for it.
+    (node,) = g.graph.nodes
+    ports = {'conv forward': (('image', 'a'), ('weight', 'b'), 'Y'),
+             'conv input gradient': (('loss', 'a'), ('filter', 'b'), 'DX'),
+             'conv weight gradient': (('image', 'a'), ('loss', 'b'), 'DW')}[op]
+    for port, name in ports[:2]:
+        assert node.inputs[port] is g.tensors[name], port
+    assert node.outputs[ports[2]] is t
     assert list(t.dim) == out
     assert list(t.stride) == _graphs.strides(out, layout)
     assert t.data_type == (cudnn.data_type.HALF if dtype == 'float16' else cudnn.data_type.FLOAT)
@@ -67,6 +75,27 @@ def test_batchnorm_graphs_are_described_through_the_frontend(described, op, outp
     if op == 'batchnorm forward' and running:
         outputs = outputs | {'next_mean', 'next_var'}
     assert outputs <= set(g.tensors)
+    (node,) = g.graph.nodes
+    inputs = {'batchnorm forward': {'input': 'x', 'scale': 'gamma', 'bias': 'beta',
+                                    'epsilon': 'eps', 'momentum': 'momentum'},
+              'batchnorm backward': {'grad': 'gy', 'input': 'x', 'scale': 'gamma',
+                                     'mean': 'mean', 'inv_variance': 'inv_std'},
+              'batchnorm inference': {'input': 'x', 'mean': 'mean', 'inv_variance': 'inv_std',
+                                      'scale': 'gamma', 'bias': 'beta'}}[op]
+    if op == 'batchnorm forward' and running:
+        inputs.update(in_running_mean='running_mean', in_running_var='running_var')
+    ports = {'batchnorm forward': {'Y': 'y', 'mean': 'mean', 'inv_var': 'inv_std',
+                                   'next_running_mean': 'next_mean',
+                                   'next_running_var': 'next_var'},
+             'batchnorm backward': {'DX': 'gx', 'DScale': 'ggamma', 'DBias': 'gbeta'},
+             'batchnorm inference': {'Y': 'y'}}[op]
+    for port, name in inputs.items():
+        assert node.inputs[port] is g.tensors[name], port
+    for port, name in ports.items():
+        if name in g.tensors:
+            assert node.outputs[port] is g.tensors[name], port
+    if op == 'batchnorm forward':
+        assert node.inputs['epsilon'].is_pass_by_value and node.inputs['momentum'].is_pass_by_value
     assert ('next_mean' in g.tensors) == (op == 'batchnorm forward' and running)
     for name in outputs:
         assert g.tensors[name].dim[1] == 8

@@ -185,16 +185,19 @@ def test_each_convolution_graph_is_told_its_geometry(monkeypatch, op, method, in
     assert kwargs['dilation'] == [1, 1] and kwargs['compute_data_type'] == 'FLOAT'
     assert g.tensors['out'].dim == out and g.tensors['out'].output
     assert g.tensors['out'].stride == _graphs.strides(out, 'nchw')
-    assert graph.deselected == []           # float16: TensorCores allowed
-    assert graph.steps[-1] == ('build_plans', 'ALL')
+    # float16: TensorCores allowed; never inputs converted down or reductions
+    # in a lower precision (fp32 accumulation as stated).
+    assert graph.deselected == ['DOWN_CONVERT_INPUTS', 'REDUCED_PRECISION_REDUCTION']
+    # Without autotune the heuristics' choice is built (every plan: with it).
+    assert graph.steps[-1] == ('build_plans', 'HEURISTICS')
 
 
 def test_float32_excludes_tensor_core_engines_and_deterministic_the_others(monkeypatch):
     fe = standin.install(monkeypatch)
     _graphs.build_conv(key_of('conv forward', deterministic=True))
-    assert fe.graphs[0].deselected == ['TENSOR_CORE', 'NONDETERMINISTIC']
+    assert fe.graphs[0].deselected[2:] == ['TENSOR_CORE', 'NONDETERMINISTIC']
     _graphs.build_conv(key_of('conv forward', tensor_cores=True), 'nhwc')
-    assert fe.graphs[1].deselected == []
+    assert fe.graphs[1].deselected[2:] == []
     assert fe.graphs[1].tensors[0].stride == [6 * 6 * 4, 1, 6 * 4, 4]     # NHWC strides
 
 
@@ -539,6 +542,71 @@ def test_a_plan_cudnn_will_not_run_is_passed_over_then_the_key_refused(monkeypat
     with pytest.raises(RuntimeError, match='CUDNN_STATUS_NOT_SUPPORTED'):
         _graphs.conv(key, *_conv_arrays())
     assert _graphs.refused(key) is None
+
+
+def test_plans_the_frontend_keeps_but_never_built_are_no_candidates(monkeypatch):
+    """Frontend 1.32 keeps deselected and unbuilt plans in its list; they
+    are skipped, a plan failing under autotune is no candidate, and the
+    reports work with the alternatives that could not run."""
+    fe = standin.install(monkeypatch)
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    fe.plan_costs = {'nchw': [1.0, 5.0, 2.0, 3.0]}
+    fe.dead = {'nchw': {0}}
+    fe.fail_plans = {'nchw': {2}}
+    fe.unsupported.add('nhwc')
+    key = key_of('conv forward')
+    _graphs.conv(key, *_conv_arrays())
+    runs = [e[:2] for e in fe.executions]
+    assert ('nchw', 0) not in runs and runs[-1] == ('nchw', 3)
+    (choice,) = _tuner.choices('cudnn_graph')
+    assert choice['picked'] == 'nchw plan 3'
+    assert choice['median_ms'] == {'nchw plan 1': 5.0, 'nchw plan 2': None, 'nchw plan 3': 3.0}
+    summary = _tuner.summary()['cudnn_graph']           # no median of nothing
+    assert summary['ms'] == {'nchw plan 1': 5.0, 'nchw plan 2': 0.0, 'nchw plan 3': 3.0}
+    assert _tuner.decided()[('cudnn_graph', repr(key))]['median_ms']['nchw plan 2'] is None
+
+
+def test_an_unaligned_view_stays_chainers_and_out_of_memory_is_not_a_refusal(monkeypatch):
+    standin.install(monkeypatch)
+    node = conv_node(pad=1)
+    x = dev(numpy.zeros((3, 1, 1, 3), 'e'))[1:]        # 6 bytes into the array
+    W = dev(numpy.zeros((2, 1, 1, 1), 'e'))
+    assert x.flags.c_contiguous and x.data.ptr % 16
+    assert _keys.conv_refusal('conv forward', node, (x, W)).startswith(
+        'an input not 16-byte aligned')
+
+    class OutOfMemoryError(Exception):
+        pass
+
+    def no_memory(*args, **kwargs):
+        raise OutOfMemoryError('out of memory allocating 1 GiB')
+    key = key_of('conv forward')
+    monkeypatch.setattr(standin.Graph, 'execute_plan_at_index', no_memory)
+    with pytest.raises(OutOfMemoryError):
+        _graphs.conv(key, *_conv_arrays())
+    assert _graphs.refused(key) is None             # the next call tries again
+
+
+def test_plans_over_chainers_workspace_size_are_deselected(monkeypatch):
+    fe = standin.install(monkeypatch)
+    node = conv_node(pad=1)
+    key = _keys.conv_key('conv forward', node, (2, 4, 6, 6), (8, 4, 3, 3), (2, 8, 6, 6), 'f',
+                         False, False, 0, workspace=8 << 20)
+    _graphs.build_conv(key)
+    assert fe.graphs[0].workspace_limit == 8 << 20
+    assert key != key._replace(workspace=512 << 20)     # another limit, another graph
+
+
+def test_a_batchnorm_graph_whose_first_plan_cudnn_refuses_runs_the_next(monkeypatch):
+    fe = standin.install(monkeypatch)
+    fe.plan_costs = {'nchw': [1.0, 1.0]}
+    fe.fail_plans = {'nchw': {0}}
+    key = bn_key('batchnorm forward')
+    x, g = dev(numpy.zeros((2, 4, 3, 3), 'f')), dev(numpy.ones(4, 'f'))
+    _bn_graphs.bn_forward(key, x, g, g, g.copy(), g.copy(), 2e-5, 0.9)
+    assert [e[:2] for e in fe.executions] == [('nchw', 1)]
+    _bn_graphs.bn_forward(key, x, g, g, g.copy(), g.copy(), 2e-5, 0.9)
+    assert [e[:2] for e in fe.executions][-1] == ('nchw', 1)
 
 
 def test_a_batchnorm_graph_that_fails_its_first_run_leaves_the_statistics_alone(monkeypatch):

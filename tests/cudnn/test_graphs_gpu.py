@@ -155,7 +155,14 @@ def test_batchnorm_graphs_match_chainer(graphs, case):
         fixed = F.fixed_batch_normalization(x, gamma, beta, mean, var).array
         return y.array, xv.grad, gv.grad, bv.grad, mean, var, fixed
 
+    from fastchain.cudnn import _paths
+    before = _paths.summary()
     got = _graph(run)
+    after = _paths.summary()
+    for op in ('batchnorm forward', 'batchnorm backward', 'batchnorm inference'):
+        taken = after.get(op, {'paths': {}})['paths'].get('graph', 0) - \
+            before.get(op, {'paths': {}})['paths'].get('graph', 0)
+        assert taken == 1, (op, after.get(op))      # else both sides were Chainer's
     want = _chainer(run)
     names = ('y', 'gx', 'ggamma', 'gbeta', 'running mean', 'running var', 'inference y')
     for name, g, w in zip(names, got, want):
@@ -169,8 +176,42 @@ def test_each_key_is_built_once(graphs):
     from fastchain.cudnn import _graphs
     x = cupy.ones((2, 3, 8, 8), 'f')
     W = cupy.ones((4, 3, 3, 3), 'f')
+    from fastchain.cudnn import _paths
     _graph(lambda: F.convolution_2d(x, W, pad=1))
     built = dict(_graphs.builds)
+    graph_calls = _paths.summary()['conv forward']['paths'].get('graph', 0)
     for _ in range(3):
         _graph(lambda: F.convolution_2d(x, W, pad=1))
     assert dict(_graphs.builds) == built
+    assert _paths.summary()['conv forward']['paths']['graph'] == graph_calls + 3
+
+
+@pytest.mark.parametrize('case', list(conv_cases(8, seed=2028)),
+                         ids=lambda c: 'a{seed}'.format(**c))
+def test_autotuned_plans_match_im2col_and_are_reported(graphs, case):
+    """With autotune every plan (and the NHWC copies) is timed on a key's
+    first call; the call's result is the kept plan's, within the tolerance,
+    and the choice is in the handle's report."""
+    import cupy
+    import fastchain
+    from fastchain.tune import _tuner
+    c = case
+    if c['dilate'] * (c['kernel'] - 1) + 1 > c['size'] + 2 * c['pad']:
+        return
+    rng = numpy.random.RandomState(c['seed'])
+    C, K = c['c_per_group'] * c['groups'], c['k_per_group'] * c['groups']
+    x = cupy.asarray(rng.uniform(-1, 1, (c['n'], C, c['size'], c['size'])).astype(c['dtype']))
+    W = cupy.asarray(rng.uniform(-1, 1, (K, c['c_per_group'], c['kernel'],
+                                         c['kernel'])).astype(c['dtype']))
+    kw = dict(stride=c['stride'], pad=c['pad'], dilate=c['dilate'], groups=c['groups'])
+    with fastchain.enable(autotune=True) as h:
+        first = _graph(lambda: F.convolution_2d(x, W, **kw).array)
+        second = _graph(lambda: F.convolution_2d(x, W, **kw).array)
+        report = h.report()['autotune']['choices'].get('cudnn_graph')
+    assert report is not None and report['decided'] >= 1
+    assert any(ch['picked'] for ch in _tuner.choices('cudnn_graph'))
+    want = _chainer(lambda: F.convolution_2d(x, W, **kw).array)
+    scale = _chainer(lambda: F.convolution_2d(abs(x), abs(W), **kw).array)
+    _within('autotuned forward, first call', first, want, scale, CONV_TOL[c['dtype']],
+            c['dtype'])
+    assert bool((first == second).all())         # the kept plan from the first call on
