@@ -39,6 +39,7 @@ import threading
 import numpy
 
 from fastchain.cudnn import _frontend, _keys
+from fastchain.cudnn._plans import is_oom, plan_label, runnable  # noqa: F401 (is_oom: _bn_graphs)
 
 TRIALS = 3
 MAX_PLANS = 16
@@ -139,39 +140,6 @@ def _finish(cudnn, graph, key, tensors, layout):
     return _Graph(graph, tensors, plans, layout)
 
 
-def runnable(graph):
-    """Indices of the plans that built: those whose workspace the frontend
-    can tell (a deselected or unbuilt one raises there)."""
-    size_of = getattr(graph, 'get_workspace_size_plan_at_index', None)
-    if size_of is None:
-        return [0]          # frontends before 1.5: the heuristics' choice, one plan
-    out = []
-    for i in range(plan_count(graph)):
-        try:
-            size_of(i)
-        except Exception:
-            continue
-        out.append(i)
-    return out
-
-
-def plan_label(g, plan):
-    """'nchw plan 3 (engine name)': how a candidate reads in reports and in
-    a cache file (the engine's name, where the frontend gives it, so a
-    changed plan list does not reuse a stale pick)."""
-    name_of = getattr(g.graph, 'get_plan_name_at_index', None)
-    try:
-        name = name_of(plan) if name_of is not None else None
-    except Exception:
-        name = None
-    return '{} plan {}{}'.format(g.layout, plan, ' ({})'.format(name) if name else '')
-
-
-def is_oom(e):
-    """CuPy's out-of-memory: a condition of the moment, not of the key."""
-    return type(e).__name__ == 'OutOfMemoryError'
-
-
 def _first_line(e):
     text = str(e).strip()
     return text.splitlines()[0] if text else ''
@@ -237,13 +205,6 @@ def _entry(key, builder):
         raise
     _entries[key] = entry
     return entry
-
-
-def plan_count(graph):
-    """Plans built (frontends before 1.5 have no per-plan calls: one, the
-    heuristics' choice)."""
-    count = getattr(graph, 'get_execution_plan_count', None)
-    return count() if count is not None else 1
 
 
 def _workspace(graph, plan):
