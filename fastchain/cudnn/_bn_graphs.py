@@ -13,9 +13,8 @@ bound; the choice that matters is the layout).
 import numpy
 
 from fastchain.cudnn import _frontend
-from fastchain.cudnn._graphs import (Unsupported, _dtype, _entries, _Entry, _execute,
-                                     _finish, _lock, _new_graph, _nhwc, _refused, _tensor,
-                                     builds, first_runs, guarded, is_oom, strides)
+from fastchain.cudnn._graphs import (_dtype, _entry, _execute, _finish, _lock, _new_graph,
+                                     _nhwc, _tensor, builds, first_runs, is_oom, strides)
 
 
 def _param_shape(x_shape):
@@ -85,26 +84,11 @@ def build_bn(key, layout='nchw'):
 
 def _bn_entry(key):
     """BatchNormalization: NCHW where cuDNN has an engine for it, else the
-    NHWC graph on channels-last copies."""
-    entry = _entries.get(key)
-    if entry is not None:
-        return entry
-    reason = _refused.get(key)
-    if reason is not None:
-        raise Unsupported(reason)
-    entry = _Entry(key)
-    reasons = []
-    for layout in ('nchw', 'nhwc'):
-        try:
-            entry.graphs[layout] = guarded(build_bn, key, layout)
-            entry.chosen = (layout, entry.graphs[layout].plans[0])
-            break
-        except Unsupported as e:
-            reasons.append(e.reason)
+    NHWC graph on channels-last copies; its first built plan to start with."""
+    entry = _entry(key, build_bn, ('nchw', 'nhwc'))
     if entry.chosen is None:
-        _refused[key] = '; '.join(reasons)
-        raise Unsupported(_refused[key])
-    _entries[key] = entry
+        (layout, g), = entry.graphs.items()
+        entry.chosen = (layout, g.plans[0])
     return entry
 
 

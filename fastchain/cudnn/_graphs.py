@@ -190,19 +190,26 @@ def guarded(builder, key, layout):
             layout.upper(), type(e).__name__, _first_line(e)))
 
 
-def _entry(key, builder):
+def _entry(key, builder, layouts=('nchw',)):
+    """The key's entry, its graph built on first use in the first of
+    ``layouts`` cuDNN has an engine for; a key none builds for is refused
+    (every layout's reason kept) and raises :class:`Unsupported`."""
     entry = _entries.get(key)
     if entry is not None:
         return entry
     reason = _refused.get(key)
     if reason is not None:
         raise Unsupported(reason)
-    entry = _Entry(key)
-    try:
-        entry.graphs['nchw'] = guarded(builder, key, 'nchw')
-    except Unsupported as e:
-        _refused[key] = e.reason
-        raise
+    entry, reasons = _Entry(key), []
+    for layout in layouts:
+        try:
+            entry.graphs[layout] = guarded(builder, key, layout)
+            break
+        except Unsupported as e:
+            reasons.append(e.reason)
+    if not entry.graphs:
+        _refused[key] = '; '.join(reasons)
+        raise Unsupported(_refused[key])
     _entries[key] = entry
     return entry
 

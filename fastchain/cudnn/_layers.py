@@ -31,6 +31,7 @@ from chainer.functions.connection import deconvolution_2d as _deconv2d
 from chainer.functions.normalization import batch_normalization as _bn
 from chainer.utils import conv as _conv_utils
 
+from fastchain._fixed_bn import keep_for_backward
 from fastchain.cudnn import _bn_graphs, _graphs, _keys, _paths
 
 
@@ -43,11 +44,27 @@ def _device_id(array):
     return array.device.id
 
 
-def _conv_path(op, node, arrays, w_dtype=None):
-    """None where the call takes a graph, else the reason it does not."""
-    if _setting() == 'never':
-        return "use_cudnn='never'"
-    return _keys.conv_refusal(op, node, arrays, w_dtype)
+def _left_to_chainer(op, node, arrays, w_dtype=None):
+    """The reason the call does not take a graph (counted), or None."""
+    reason = "use_cudnn='never'" if _setting() == 'never' else \
+        _keys.conv_refusal(op, node, arrays, w_dtype)
+    if reason is not None:
+        _paths.record(op, 'chainer', reason)
+    return reason
+
+
+def _through_graph(next_, node, inputs, op, a, b, out, key_shapes, bias=None):
+    """``out`` from the graph of the call's key (``key_shapes``: x, W, y in
+    the forward convolution's terms), Chainer's inputs retained as its
+    ``forward_gpu`` does and the bias added as Chainer adds it; Chainer's
+    code where cuDNN has no plan for the key."""
+    key = _key(op, node, *key_shapes, a.dtype, _device_id(a))
+    if not _run_conv(op, node, key, a, b, out):
+        return next_(node, inputs)
+    node.retain_inputs((0, 1))
+    if bias is not None:
+        out += bias.reshape(1, bias.size, 1, 1)
+    return out,
 
 
 def _run_conv(op, node, key, a, b, out):
@@ -78,9 +95,8 @@ def forward_layer(next_, node, inputs):
     """``Convolution2DFunction.forward_gpu``."""
     x, W = inputs[:2]
     b = inputs[2] if len(inputs) == 3 else None
-    reason = _conv_path('conv forward', node, (x, W))
-    if reason is not None:
-        _paths.record('conv forward', 'chainer', reason)
+    op = 'conv forward'
+    if _left_to_chainer(op, node, (x, W)) is not None:
         return next_(node, inputs)
     import cupy
     n, _, h, w = x.shape
@@ -88,16 +104,10 @@ def forward_layer(next_, node, inputs):
     out_h = _conv_utils.get_conv_outsize(h, kh, node.sy, node.ph, d=node.dy)
     out_w = _conv_utils.get_conv_outsize(w, kw, node.sx, node.pw, d=node.dx)
     if out_h <= 0 or out_w <= 0:
-        _paths.record('conv forward', 'chainer', 'an empty output')
+        _paths.record(op, 'chainer', 'an empty output')
         return next_(node, inputs)
     y = cupy.empty((n, out_c, out_h, out_w), dtype=x.dtype)
-    key = _key('conv forward', node, x.shape, W.shape, y.shape, x.dtype, _device_id(x))
-    if not _run_conv('conv forward', node, key, x, W, y):
-        return next_(node, inputs)
-    node.retain_inputs((0, 1))
-    if b is not None:
-        y += b.reshape(1, b.size, 1, 1)
-    return y,
+    return _through_graph(next_, node, inputs, op, x, W, y, (x.shape, W.shape, y.shape), b)
 
 
 def input_gradient_layer(next_, node, inputs):
@@ -110,40 +120,25 @@ def input_gradient_layer(next_, node, inputs):
     node._set_cover_all(x.shape, W.shape)
     # An outsize the convolution would not map back onto x sets cover_all
     # (Chainer's _set_cover_all), which the graphs refuse.
-    reason = _conv_path(op, node, (x, W))
-    if reason is not None:
-        _paths.record(op, 'chainer', reason)
+    if _left_to_chainer(op, node, (x, W)) is not None:
         return next_(node, inputs)
     import cupy
-    n = x.shape[0]
-    c = W.shape[1] * node.groups
-    y = cupy.empty((n, c, node.outh, node.outw), dtype=x.dtype)
+    y = cupy.empty((x.shape[0], W.shape[1] * node.groups, node.outh, node.outw),
+                   dtype=x.dtype)
     # The key in the forward convolution's terms: its x is our output.
-    key = _key(op, node, y.shape, W.shape, x.shape, x.dtype, _device_id(x))
-    if not _run_conv(op, node, key, x, W, y):
-        return next_(node, inputs)
-    node.retain_inputs((0, 1))
-    if b is not None:
-        y += b.reshape(1, b.size, 1, 1)
-    return y,
+    return _through_graph(next_, node, inputs, op, x, W, y, (y.shape, W.shape, x.shape), b)
 
 
 def weight_gradient_layer(next_, node, inputs):
     """``Convolution2DGradW.forward_gpu``."""
     x, gy = inputs
     op = 'conv weight gradient'
-    reason = _conv_path(op, node, (x, gy), node.W_dtype)
-    if reason is not None:
-        _paths.record(op, 'chainer', reason)
+    if _left_to_chainer(op, node, (x, gy), node.W_dtype) is not None:
         return next_(node, inputs)
     import cupy
     w_shape = (gy.shape[1], x.shape[1] // node.groups, node.kh, node.kw)
     gW = cupy.empty(w_shape, dtype=node.W_dtype)
-    key = _key(op, node, x.shape, w_shape, gy.shape, x.dtype, _device_id(x))
-    if not _run_conv(op, node, key, x, gy, gW):
-        return next_(node, inputs)
-    node.retain_inputs((0, 1))
-    return gW,
+    return _through_graph(next_, node, inputs, op, x, gy, gW, (x.shape, w_shape, gy.shape))
 
 
 def conv_functions():
@@ -255,13 +250,7 @@ def inference_layer(next_, node, inputs):
     if reason is not None:
         _paths.record(op, 'chainer', reason)
         return next_(node, inputs)
-    import cupy
-    # What Chainer's forward keeps for its backward, computed as it does.
-    node.retain_inputs((0, 1, 3, 4))
-    node.axis, node.key_axis = axis, (1,)
-    node.expander = (None, slice(None)) + (None,) * (x.ndim - 2)
-    node.inv_var = cupy.reciprocal(var + node.eps)
-    node.inv_std = cupy.sqrt(node.inv_var, dtype=node.inv_var.dtype)
+    keep_for_backward(node, x, var, axis)
     try:
         y = _bn_graphs.bn_inference(key, x, gamma, beta, mean, node.inv_std)
     except _graphs.Unsupported as e:

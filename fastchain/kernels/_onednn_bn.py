@@ -19,6 +19,7 @@ import numpy
 
 from chainer.functions.normalization import batch_normalization as _bn
 
+from fastchain._fixed_bn import keep_for_backward
 from fastchain.kernels import _onednn
 
 
@@ -94,12 +95,7 @@ def inference_layer(next_, node, inputs):
             and mean.ndim == 1 and var.ndim == 1):
         return next_(node, inputs)
 
-    # What Chainer's forward keeps for its backward, computed as it does.
-    node.retain_inputs((0, 1, 3, 4))
-    node.axis, node.key_axis = axis, (1,)
-    node.expander = (None, slice(None)) + (None,) * (x.ndim - 2)
-    node.inv_var = numpy.reciprocal(var + node.eps)
-    node.inv_std = numpy.sqrt(node.inv_var, dtype=node.inv_var.dtype)
+    keep_for_backward(node, x, var, axis)
     torch = _onednn._module()
     _onednn._count('batch normalization inference')
     y, _, _ = torch.native_batch_norm(
