@@ -39,6 +39,7 @@ baseline's, ``RUNG/baseline@paired`` the median of the per-window ratios.
 Writes JSON, a Markdown table and a PNG bar chart.
 """
 
+import argparse
 import difflib
 import os
 import statistics
@@ -51,6 +52,7 @@ import numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common  # noqa: E402
+import _turns  # noqa: E402
 from _images import list_pairs, torch_dataset  # noqa: E402
 from ladder_scripts import plain, with_fastchain  # noqa: E402
 
@@ -141,6 +143,10 @@ def torch_rung(paths, args, workers):
     return step, lambda: None
 
 
+WARMUP_ITERATIONS = 4  # worker start, first calls, the cached schedule's build and replays
+TURN_SETTLE = 1        # untimed steps at the start of a turn (caches the others evicted)
+TURN_STEPS = 4         # timed steps of a turn
+BUILD_TIMEOUT = 1200   # seconds for a rung's process to build, warm up and tune
 TUNING_STEPS = 240     # at most; the loader's count and depth take 96 with 2 workers
 STALLED = 64           # steps without a new decision that end the tuning early (a
                        # loader turn series is 48 steps with 2 workers)
@@ -149,26 +155,32 @@ STALLED = 64           # steps without a new decision that end the tuning early 
 def tune_first(build, limit):
     """Runs the "all" rung until autotune has decided every key it met (or
     ``limit`` steps); returns the steps and seconds it took, for the record."""
-    from fastchain import tune
     if build is None:
         return None
     step, close = build()
-    start, steps, last_progress, decided = time.perf_counter(), 0, 0, -1
     try:
-        while steps < limit:
-            step()
-            steps += 1
-            summary = tune.summary()
-            now = sum(s['decided'] for s in summary.values())
-            if now != decided:
-                decided, last_progress = now, steps
-            if steps >= 8 and summary and all(s['decided'] == s['keys']
-                                              for s in summary.values()):
-                break
-            if steps - last_progress >= STALLED:
-                break       # what is left is met rarely in this rung (a key of define-by-run)
+        return settle_tuning(step, limit)
     finally:
         close()
+
+
+def settle_tuning(step, limit):
+    """Steps until autotune has decided every key met so far (at least 8
+    steps, at most ``limit``, or ``STALLED`` steps without a new decision);
+    what it took and what stayed undecided."""
+    from fastchain import tune
+    start, steps, last_progress, decided = time.perf_counter(), 0, 0, -1
+    while steps < limit:
+        step()
+        steps += 1
+        summary = tune.summary()
+        now = sum(s['decided'] for s in summary.values())
+        if now != decided:
+            decided, last_progress = now, steps
+        if steps >= 8 and summary and all(s['decided'] == s['keys'] for s in summary.values()):
+            break
+        if steps - last_progress >= STALLED:
+            break       # what is left is met rarely in this rung (a key of define-by-run)
     summary = tune.summary()
     return {'steps': steps, 'seconds': round(time.perf_counter() - start, 1),
             'undecided': {k: s['keys'] - s['decided'] for k, s in summary.items()
@@ -211,7 +223,12 @@ def chart(result, path):
     plt.close(fig)
 
 
-def main(argv=None):
+SKIP_FP16 = ('fp16 is a GPU rung: NumPy runs float16 matrix products without BLAS (measured '
+             'here: 31 s per iteration against 0.4 s in fp32 for this model and batch); the '
+             'later rungs stay in fp32. --cpu-fp16 runs it anyway')
+
+
+def parse(argv):
     p = _common.parser('ladder', __doc__)
     p.add_argument('--batch', type=int, default=None)
     p.add_argument('--crop', type=int, default=None, help='training crop in pixels')
@@ -219,59 +236,190 @@ def main(argv=None):
     p.add_argument('--device', default=None)
     p.add_argument('--cpu-fp16', action='store_true',
                    help='run the fp16 rungs on a CPU too (measured: ~80x slower than fp32)')
-    args = p.parse_args(argv)
-    import chainer
-    from fastchain.backends import cuda
-    from fastchain.data import available_cores, make_demo_dataset
-    gpu = cuda.available()
-    args.batch = args.batch or (32 if gpu else 16)
-    args.crop = args.crop or (224 if gpu else 32)
-    n_images = args.images or (320 if args.quick else 640)
+    p.add_argument('--interleave', choices=('turns', 'windows'), default=None,
+                   help='turns: every rung built once in a process of its own, rungs taking '
+                        'turns of a few steps, the others stopped meanwhile (default on a '
+                        'CPU); windows: rungs rebuilt in this process window by window '
+                        '(default on a GPU, where a dozen processes would not fit its '
+                        'memory at the largest batch)')
+    p.add_argument('--serve', metavar='RUNG', help=argparse.SUPPRESS)
+    p.add_argument('--tune-cache', help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+class Setup:
+    """What the coordinator and every rung process agree on."""
+
+    def __init__(self, args):
+        import chainer
+        from fastchain.backends import cuda
+        from fastchain.data import available_cores, make_demo_dataset
+        self.args = args
+        self.gpu = cuda.available()
+        args.batch = args.batch or (32 if self.gpu else 16)
+        args.crop = args.crop or (224 if self.gpu else 32)
+        args.interleave = args.interleave or ('windows' if self.gpu else 'turns')
+        self.n_images = args.images or (320 if args.quick else 640)
+        self.device = chainer.get_device(args.device or ('@cupy:0' if self.gpu else '@numpy'))
+        self.device.use()
+        self.workers = available_cores()
+        cudnn = cuda.cudnn_status()
+        if not cudnn.available and self.gpu:
+            # CuPy 14: cuDNN 9 through fastchain's graphs, or why not.
+            from fastchain.cudnn._group import graph_status
+            cudnn = graph_status()
+        self.cudnn = cudnn
+        self.fp16_ok = self.gpu or args.cpu_fp16
+        self.paths = make_demo_dataset(
+            os.path.join(HERE, '.cache', 'ladder-jpegs-{}'.format(self.n_images)),
+            n_train=self.n_images // 10, n_val=0, size=(300, 640), seed=2018)
+
+    def rungs(self, rows):
+        """{name: build} of the rungs that can run here (the others are
+        listed in ``rows`` with the reason)."""
+        from fastchain.kernels import _onednn
+        onednn_ok = _onednn.status(load=True)
+        builders = {}
+        for rung in RUNGS:
+            if rung in ('cudnn', 'autotune') and not self.cudnn.available:
+                rows.skip(rung, 'cuDNN is not available here: {} (fix: {})'.format(
+                    self.cudnn.why, self.cudnn.fix))
+                continue
+            if rung in ('fp16', 'fp32_preprocessing') and not self.fp16_ok:
+                rows.skip(rung, SKIP_FP16)
+                continue
+            if rung in ('onednn', 'all_onednn') and not onednn_ok[0]:
+                rows.skip(rung, 'onednn is not available here: {} (fix: {})'.format(
+                    onednn_ok[2], onednn_ok[3]))
+                continue
+            builders[rung] = (lambda rung=rung: build_rung(
+                rung, self.paths, self.args, self.device, self.cudnn.available,
+                self.fp16_ok))
+        try:
+            import torch    # noqa: F401
+            builders['torch'] = self.torch_rung
+        except ImportError:
+            rows.skip('torch', 'PyTorch is not installed (pip install torch)')
+        builders['baseline_again'] = builders['baseline']
+        return builders
+
+    def torch_rung(self):
+        import torch
+        torch.set_num_threads(self.workers)
+        return torch_rung(self.paths, self.args, self.workers)
+
+    def sync(self):
+        if self.gpu:
+            self.device.device.synchronize()
+
+
+def tuned(rung):
+    """Whether autotune is on in ``rung`` (it chooses, so it is decided first)."""
+    if rung in ('all', 'all_onednn'):
+        return True
+    if rung in ('torch', 'baseline_again'):
+        return False
+    return rung_options(rung, True)[0]['autotune']
+
+
+def serve(argv):
+    """A rung's process (``--interleave turns``): build the rung, warm it up,
+    let autotune decide its keys (starting from what the tuning rung kept in
+    the cache file), then run turns when told (:mod:`_turns`)."""
+    fd, argv = _turns.reply_fd(argv)
+    args = parse(argv)
+    setup = Setup(args)
+    rung = args.serve
+    state = {}
+
+    def build():
+        from fastchain import tune
+        from fastchain.tune import _cache
+        builders = setup.rungs(_common.Rows('iterations/s'))
+        if tuned(rung) and args.tune_cache:
+            _cache.load(args.tune_cache)
+        t0 = time.perf_counter()
+        step, close = builders[rung]()
+        state['close'] = close
+        for _ in range(WARMUP_ITERATIONS):
+            step()
+        info = {'warmup_seconds': round(time.perf_counter() - t0, 2)}
+        if tuned(rung):
+            info['tuning'] = settle_tuning(step, TUNING_STEPS)
+            if args.tune_cache:
+                _cache.save(args.tune_cache)
+        state['summary'] = tune.summary() if tuned(rung) else None
+        return step, finish, info
+
+    def finish():
+        state['close']()
+        return state['summary']
+
+    _turns.serve(fd, build, setup.sync)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if _turns.REPLY_FD_FLAG in argv:
+        return serve(argv)
+    args = parse(argv)
+    setup = Setup(args)
+    rows = _common.Rows('iterations/s')
+    builders = setup.rungs(rows)
+    if args.interleave == 'turns':
+        measured = run_turns(args, setup, list(builders), rows, argv)
+    else:
+        measured = run_windows(args, builders, rows)
+    report(args, setup, rows, measured)
+
+
+def run_turns(args, setup, names, rows, argv):
+    """Every rung in a process of its own, taking turns (:mod:`_turns`); the
+    tuning rung ("all") is built first and its choices are what the other
+    tuned rungs start from (a cache file)."""
+    import tempfile
+    n_rounds = args.windows or (8 if args.quick else 40)
+    order = sorted(names, key=lambda n: n != 'all')      # the tuning rung first
+    rungs, ready = {}, {}
+    with tempfile.TemporaryDirectory(prefix='ladder-') as tmp:
+        cache = os.path.join(tmp, 'tune.json')
+        base = [sys.executable, os.path.abspath(__file__)] + argv + ['--tune-cache', cache]
+        try:
+            for name in order:
+                rung = _turns.Rung(name, base + ['--serve', name])
+                rungs[name] = rung
+                ready[name] = rung.reply(BUILD_TIMEOUT)['ready']
+                rung.stop()
+                print('built {}: {}'.format(name, ready[name]), flush=True)
+            rungs = {n: rungs[n] for n in names}        # the rungs' own order
+
+            def record(name, seconds):
+                rows.add(name, TURN_STEPS / seconds)
+
+            def progress(r):
+                print('round {}/{}: '.format(r + 1, n_rounds) + ', '.join(
+                    '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()),
+                    flush=True)
+
+            _turns.rounds(rungs, n_rounds, TURN_SETTLE, TURN_STEPS, record,
+                          on_round=progress)
+            byes = {name: rung.close() for name, rung in rungs.items()}
+        finally:
+            for rung in rungs.values():
+                rung.kill()
+    summary = (byes.get('all') or {}).get('bye')
+    return {'interleave': 'turns', 'rounds': n_rounds,
+            'turn': {'settle_steps': TURN_SETTLE, 'timed_steps': TURN_STEPS},
+            'warmup': {n: r.get('warmup_seconds') for n, r in ready.items()},
+            'tuning': {n: r['tuning'] for n, r in ready.items() if 'tuning' in r},
+            'autotune_choices': summary}
+
+
+def run_windows(args, builders, rows):
+    """Rungs rebuilt in this process, one window each, window by window."""
+    from fastchain import tune
     windows = args.windows or (3 if args.quick else 5)
     per_window = 4 if args.quick else 8
-    # Warm-up: workers start, first calls, and for the cached rungs the
-    # schedule build plus its two verified replays.
-    warmup_iterations = 4
-    device = chainer.get_device(args.device or ('@cupy:0' if gpu else '@numpy'))
-    device.use()
-    workers = available_cores()
-    cudnn = cuda.cudnn_status()
-    if not cudnn.available and cuda.available():
-        # CuPy 14: cuDNN 9 through fastchain's graphs, or why not.
-        from fastchain.cudnn._group import graph_status
-        cudnn = graph_status()
-    paths = make_demo_dataset(os.path.join(HERE, '.cache', 'ladder-jpegs-{}'.format(n_images)),
-                              n_train=n_images // 10, n_val=0, size=(300, 640), seed=2018)
-
-    rows = _common.Rows('iterations/s')
-    builders = {}
-    fp16_ok = gpu or args.cpu_fp16
-    from fastchain.kernels import _onednn
-    onednn_ok = _onednn.status(load=True)
-    for rung in RUNGS:
-        if rung in ('cudnn', 'autotune') and not cudnn.available:
-            rows.skip(rung, 'cuDNN is not available here: {} (fix: {})'.format(
-                cudnn.why, cudnn.fix))
-            continue
-        if rung in ('fp16', 'fp32_preprocessing') and not fp16_ok:
-            rows.skip(rung, 'fp16 is a GPU rung: NumPy runs float16 matrix products '
-                      'without BLAS (measured here: 31 s per iteration against 0.4 s in '
-                      'fp32 for this model and batch); the later rungs stay in fp32. '
-                      '--cpu-fp16 runs it anyway')
-            continue
-        if rung in ('onednn', 'all_onednn') and not onednn_ok[0]:
-            rows.skip(rung, 'onednn is not available here: {} (fix: {})'.format(
-                onednn_ok[2], onednn_ok[3]))
-            continue
-        builders[rung] = (lambda rung=rung: build_rung(rung, paths, args, device,
-                                                       cudnn.available, fp16_ok))
-    try:
-        import torch    # noqa: F401
-        torch.set_num_threads(workers)
-        builders['torch'] = lambda: torch_rung(paths, args, workers)
-    except ImportError:
-        rows.skip('torch', 'PyTorch is not installed (pip install torch)')
-    builders['baseline_again'] = builders['baseline']
     # autotune's choices are kept across rungs and windows (keyed by shapes and
     # structure): make them all before any window is timed, on the rung that
     # meets every key, so no rung's windows pay for the measurements.
@@ -287,7 +435,7 @@ def main(argv=None):
             t0 = time.perf_counter()
             step, close = build()
             try:
-                for _ in range(warmup_iterations):
+                for _ in range(WARMUP_ITERATIONS):
                     step()
                 warmup.setdefault(name, round(time.perf_counter() - t0, 2))
                 start = time.perf_counter()
@@ -298,41 +446,56 @@ def main(argv=None):
                 close()
         print('window {}/{}: '.format(w + 1, windows) + ', '.join(
             '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
+    return {'interleave': 'windows', 'windows': windows,
+            'iterations_per_window': per_window, 'warmup': warmup,
+            'tuning': {'all': tuning}, 'autotune_choices': tune.summary()}
 
+
+def report(args, setup, rows, measured):
+    from fastchain import tune
     ratios = {'{}/baseline'.format(r): rows.ratio(r, 'baseline')
               for r in RUNGS[1:] + ('torch', 'baseline_again')}
     ratios['all/torch'] = rows.ratio('all', 'torch')
     ratios['all_onednn/torch'] = rows.ratio('all_onednn', 'torch')
-    # Paired: the median over windows of one window's ratio, which cancels
-    # what drifts from window to window (the machine's load).
+    # Paired: the median over windows (rounds) of one window's ratio, which
+    # cancels what drifts from window to window (the machine's load).
     for r in RUNGS[1:] + ('torch', 'baseline_again'):
         ratios['{}/baseline@paired'.format(r)] = paired_ratio(rows, r, 'baseline')
     ratios['all/cpu_conv@paired'] = paired_ratio(rows, 'all', 'cpu_conv')
     diff = changed_lines()
     config = {'model': 'ResNet-50 v1.5', 'batch': args.batch, 'crop': args.crop,
-              'images': n_images, 'image_sides_px': [300, 640], 'device': str(device),
-              'loader_workers': workers, 'windows': windows,
-              'iterations_per_window': per_window,
-              'tuning_before_the_windows': tuning,
-              'warmup_seconds_first_window': warmup,
+              'images': setup.n_images, 'image_sides_px': [300, 640],
+              'device': str(setup.device), 'loader_workers': setup.workers,
+              'warmup_iterations': WARMUP_ITERATIONS,
               'changed_lines_plain_to_all': len(diff), 'changed_lines': diff,
               'talk_changed_lines': 8}
-    from fastchain import tune
-    config['autotune_choices'] = tune.summary()
+    config.update(measured)
+    choices = measured['autotune_choices'] or {}
+    if measured['interleave'] == 'turns':
+        how = ('Each rung was built once in a process of its own and warmed up; the rungs '
+               'then took turns of {} untimed and {} timed steps, the others\' processes '
+               '(their loader workers included) stopped meanwhile, for {} rounds, each round '
+               'starting one rung later; rows are medians of the turns, "@paired" ratios '
+               'medians of per-round ratios. The "all" rung was built first and ran until '
+               'autotune had decided every key; the other tuned rungs started from its choices '
+               '(a cache file) and decided what was left before their turns: {}.').format(
+                   TURN_SETTLE, TURN_STEPS, measured['rounds'], measured['tuning'])
+    else:
+        how = ('Before the windows, the "all" rung ran until autotune had decided every key '
+               '(choices are shared by the rungs): {}. Rungs take turns, each window starting '
+               'one rung later; "@paired" ratios are medians of per-window ratios.').format(
+                   measured['tuning']['all'])
     notes = ['Changed lines from the plain script to the "all" row: {} ({}); the talk '
              'needed 8.'.format(len(diff), '; '.join(diff)),
-             'autotune (on from the autotune rung up, and in "all"; choices are kept '
-             'across rungs and windows, keyed by shapes and structure): ' +
-             ('; '.join(tune.describe(config['autotune_choices'])) or 'nothing to choose'),
+             'autotune (on from the autotune rung up, and in "all"; keyed by shapes and '
+             'structure; the "all" rung\'s choices): ' +
+             ('; '.join(tune.describe(choices)) or 'nothing to choose'),
              'onednn and all_onednn: enable(onednn=True), oneDNN/PyTorch kernels that are '
              "NOT bitwise equal to Chainer's (README, 'What is the same training'); "
              'NumPy\'s BLAS on one thread while they run.',
-             'Before the windows, the "all" rung ran until autotune had decided every key '
-             '(choices are shared by the rungs): {}.'.format(tuning),
+             how,
              'baseline_again is the baseline built again (an A/A control): '
-             'baseline_again/baseline is this run\'s noise floor. Rungs take turns, each '
-             'window starting one rung later; "@paired" ratios are medians of per-window '
-             'ratios.',
+             'baseline_again/baseline is this run\'s noise floor.',
              'Target on CPU: all/baseline >= 1.5.']
     result = _common.write('ladder', args, config, rows, ratios, notes)
     chart(result, os.path.join(args.results, 'ladder' + ('-quick' if args.quick else '')
