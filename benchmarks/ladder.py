@@ -28,15 +28,31 @@ talk:
   baseline_again      the baseline built again, an A/A control: baseline_again/baseline is
                         the run's noise floor (a ratio no accelerator can be told apart from)
 
-A rung that cannot run here is listed with the reason. First the "all" rung
-runs until autotune has decided every key (its choices are shared by every
-rung, keyed by shapes and structure), so no window pays for measurements;
-steps and seconds are recorded. Then each rung is built fresh, warmed up
-(worker start, first calls, schedule building) and timed for one window;
-rungs take turns, each window starting one rung later. Rows are iterations
-per second (median of windows); ``RUNG/baseline`` is a rung's speed over the
-baseline's, ``RUNG/baseline@paired`` the median of the per-window ratios.
-Writes JSON, a Markdown table and a PNG bar chart.
+A rung that cannot run here is listed with the reason. Rows are
+iterations per second (the median of the turns or windows below);
+``RUNG/baseline`` is a rung's speed over the baseline's,
+``RUNG/baseline@paired`` the median of the per-round (per-window) ratios.
+
+``--interleave turns`` (the default on a CPU): every rung is built once, in
+a process of its own, warmed up (worker start, first calls, schedule
+building), and the rungs take turns of one untimed and four timed steps, the
+other rungs' processes stopped meanwhile, their loader workers included
+(``_turns.py``), for ``--windows`` rounds (8 quick, 40 full), each round
+starting one rung later. A round takes seconds, so a round's ratios share the
+machine's state; on this shared machine its speed shifts in regimes of tens
+of seconds, which windows of rebuilt rungs could not cancel. The "all" rung
+is built first and runs until autotune has decided every key; the other
+tuned rungs start from its choices (a cache file) and decide what is left
+before their turns, so no turn pays for measurements.
+
+``--interleave windows`` (the default on a GPU, where a dozen processes would
+not fit in its memory at the largest batch): the rungs are rebuilt in this
+process, window by window, each window starting one rung later; first the
+"all" rung runs until autotune has decided every key (the choices are shared
+by the rungs in the process).
+
+Writes JSON (with every turn's or window's value, in order, under
+``config['samples']``), a Markdown table and a PNG bar chart.
 """
 
 import argparse
@@ -470,6 +486,7 @@ def report(args, setup, rows, measured):
               'changed_lines_plain_to_all': len(diff), 'changed_lines': diff,
               'talk_changed_lines': 8}
     config.update(measured)
+    config['samples'] = {n: [round(v, 4) for v in vs] for n, vs in rows.windows.items()}
     choices = measured['autotune_choices'] or {}
     if measured['interleave'] == 'turns':
         how = ('Each rung was built once in a process of its own and warmed up; the rungs '
