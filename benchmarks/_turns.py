@@ -7,8 +7,8 @@ consecutive steps correlate at 0.93). Windows of whole rebuilt variants, one
 after another, put seconds to minutes between a rung and the baseline it is
 compared with, and such a shift lands in one and not the other. Here every
 variant is built once, in a child process, and they take turns of a few
-steps each: a round of all of them takes seconds, so a round's ratios share
-the machine's state.
+steps each, in a new order each round: a round of all of them takes
+seconds, so a round's ratios share the machine's state.
 
 A variant's background work (loader workers decoding ahead, a prefetch
 thread) must not run during another's turn, or it would be timed for free:
@@ -18,9 +18,11 @@ boundary, and continued (SIGCONT) for its next one. A turn runs ``settle``
 untimed steps (caches the other variants evicted) and then ``steps`` timed
 ones; the clock is read in the child, after the device is synchronised.
 
-The groups are in the coordinator's session, so if the coordinator dies,
-the kernel hangs up its stopped orphaned groups (SIGHUP then SIGCONT)
-instead of leaving them stopped; on any error the coordinator kills them.
+Nothing is left running or stopped (:class:`Coordinator`): on an error, or
+SIGTERM, the coordinator asks each variant to finish and kills its group;
+if the coordinator itself dies, a watchdog process it started kills the
+groups (and where the kernel hangs up a stopped group orphaned by the
+coordinator's death, as in the coordinator's own session, it does so too).
 
 Child side: :func:`serve` (the child's ``main`` builds the variant and calls
 it). The protocol is one JSON object per line: commands on the child's
@@ -134,6 +136,8 @@ class Rung:
         """Asks the child to finish (its reply, e.g. what it measured, is
         returned) and reaps it; kills its group if it does not."""
         bye = None
+        if self._replies is None:
+            return None         # closed (or killed) already
         try:
             self.resume()
             self._send(do='quit')
@@ -147,6 +151,8 @@ class Rung:
 
     def kill(self):
         """The whole group, workers included (idempotent)."""
+        if self._replies is None:
+            return
         self._signal(signal.SIGKILL)
         self._signal(signal.SIGCONT)
         try:
@@ -162,17 +168,86 @@ class Rung:
             self._replies = None
 
 
-def rounds(rungs, n_rounds, settle, steps, record, timeout=600, on_round=None):
-    """``n_rounds`` rounds of one turn per rung; round ``r`` starts with rung
-    ``r`` (modulo their number), so none always runs first or right after
-    another. ``record(name, seconds)`` gets each turn's timed seconds."""
+def rounds(rungs, n_rounds, settle, steps, record, timeout=600, on_round=None, seed=0):
+    """``n_rounds`` rounds of one turn per rung, each round in an order of
+    its own (shuffled with ``seed``), so no rung keeps the same neighbours
+    or the same distance from the one it is compared with: an A/A pair
+    measures the noise every pair sees. ``record(name, seconds)`` gets each
+    turn's timed seconds, in the order they run."""
+    import random
+    shuffle = random.Random(seed).shuffle
     names = list(rungs)
     for r in range(n_rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        order = list(names)
+        shuffle(order)
+        for name in order:
             record(name, rungs[name].turn(settle, steps, timeout))
         if on_round is not None:
             on_round(r)
+
+
+WATCHDOG = """
+import os, signal, sys
+groups = set()
+for line in sys.stdin:
+    if line.strip() == 'done':
+        groups.clear()
+    elif line.strip():
+        groups.add(int(line))
+for group in groups:
+    for sig in (signal.SIGKILL, signal.SIGCONT):
+        try:
+            os.killpg(group, sig)
+        except OSError:
+            pass
+"""
+
+
+class Coordinator:
+    """Owns the variants' processes (``with Coordinator() as c: c.start(...)``).
+
+    On leaving the block, each variant is asked to finish (briefly) and
+    then its group is killed; SIGTERM leaves the block too. A watchdog
+    process, in a group of its own, holds a pipe from this process and kills
+    every group it was told of if this process dies without saying it is
+    done (where the kernel would not hang up the stopped groups: under a
+    reaper in the same session, as in a container)."""
+
+    def __init__(self):
+        self.rungs = {}
+        self.watchdog = None
+        self._term = None
+
+    def __enter__(self):
+        self.watchdog = subprocess.Popen([sys.executable, '-c', WATCHDOG],
+                                         stdin=subprocess.PIPE, process_group=0, text=True)
+        self._term = signal.signal(signal.SIGTERM, _exit_on_term)
+        return self
+
+    def start(self, name, argv, env=None):
+        rung = Rung(name, argv, env)
+        self.rungs[name] = rung
+        self.watchdog.stdin.write('{}\n'.format(rung.proc.pid))
+        self.watchdog.stdin.flush()
+        return rung
+
+    def __exit__(self, *exc):
+        try:
+            for rung in self.rungs.values():
+                rung.close(timeout=15)
+        finally:
+            try:
+                self.watchdog.stdin.write('done\n')
+                self.watchdog.stdin.close()
+                self.watchdog.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.watchdog.kill()
+            signal.signal(signal.SIGTERM, self._term)
+        return False
+
+
+def _exit_on_term(signum, frame):
+    sys.exit(128 + signum)
 
 
 # -- the child ----------------------------------------------------------------

@@ -38,12 +38,14 @@ a process of its own, warmed up (worker start, first calls, schedule
 building), and the rungs take turns of one untimed and four timed steps, the
 other rungs' processes stopped meanwhile, their loader workers included
 (``_turns.py``), for ``--windows`` rounds (8 quick, 40 full), each round
-starting one rung later. A round takes seconds, so a round's ratios share the
+in a new order (shuffled, seeded). A round takes seconds, so a round's ratios share the
 machine's state; on this shared machine its speed shifts in regimes of tens
 of seconds, which windows of rebuilt rungs could not cancel. The "all" rung
 is built first and runs until autotune has decided every key; the other
 tuned rungs start from its choices (a cache file) and decide what is left
-before their turns, so no turn pays for measurements.
+before their turns, so no turn pays for measurements (a choice timed over
+whole steps still undecided after ``TUNING_STEPS`` is named in the notes:
+its measurements then ran in the turns, across the stops).
 
 ``--interleave windows`` (the default on a GPU, where a dozen processes would
 not fit in its memory at the largest batch): the rungs are rebuilt in this
@@ -163,9 +165,12 @@ WARMUP_ITERATIONS = 4  # worker start, first calls, the cached schedule's build 
 TURN_SETTLE = 1        # untimed steps at the start of a turn (caches the others evicted)
 TURN_STEPS = 4         # timed steps of a turn
 BUILD_TIMEOUT = 1200   # seconds for a rung's process to build, warm up and tune
-TUNING_STEPS = 240     # at most; the loader's count and depth take 96 with 2 workers
-STALLED = 64           # steps without a new decision that end the tuning early (a
-                       # loader turn series is 48 steps with 2 workers)
+TUNING_STEPS = 240     # at most; on 2 cores the loader's count and depth take up to 120
+STALLED = 64           # steps without a new decision that end the tuning early when
+                       # only per-call keys are left (one met rarely, in define-by-run)
+STEP_KINDS = ('loader_workers', 'loader_prefetch', 'static_graph')
+                       # timed over whole steps: left undecided, they would be measured
+                       # in the timed turns or windows (and in turns, across the stops)
 
 
 def tune_first(build, limit):
@@ -182,8 +187,9 @@ def tune_first(build, limit):
 
 def settle_tuning(step, limit):
     """Steps until autotune has decided every key met so far (at least 8
-    steps, at most ``limit``, or ``STALLED`` steps without a new decision);
-    what it took and what stayed undecided."""
+    steps, at most ``limit``; ``STALLED`` steps without a new decision end it
+    only where no key timed over whole steps is left); what it took and what
+    stayed undecided."""
     from fastchain import tune
     start, steps, last_progress, decided = time.perf_counter(), 0, 0, -1
     while steps < limit:
@@ -193,14 +199,23 @@ def settle_tuning(step, limit):
         now = sum(s['decided'] for s in summary.values())
         if now != decided:
             decided, last_progress = now, steps
-        if steps >= 8 and summary and all(s['decided'] == s['keys'] for s in summary.values()):
+        left = [k for k, s in summary.items() if s['decided'] < s['keys']]
+        if steps >= 8 and summary and not left:
             break
-        if steps - last_progress >= STALLED:
+        if steps - last_progress >= STALLED and not set(left) & set(STEP_KINDS):
             break       # what is left is met rarely in this rung (a key of define-by-run)
     summary = tune.summary()
     return {'steps': steps, 'seconds': round(time.perf_counter() - start, 1),
             'undecided': {k: s['keys'] - s['decided'] for k, s in summary.items()
                           if s['decided'] < s['keys']}}
+
+
+def undecided_step_kinds(tuning):
+    """{rung: [kind]} of choices timed over whole steps that the tuning left
+    undecided (they were measured in the timed turns or windows)."""
+    return {rung: sorted(set(t['undecided']) & set(STEP_KINDS))
+            for rung, t in (tuning or {}).items()
+            if t and set(t['undecided']) & set(STEP_KINDS)}
 
 
 def paired_ratio(rows, a, b):
@@ -257,7 +272,8 @@ def parse(argv):
                         'turns of a few steps, the others stopped meanwhile (default on a '
                         'CPU); windows: rungs rebuilt in this process window by window '
                         '(default on a GPU, where a dozen processes would not fit its '
-                        'memory at the largest batch)')
+                        'memory at the largest batch). With turns, --windows is the '
+                        'number of rounds (8 quick, 40 full)')
     p.add_argument('--serve', metavar='RUNG', help=argparse.SUPPRESS)
     p.add_argument('--tune-cache', help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -279,6 +295,13 @@ class Setup:
         self.device = chainer.get_device(args.device or ('@cupy:0' if self.gpu else '@numpy'))
         self.device.use()
         self.workers = available_cores()
+        try:
+            import torch
+            # PyTorch's threads (its rung and the onednn kernels) on the cores
+            # the rungs use, set before any of them runs
+            torch.set_num_threads(self.workers)
+        except ImportError:
+            pass
         cudnn = cuda.cudnn_status()
         if not cudnn.available and self.gpu:
             # CuPy 14: cuDNN 9 through fastchain's graphs, or why not.
@@ -320,8 +343,6 @@ class Setup:
         return builders
 
     def torch_rung(self):
-        import torch
-        torch.set_num_threads(self.workers)
         return torch_rung(self.paths, self.args, self.workers)
 
     def sync(self):
@@ -348,8 +369,9 @@ def serve(argv):
     rung = args.serve
     state = {}
 
+    from fastchain import tune
+
     def build():
-        from fastchain import tune
         from fastchain.tune import _cache
         builders = setup.rungs(_common.Rows('iterations/s'))
         if tuned(rung) and args.tune_cache:
@@ -364,12 +386,14 @@ def serve(argv):
             info['tuning'] = settle_tuning(step, TUNING_STEPS)
             if args.tune_cache:
                 _cache.save(args.tune_cache)
-        state['summary'] = tune.summary() if tuned(rung) else None
         return step, finish, info
 
     def finish():
+        # what autotune decided, as it stands at the end (turns may have
+        # decided what the tuning left)
+        summary = tune.summary() if tuned(rung) else None
         state['close']()
-        return state['summary']
+        return summary
 
     _turns.serve(fd, build, setup.sync)
 
@@ -396,33 +420,27 @@ def run_turns(args, setup, names, rows, argv):
     import tempfile
     n_rounds = args.windows or (8 if args.quick else 40)
     order = sorted(names, key=lambda n: n != 'all')      # the tuning rung first
-    rungs, ready = {}, {}
-    with tempfile.TemporaryDirectory(prefix='ladder-') as tmp:
+    ready, byes = {}, {}
+    with tempfile.TemporaryDirectory(prefix='ladder-') as tmp, \
+            _turns.Coordinator() as coordinator:
         cache = os.path.join(tmp, 'tune.json')
         base = [sys.executable, os.path.abspath(__file__)] + argv + ['--tune-cache', cache]
-        try:
-            for name in order:
-                rung = _turns.Rung(name, base + ['--serve', name])
-                rungs[name] = rung
-                ready[name] = rung.reply(BUILD_TIMEOUT)['ready']
-                rung.stop()
-                print('built {}: {}'.format(name, ready[name]), flush=True)
-            rungs = {n: rungs[n] for n in names}        # the rungs' own order
+        for name in order:
+            rung = coordinator.start(name, base + ['--serve', name])
+            ready[name] = rung.reply(BUILD_TIMEOUT)['ready']
+            rung.stop()
+            print('built {}: {}'.format(name, ready[name]), flush=True)
+        rungs = {n: coordinator.rungs[n] for n in names}        # the rungs' own order
 
-            def record(name, seconds):
-                rows.add(name, TURN_STEPS / seconds)
+        def record(name, seconds):
+            rows.add(name, TURN_STEPS / seconds)
 
-            def progress(r):
-                print('round {}/{}: '.format(r + 1, n_rounds) + ', '.join(
-                    '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()),
-                    flush=True)
+        def progress(r):
+            print('round {}/{}: '.format(r + 1, n_rounds) + ', '.join(
+                '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
 
-            _turns.rounds(rungs, n_rounds, TURN_SETTLE, TURN_STEPS, record,
-                          on_round=progress)
-            byes = {name: rung.close() for name, rung in rungs.items()}
-        finally:
-            for rung in rungs.values():
-                rung.kill()
+        _turns.rounds(rungs, n_rounds, TURN_SETTLE, TURN_STEPS, record, on_round=progress)
+        byes = {name: rung.close() for name, rung in rungs.items()}
     summary = (byes.get('all') or {}).get('bye')
     return {'interleave': 'turns', 'rounds': n_rounds,
             'turn': {'settle_steps': TURN_SETTLE, 'timed_steps': TURN_STEPS},
@@ -492,7 +510,7 @@ def report(args, setup, rows, measured):
         how = ('Each rung was built once in a process of its own and warmed up; the rungs '
                'then took turns of {} untimed and {} timed steps, the others\' processes '
                '(their loader workers included) stopped meanwhile, for {} rounds, each round '
-               'starting one rung later; rows are medians of the turns, "@paired" ratios '
+               'in a new order (shuffled, seeded); rows are medians of the turns, "@paired" ratios '
                'medians of per-round ratios. The "all" rung was built first and ran until '
                'autotune had decided every key; the other tuned rungs started from its choices '
                '(a cache file) and decided what was left before their turns: {}.').format(
@@ -514,6 +532,11 @@ def report(args, setup, rows, measured):
              'baseline_again is the baseline built again (an A/A control): '
              'baseline_again/baseline is this run\'s noise floor.',
              'Target on CPU: all/baseline >= 1.5.']
+    late = undecided_step_kinds(measured['tuning'])
+    if late:
+        notes.insert(0, 'WARNING: choices timed over whole steps were still undecided when the '
+                     'timing began, so they were measured during it (in turns, across the '
+                     'stops) and those rungs ran with changing choices: {}.'.format(late))
     result = _common.write('ladder', args, config, rows, ratios, notes)
     chart(result, os.path.join(args.results, 'ladder' + ('-quick' if args.quick else '')
                                + '.png'))

@@ -54,16 +54,15 @@ def test_a_stopped_variant_does_no_work_in_the_background(tmp_path):
         pid = r.reply(60)['ready']['pid']
         time.sleep(0.3)
         r.stop()
-        time.sleep(0.1)         # what was being written lands
+        time.sleep(0.2)         # what was being written lands
         before = {k: size(ticks + '.' + k) for k in ('worker', 'thread')}
         assert all(before.values()), before     # both ran before the stop
         time.sleep(0.5)
         assert {k: size(ticks + '.' + k) for k in before} == before
         seconds = r.turn(settle=1, steps=3, timeout=30)
-        assert 0.03 <= seconds < 5
+        assert 0.15 <= seconds < 10     # three steps of 50 ms
         after = {k: size(ticks + '.' + k) for k in before}
         assert all(after[k] > before[k] for k in before), (before, after)
-        assert r.stopped
         time.sleep(0.1)
         stopped_at = dict((k, size(ticks + '.' + k)) for k in before)
         time.sleep(0.4)
@@ -75,7 +74,7 @@ def test_a_stopped_variant_does_no_work_in_the_background(tmp_path):
         r.kill()
 
 
-def test_rounds_rotate_and_record_every_turn():
+def test_every_round_runs_each_rung_once_in_an_order_of_its_own():
     calls = []
 
     class Fake:
@@ -84,13 +83,22 @@ def test_rounds_rotate_and_record_every_turn():
 
         def turn(self, settle, steps, timeout):
             calls.append(self.name)
-            return 0.5
+            return {'a': 0.5, 'b': 0.25}.get(self.name, 1.0)
 
-    rungs = {n: Fake(n) for n in 'abc'}
+    names = 'abcde'
+    rungs = {n: Fake(n) for n in names}
     recorded = []
-    _turns.rounds(rungs, 4, 1, 2, lambda name, s: recorded.append((name, s)))
-    assert calls == list('abc' 'bca' 'cab' 'abc')
-    assert recorded == [(n, 0.5) for n in calls]
+    _turns.rounds(rungs, 30, 1, 2, lambda name, s: recorded.append((name, s)), seed=3)
+    orders = [''.join(calls[i:i + 5]) for i in range(0, len(calls), 5)]
+    assert len(orders) == 30 and all(sorted(o) == list(names) for o in orders)
+    # neighbours change: who runs right before the baseline ('a') is not always the same
+    before_a = {o[o.index('a') - 1] for o in orders if o.index('a') > 0}
+    assert len(before_a) >= 3, orders
+    assert {o[0] for o in orders} == set(names)
+    assert recorded == [(n, {'a': 0.5, 'b': 0.25}.get(n, 1.0)) for n in calls]
+    again = []
+    _turns.rounds({n: Fake(n) for n in names}, 30, 1, 2, lambda n, s: again.append(n), seed=3)
+    assert again == calls[150:]         # the same seed, the same orders
 
 
 def test_a_build_that_raises_is_reported_with_the_variant_and_its_error(tmp_path):
@@ -116,40 +124,101 @@ def test_a_variant_that_dies_in_a_turn_is_named_with_its_status(tmp_path):
 
 def test_a_silent_variant_times_out_and_is_killed_with_its_workers(tmp_path):
     r, ticks = rung('hangs', 'hang', tmp_path)
-    pid = r.reply(60)['ready']['pid']
-    r.stop()
-    start = time.monotonic()
-    with pytest.raises(_turns.RungFailed, match=r"'hangs'.*no reply within 1 s"):
-        r.turn(settle=0, steps=1, timeout=1)
-    assert time.monotonic() - start < 10
-    r.kill()
-    assert gone(pid)
+    try:
+        r.reply(60)
+        r.stop()
+        start = time.monotonic()
+        with pytest.raises(_turns.RungFailed, match=r"'hangs'.*no reply within 1 s"):
+            r.turn(settle=0, steps=1, timeout=1)
+        assert time.monotonic() - start < 10
+    finally:
+        r.kill()
     time.sleep(0.2)
     written = size(ticks + '.worker')
     time.sleep(0.3)
     assert size(ticks + '.worker') == written       # its worker is gone too
 
 
-def test_no_stopped_variant_outlives_a_killed_coordinator(tmp_path):
-    """The kernel hangs up a stopped group orphaned by the coordinator's
-    death (the variants are in its session), so none stays stopped forever."""
-    code = '\n'.join([
-        'import sys, os',
-        'sys.path.insert(0, {!r})'.format(os.path.join(HERE, '..', 'benchmarks')),
-        'import _turns',
-        'r = _turns.Rung("a", [sys.executable, "-P", {!r}, "ok", {!r}])'.format(
-            CHILD, str(tmp_path / 'a')),
-        'print(r.reply(60)["ready"]["pid"], flush=True)',
-        'r.stop()',
-        'os._exit(0)'])
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    pid = int(out.stdout.split()[0])
-    try:
-        assert gone(pid), 'the stopped variant outlived its coordinator'
-    finally:
+COORDINATOR = """
+import os, sys, time
+sys.path.insert(0, {bench!r})
+import _turns
+with _turns.Coordinator() as c:
+    r = c.start('a', [sys.executable, '-P', {child!r}, 'ok', {ticks!r}])
+    with open({pidfile!r}, 'w') as f:
+        f.write(str(r.reply(60)['ready']['pid']))
+    r.stop()
+    if {how!r} == 'dies':
+        os._exit(0)
+    print('stopped', flush=True)
+    time.sleep(120)
+"""
+
+
+def coordinator(tmp_path, how):
+    pidfile = tmp_path / 'pid'
+    code = COORDINATOR.format(bench=os.path.join(HERE, '..', 'benchmarks'), child=CHILD,
+                              ticks=str(tmp_path / 'a'), pidfile=str(pidfile), how=how)
+    proc = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    return proc, pidfile
+
+
+def cleanup(pidfile):
+    if pidfile.exists():
         try:
-            os.killpg(pid, 9)
-        except ProcessLookupError:
+            os.killpg(int(pidfile.read_text()), 9)
+        except (ProcessLookupError, ValueError):
             pass
+
+
+REAPER = """
+import ctypes, os, subprocess, sys, time
+if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:   # PR_SET_CHILD_SUBREAPER
+    print('no subreaper'); sys.exit(0)
+subprocess.run([sys.executable, '-c', sys.argv[1]], stdout=subprocess.DEVNULL, timeout=120)
+pid = int(open(sys.argv[2]).read())
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:    # reap what was handed to us
+            pass
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        print('gone'); sys.exit(0)
+    time.sleep(0.05)
+print('left behind')
+"""
+
+
+def test_no_stopped_variant_outlives_a_killed_coordinator(tmp_path):
+    """Under a reaper in the coordinator's session (a container's init, a
+    subreaper), the kernel does not hang up the stopped groups a dead
+    coordinator leaves: its watchdog kills them."""
+    pidfile = tmp_path / 'pid'
+    code = COORDINATOR.format(bench=os.path.join(HERE, '..', 'benchmarks'), child=CHILD,
+                              ticks=str(tmp_path / 'a'), pidfile=str(pidfile), how='dies')
+    try:
+        out = subprocess.run([sys.executable, '-c', REAPER, code, str(pidfile)],
+                             capture_output=True, text=True, timeout=180)
+        if out.stdout.strip() == 'no subreaper':
+            pytest.skip('prctl(PR_SET_CHILD_SUBREAPER) is not available here')
+        assert out.stdout.strip() == 'gone', out.stdout + out.stderr
+    finally:
+        cleanup(pidfile)
+
+
+def test_sigterm_to_the_coordinator_finishes_its_variants(tmp_path):
+    proc, pidfile = coordinator(tmp_path, 'waits')
+    try:
+        assert proc.stdout.readline().strip() == 'stopped'
+        pid = int(pidfile.read_text())
+        proc.terminate()
+        assert proc.wait(60) == 128 + 15
+        assert gone(pid)
+    finally:
+        proc.kill()
+        cleanup(pidfile)

@@ -1,10 +1,11 @@
 """A stand-in variant for benchmarks/_turns.py's tests (run with ``python -P``).
 
-``turns_child.py MODE TICKS --reply-fd N``: a variant whose step sleeps 10 ms
+``turns_child.py MODE TICKS --reply-fd N``: a variant whose step sleeps 50 ms
 and which, like a rung with loader workers and a prefetch thread, has a
 forked worker process and a thread appending a byte to ``TICKS.worker`` and
 ``TICKS.thread`` every 2 ms. MODE: ``ok``; ``build_error`` (the build
-raises); ``die`` (the second timed step exits the process with status 3);
+raises); ``die`` (its second step, settling included, exits the process
+with status 3);
 ``hang`` (a step sleeps for a minute).
 """
 
@@ -43,7 +44,7 @@ def main():
             state['steps'] += 1
             if mode == 'die' and state['steps'] == 2:
                 os._exit(3)
-            time.sleep(60 if mode == 'hang' else 0.01)
+            time.sleep(60 if mode == 'hang' else 0.05)
 
         return step, lambda: {'steps': state['steps'], 'worker': worker.pid}, {'pid': os.getpid()}
 
