@@ -302,8 +302,8 @@ class MultiprocessIterator(iterator_module.Iterator):
             pool.seek(self.epoch, self.current_position)
 
     def tune_workers(self):
-        """Let autotune choose how many of the workers load (all of them down
-        to one, measured over whole steps; :mod:`fastchain.data._tune`): the
+        """Let autotune choose how many of the workers load (all of them, or a
+        power of two below, measured over whole steps; :mod:`fastchain.data._tune`): the
         batches and their order are the same whatever it picks."""
         from fastchain.data._tune import WorkerTuner
         if self._pool is None or self.n_workers < 2:

@@ -3,8 +3,9 @@ batches are in flight (:mod:`fastchain.tune`).
 
 On a machine with few cores the workers decode on the cores the step
 computes on, and more of them can make a step slower. Which count is faster
-depends on the step, the decode and the machine, so it is measured: the
-counts from all the workers down to one take turns over whole steps (each
+depends on the step, the decode and the machine, so it is measured: all
+the workers, then the powers of two below their number (:func:`counts`:
+16, 8, 4, 2, 1 on 16 cores; 3, 2, 1 on 3), take turns over whole steps (each
 turn runs ``settle`` steps for the batches already in flight to drain, then
 times ``timed`` steps), and the fastest count stays. Idle workers wait on
 their pipe and use no CPU. Then, for the count kept, the prefetch depth (the
@@ -26,6 +27,14 @@ from fastchain.tune import _tuner
 TIMED_STEPS = 2
 
 
+def counts(n_workers):
+    """The loading-worker counts measured, as names: all ``n_workers``, then
+    the powers of two below (a count between them decodes at a rate between
+    theirs; trying all 16 of a 16-core node would take 16 x 4 turns)."""
+    below = [1 << k for k in range(n_workers.bit_length()) if 1 << k < n_workers]
+    return tuple(str(k) for k in [n_workers] + sorted(below, reverse=True))
+
+
 def depths(active, slots):
     """The prefetch depths measured for ``active`` loading workers: all the
     slots (the default, first), two batches per worker, one per worker."""
@@ -40,7 +49,7 @@ class WorkerTuner:
     def __init__(self, key, n_workers, slots, label):
         self.key = key
         self.slots = slots
-        self.names = tuple(str(k) for k in range(n_workers, 0, -1))
+        self.names = counts(n_workers)
         self.label = label
         # a batch sent under the previous count is used after ``slots`` steps
         self.turns = _tuner.Turns(settle=slots, timed=TIMED_STEPS)

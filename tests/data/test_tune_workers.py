@@ -58,6 +58,15 @@ def assert_same(a, b):
     assert a[1].tobytes() == b[1].tobytes()
 
 
+def test_the_counts_measured_are_all_then_the_powers_of_two_below():
+    assert _tune.counts(2) == ('2', '1')
+    assert _tune.counts(3) == ('3', '2', '1')
+    assert _tune.counts(12) == ('12', '8', '4', '2', '1')
+    assert _tune.counts(16) == ('16', '8', '4', '2', '1')
+    tuner = _tune.WorkerTuner(('k',), 16, 32, 'a loader')
+    assert tuner.names == _tune.counts(16)
+
+
 @pytest.fixture
 def three_workers(monkeypatch):
     monkeypatch.setattr(_group, 'default_workers', lambda: 3)
