@@ -61,7 +61,6 @@ class Rung:
             os.close(write)
         self._replies = read
         self._buffer = b''
-        self.stopped = False
 
     # -- stop and go ---------------------------------------------------------
 
@@ -73,11 +72,9 @@ class Rung:
 
     def stop(self):
         self._signal(signal.SIGSTOP)
-        self.stopped = True
 
     def resume(self):
         self._signal(signal.SIGCONT)
-        self.stopped = False
 
     # -- protocol ------------------------------------------------------------
 

@@ -300,8 +300,9 @@ class Setup:
             # PyTorch's threads (its rung and the onednn kernels) on the cores
             # the rungs use, set before any of them runs
             torch.set_num_threads(self.workers)
+            self.has_torch = True
         except ImportError:
-            pass
+            self.has_torch = False
         cudnn = cuda.cudnn_status()
         if not cudnn.available and self.gpu:
             # CuPy 14: cuDNN 9 through fastchain's graphs, or why not.
@@ -334,10 +335,9 @@ class Setup:
             builders[rung] = (lambda rung=rung: build_rung(
                 rung, self.paths, self.args, self.device, self.cudnn.available,
                 self.fp16_ok))
-        try:
-            import torch    # noqa: F401
+        if self.has_torch:
             builders['torch'] = self.torch_rung
-        except ImportError:
+        else:
             rows.skip('torch', 'PyTorch is not installed (pip install torch)')
         builders['baseline_again'] = builders['baseline']
         return builders

@@ -3,6 +3,7 @@ process group of its own, stopped (workers and threads included) while the
 others take their turns; failures name the variant and nothing is left
 running or stopped."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -18,9 +19,16 @@ CHILD = os.path.join(HERE, 'turns_child.py')
 pytestmark = pytest.mark.skipif(not hasattr(os, 'killpg'), reason='needs POSIX signals')
 
 
+@contextlib.contextmanager
 def rung(name, mode, tmp_path):
+    """(the stand-in variant, its ticks files' stem); its group is killed
+    on leaving the block."""
     ticks = str(tmp_path / name)
-    return _turns.Rung(name, [sys.executable, '-P', CHILD, mode, ticks]), ticks
+    r = _turns.Rung(name, [sys.executable, '-P', CHILD, mode, ticks])
+    try:
+        yield r, ticks
+    finally:
+        r.kill()
 
 
 def size(path):
@@ -49,8 +57,7 @@ def gone(pid, seconds=10):
 
 
 def test_a_stopped_variant_does_no_work_in_the_background(tmp_path):
-    r, ticks = rung('a', 'ok', tmp_path)
-    try:
+    with rung('a', 'ok', tmp_path) as (r, ticks):
         pid = r.reply(60)['ready']['pid']
         time.sleep(0.3)
         r.stop()
@@ -70,8 +77,6 @@ def test_a_stopped_variant_does_no_work_in_the_background(tmp_path):
         bye = r.close()['bye']
         assert bye['steps'] == 4        # one settling step and three timed
         assert gone(pid) and gone(bye['worker'])
-    finally:
-        r.kill()
 
 
 def test_every_round_runs_each_rung_once_in_an_order_of_its_own():
@@ -102,37 +107,28 @@ def test_every_round_runs_each_rung_once_in_an_order_of_its_own():
 
 
 def test_a_build_that_raises_is_reported_with_the_variant_and_its_error(tmp_path):
-    r, _ = rung('broken', 'build_error', tmp_path)
-    try:
+    with rung('broken', 'build_error', tmp_path) as (r, _):
         with pytest.raises(_turns.RungFailed, match=r"(?s)'broken'.*ValueError: no such rung"):
             r.reply(60)
         assert r.proc.wait(10) == 1
-    finally:
-        r.kill()
 
 
 def test_a_variant_that_dies_in_a_turn_is_named_with_its_status(tmp_path):
-    r, _ = rung('dies', 'die', tmp_path)
-    try:
+    with rung('dies', 'die', tmp_path) as (r, _):
         r.reply(60)
         r.stop()
         with pytest.raises(_turns.RungFailed, match=r"'dies'.*exit status 3"):
             r.turn(settle=1, steps=3, timeout=30)
-    finally:
-        r.kill()
 
 
 def test_a_silent_variant_times_out_and_is_killed_with_its_workers(tmp_path):
-    r, ticks = rung('hangs', 'hang', tmp_path)
-    try:
+    with rung('hangs', 'hang', tmp_path) as (r, ticks):
         r.reply(60)
         r.stop()
         start = time.monotonic()
         with pytest.raises(_turns.RungFailed, match=r"'hangs'.*no reply within 1 s"):
             r.turn(settle=0, steps=1, timeout=1)
         assert time.monotonic() - start < 10
-    finally:
-        r.kill()
     time.sleep(0.2)
     written = size(ticks + '.worker')
     time.sleep(0.3)
