@@ -1,9 +1,9 @@
 """Variants timed in short turns, each in a process of its own that is
 stopped while the others run.
 
-On a shared machine the speed drifts in regimes of tens of seconds (measured
-here: a ResNet-50 step at 239 ms for a minute, then at 290 ms for the next;
-consecutive steps correlate at 0.93). Windows of whole rebuilt variants, one
+On a shared machine the speed drifts over tens of seconds while nothing
+changes (``drift.py`` measures it: step times correlated well beyond the
+next step). Windows of whole rebuilt variants, one
 after another, put seconds to minutes between a rung and the baseline it is
 compared with, and such a shift lands in one and not the other. Here every
 variant is built once, in a child process, and they take turns of a few
