@@ -170,7 +170,8 @@ def rounds(rungs, n_rounds, settle, steps, record, timeout=600, on_round=None, s
     its own (shuffled with ``seed``), so no rung keeps the same neighbours
     or the same distance from the one it is compared with: an A/A pair
     measures the noise every pair sees. ``record(name, seconds)`` gets each
-    turn's timed seconds, in the order they run."""
+    turn's timed seconds, in the order they run. ``on_round(r)`` is called
+    after each round; a true answer ends the rounds there."""
     import random
     shuffle = random.Random(seed).shuffle
     names = list(rungs)
@@ -179,8 +180,8 @@ def rounds(rungs, n_rounds, settle, steps, record, timeout=600, on_round=None, s
         shuffle(order)
         for name in order:
             record(name, rungs[name].turn(settle, steps, timeout))
-        if on_round is not None:
-            on_round(r)
+        if on_round is not None and on_round(r):
+            return
 
 
 WATCHDOG = """

@@ -173,26 +173,36 @@ STEP_KINDS = ('loader_workers', 'loader_prefetch', 'static_graph')
                        # in the timed turns or windows (and in turns, across the stops)
 
 
-def tune_first(build, limit):
+def tune_first(build, limit, seconds=None):
     """Runs the "all" rung until autotune has decided every key it met (or
-    ``limit`` steps); returns the steps and seconds it took, for the record."""
+    ``limit`` steps, or ``seconds``); returns the steps and seconds it took,
+    for the record."""
     if build is None:
         return None
     step, close = build()
     try:
-        return settle_tuning(step, limit)
+        return settle_tuning(step, limit, seconds)
     finally:
         close()
 
 
-def settle_tuning(step, limit):
+def tuning_seconds(args):
+    """The tuning pass's share of ``--time-limit``: half of what is left."""
+    left = time_left(args)
+    return None if left is None else max(left / 2, 0.0)
+
+
+def settle_tuning(step, limit, seconds=None):
     """Steps until autotune has decided every key met so far (at least 8
-    steps, at most ``limit``; ``STALLED`` steps without a new decision end it
-    only where no key timed over whole steps is left); what it took and what
-    stayed undecided."""
+    steps, at most ``limit``, and no longer than ``seconds`` once 8 steps
+    ran; ``STALLED`` steps without a new decision end it only where no key
+    timed over whole steps is left); what it took and what stayed
+    undecided."""
     from fastchain import tune
     start, steps, last_progress, decided = time.perf_counter(), 0, 0, -1
     while steps < limit:
+        if seconds is not None and steps >= 8 and time.perf_counter() - start > seconds:
+            break       # the time limit's share: what is left is named as undecided
         step()
         steps += 1
         summary = tune.summary()
@@ -274,9 +284,30 @@ def parse(argv):
                         '(default on a GPU, where a dozen processes would not fit its '
                         'memory at the largest batch). With turns, --windows is the '
                         'number of rounds (8 quick, 40 full)')
+    p.add_argument('--time-limit', type=float, default=None, metavar='SECONDS',
+                   help='end the tuning pass by half of this many seconds from the start and '
+                        'start no window (round) that would end after it; the report names '
+                        'what was cut (the one command of a GPU node passes what its '
+                        'deadline leaves)')
     p.add_argument('--serve', metavar='RUNG', help=argparse.SUPPRESS)
     p.add_argument('--tune-cache', help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument('--tune-seconds', type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.started = time.monotonic()
+    return args
+
+
+def time_left(args):
+    """Seconds left of ``--time-limit`` (None without one)."""
+    if args.time_limit is None:
+        return None
+    return args.time_limit - (time.monotonic() - args.started)
+
+
+def next_fits(args, last_seconds):
+    """Whether one more window (round) as long as the last fits the limit."""
+    left = time_left(args)
+    return left is None or left >= last_seconds
 
 
 class Setup:
@@ -288,7 +319,8 @@ class Setup:
         from fastchain.data import available_cores, make_demo_dataset
         self.args = args
         self.gpu = cuda.available()
-        args.batch = args.batch or (32 if self.gpu else 16)
+        self.default_batch = 32 if self.gpu else 16
+        args.batch = args.batch or self.default_batch
         args.crop = args.crop or (224 if self.gpu else 32)
         args.interleave = args.interleave or ('windows' if self.gpu else 'turns')
         self.n_images = args.images or (320 if args.quick else 640)
@@ -383,7 +415,7 @@ def serve(argv):
             step()
         info = {'warmup_seconds': round(time.perf_counter() - t0, 2)}
         if tuned(rung):
-            info['tuning'] = settle_tuning(step, TUNING_STEPS)
+            info['tuning'] = settle_tuning(step, TUNING_STEPS, args.tune_seconds)
             if args.tune_cache:
                 _cache.save(args.tune_cache)
         return step, finish, info
@@ -426,7 +458,9 @@ def run_turns(args, setup, names, rows, argv):
         cache = os.path.join(tmp, 'tune.json')
         base = [sys.executable, os.path.abspath(__file__)] + argv + ['--tune-cache', cache]
         for name in order:
-            rung = coordinator.start(name, base + ['--serve', name])
+            seconds = tuning_seconds(args)
+            rung = coordinator.start(name, base + ['--serve', name] + (
+                [] if seconds is None else ['--tune-seconds', str(seconds)]))
             ready[name] = rung.reply(BUILD_TIMEOUT)['ready']
             rung.stop()
             print('built {}: {}'.format(name, ready[name]), flush=True)
@@ -435,14 +469,19 @@ def run_turns(args, setup, names, rows, argv):
         def record(name, seconds):
             rows.add(name, TURN_STEPS / seconds)
 
+        done = {'rounds': 0, 'at': time.monotonic()}
+
         def progress(r):
             print('round {}/{}: '.format(r + 1, n_rounds) + ', '.join(
                 '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
+            now = time.monotonic()
+            last, done['at'], done['rounds'] = now - done['at'], now, r + 1
+            return not next_fits(args, last)         # True ends the rounds
 
         _turns.rounds(rungs, n_rounds, TURN_SETTLE, TURN_STEPS, record, on_round=progress)
         byes = {name: rung.close() for name, rung in rungs.items()}
     summary = (byes.get('all') or {}).get('bye')
-    return {'interleave': 'turns', 'rounds': n_rounds,
+    return {'interleave': 'turns', 'rounds': done['rounds'], 'rounds_planned': n_rounds,
             'turn': {'settle_steps': TURN_SETTLE, 'timed_steps': TURN_STEPS},
             'warmup': {n: r.get('warmup_seconds') for n, r in ready.items()},
             'tuning': {n: r['tuning'] for n, r in ready.items() if 'tuning' in r},
@@ -457,10 +496,14 @@ def run_windows(args, builders, rows):
     # autotune's choices are kept across rungs and windows (keyed by shapes and
     # structure): make them all before any window is timed, on the rung that
     # meets every key, so no rung's windows pay for the measurements.
-    tuning = tune_first(builders.get('all'), TUNING_STEPS)
+    tuning = tune_first(builders.get('all'), TUNING_STEPS, tuning_seconds(args))
     warmup = {}
     names = list(builders)
+    ran, last = 0, 0.0
     for w in range(windows):
+        if w and not next_fits(args, last):
+            break           # --time-limit: the report says how many windows ran
+        began = time.monotonic()
         # Each window starts one rung later, so no rung always runs first or
         # right after another (a slow rung's leftovers, the order's drift).
         shift = w % len(names)
@@ -480,7 +523,8 @@ def run_windows(args, builders, rows):
                 close()
         print('window {}/{}: '.format(w + 1, windows) + ', '.join(
             '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
-    return {'interleave': 'windows', 'windows': windows,
+        last, ran = time.monotonic() - began, w + 1
+    return {'interleave': 'windows', 'windows': ran, 'windows_planned': windows,
             'iterations_per_window': per_window, 'warmup': warmup,
             'tuning': {'all': tuning}, 'autotune_choices': tune.summary()}
 
@@ -532,14 +576,21 @@ def report(args, setup, rows, measured):
              'baseline_again is the baseline built again (an A/A control): '
              'baseline_again/baseline is this run\'s noise floor.',
              'Target on CPU: all/baseline >= 1.5.']
+    unit = 'rounds' if measured['interleave'] == 'turns' else 'windows'
+    if measured[unit] < measured[unit + '_planned']:
+        notes.insert(0, 'WARNING: --time-limit {} s: {} of the {} {} ran (the figures rest '
+                     'on fewer samples than planned).'.format(
+                         args.time_limit, measured[unit], measured[unit + '_planned'], unit))
     late = undecided_step_kinds(measured['tuning'])
     if late:
         notes.insert(0, 'WARNING: choices timed over whole steps were still undecided when the '
                      'timing began, so they were measured during it (in turns, across the '
                      'stops) and those rungs ran with changing choices: {}.'.format(late))
-    result = _common.write('ladder', args, config, rows, ratios, notes)
-    chart(result, os.path.join(args.results, 'ladder' + ('-quick' if args.quick else '')
-                               + '.png'))
+    # another batch than the device's default (the largest that fits, on a
+    # GPU) is written beside the default's results, not over them
+    name = 'ladder' + ('' if args.batch == setup.default_batch else '-b{}'.format(args.batch))
+    result = _common.write(name, args, config, rows, ratios, notes)
+    chart(result, os.path.join(args.results, name + ('-quick' if args.quick else '') + '.png'))
 
 
 if __name__ == '__main__':
