@@ -135,8 +135,14 @@ NODE_LACKS ?= nvtx simplejpeg threadpoolctl packaging setuptools
 # Not a requirement of fastchain, installed on the node with --no-deps: cuDNN 9's graphs
 # (the node has cuDNN 9 itself, nvidia-cudnn-cu13, and cuda-bindings).
 NODE_OPTIONAL ?= nvidia-cudnn-frontend
+# What the GPU tests need that the node lacks (property-based: hypothesis; about 1.3 MiB):
+# on the node, pip install --no-index --find-links dist/wheelhouse hypothesis.
+NODE_TEST_LACKS ?= hypothesis sortedcontainers
 # The node's own packages, for wheelhouse-check's stand-in of it.
 NODE_HAS ?= numpy pillow filelock protobuf six typing-extensions pyyaml
+# What the node's gpu_check.py runs with (it has them; no hypothesis): wheelhouse-check
+# then rehearses the node's command on the CPU, in that venv, from this tree.
+NODE_TOOLS ?= pytest pytest-timeout
 WHEEL_PLATFORM := --only-binary=:all: --implementation cp --python-version $(WHEEL_PY) \
 	--abi cp$(subst .,,$(WHEEL_PY)) --platform manylinux2014_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
@@ -145,7 +151,8 @@ wheelhouse: setup
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
 	$(PIP) wheel --no-deps --no-build-isolation -w $(WHEELHOUSE) "chainer==7.8.1"
 	$(PIP) wheel --no-deps -w $(WHEELHOUSE) .
-	$(PIP) download --no-deps -d $(WHEELHOUSE) $(WHEEL_PLATFORM) $(NODE_LACKS) $(NODE_OPTIONAL)
+	$(PIP) download --no-deps -d $(WHEELHOUSE) $(WHEEL_PLATFORM) $(NODE_LACKS) $(NODE_OPTIONAL) \
+	  $(NODE_TEST_LACKS)
 	@du -sh $(WHEELHOUSE); ls $(WHEELHOUSE)
 
 # (Scripts under tests/ run with -P: tests/ on sys.path would put its nvtx/ and cudnn/
@@ -154,7 +161,8 @@ wheelhouse: setup
 # (the node has them already), then fastchain from the wheelhouse alone
 # (--no-index): a missing dependency fails here. Then Chainer and fastchain
 # import (the shims applied by the wheel's import hook, whatever the import
-# order) and train a step with enable(), and the doctor runs.
+# order) and train a step with enable(), and the doctor runs; then the node's
+# benchmarks/gpu_check.py runs its CPU-possible steps there (--device @numpy).
 WHEELCHECK_VENV ?= dist/wheelhouse-check-venv
 WHEEL_PYTHON := $(shell for p in python$(WHEEL_PY) $$HOME/.pyenv/versions/$(WHEEL_PY)*/bin/python$(WHEEL_PY) \
 	  /usr/bin/python$(WHEEL_PY); do $$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; break; }; done)
@@ -169,6 +177,12 @@ wheelhouse-check: wheelhouse
 	  --no-index --find-links $(WHEELHOUSE) --no-deps $(NODE_OPTIONAL)
 	cd $(WHEELCHECK_VENV) && ./bin/python -P $(CURDIR)/tests/wheelhouse_check.py
 	$(WHEELCHECK_VENV)/bin/fastchain doctor > /dev/null && echo "wheelhouse-check: doctor ran"
+	$(WHEELCHECK_VENV)/bin/python -m pip --disable-pip-version-check -q install $(NODE_TOOLS)
+	$(WHEELCHECK_VENV)/bin/python -m pip --disable-pip-version-check -q install \
+	  --no-index --find-links $(WHEELHOUSE) hypothesis
+	$(WHEELCHECK_VENV)/bin/python benchmarks/gpu_check.py --quick --device @numpy \
+	  --steps doctor,gpu_tests,resnet_fp32,nvtx --image-size 32 --batch 2 \
+	  --results $(WHEELCHECK_VENV)/gpu-check --pack $(WHEELCHECK_VENV)/gpu-check.tar.gz
 
 clean:
 	rm -rf .venv .venv-np1 .pytest_cache result recipes/*/.data benchmarks/.cache dist

@@ -1,15 +1,21 @@
 """Everything fastchain has to prove on a GPU node, in one offline command.
 
-    python benchmarks/gpu_check.py --quick            # well inside ten minutes
+    python benchmarks/gpu_check.py --quick            # inside ten minutes (a deadline of 480 s)
     python benchmarks/gpu_check.py                    # the full form
     python benchmarks/gpu_check.py --pack OUT.tar.gz  # also one archive of the results
+    python benchmarks/gpu_check.py --unpack A.tar.gz B.tar.gz   # here: a split run's archives
 
 Runs in the Python it is started with (the node's own, with fastchain installed
 from the wheelhouse, or a venv): no package index, no ``make setup``. Each
-step is a subprocess with its own time limit; its output goes to
-``RESULTS/logs/<step>.log`` and its status, seconds and the figures it found
-to ``RESULTS/gpu_check.json`` (written after every step, so a cut-off run
-still says how far it got). A step that fails does not stop the others.
+step is a subprocess in a process group of its own with its own time limit
+(past it: SIGTERM, then SIGKILL to the group); its output goes to
+``RESULTS/logs/<step>.log`` as it comes, and its status, seconds and the
+figures it found to ``RESULTS/gpu_check.json``, which, like the archive of
+``--pack``, is rewritten after every step, so a run cut off from outside
+still brings back what finished. A step that fails does not stop the others.
+``--deadline`` (480 s with ``--quick``) bounds the whole run: each step gets
+what is left at most, the ladder ends its windows a margin before
+(``--time-limit``), and a step with too little left is skipped and named.
 
 Steps: ``doctor`` (``fastchain doctor --json``), ``gpu_tests`` (the
 ``gpu``-marked tests), ``resnet_fp32`` / ``resnet_fp16`` (the recipe on
@@ -19,14 +25,18 @@ device prefetcher), ``nvtx`` (a recipe run with the NVTX injection recorder
 attached, counting the ranges received: ``nsys`` cannot report on the node),
 ``nccl`` (the NCCL communicator with one rank), then the benchmarks: ladder,
 overhead, loader, nvtx_cost (their ``--quick`` forms with ``--quick``).
-``--steps`` picks some; ``--device @numpy`` runs the same on a CPU (to try
-the script itself: the GPU-only steps then say why they were skipped).
+``--steps`` picks some, in the order given (a full check split over several
+commands: ``--unpack`` merges their archives here); ``--device @numpy`` runs
+the same on a CPU (to try the script itself: the GPU-only steps then say why
+they were skipped).
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -39,6 +49,15 @@ RECIPE = os.path.join(ROOT, 'recipes', 'resnet50', 'train.py')
 STEPS = ('doctor', 'gpu_tests', 'resnet_fp32', 'resnet_fp16', 'resnet_demo', 'nvtx', 'nccl',
          'ladder', 'overhead', 'loader', 'nvtx_cost')
 GPU_ONLY = ('nccl',)
+# Modules a step cannot run without, and where they come from on the node.
+NEEDS = {'gpu_tests': ('pytest', 'hypothesis'), 'nccl': ('pytest',)}
+WHEELHOUSE_FIX = 'python3 -m pip install --no-index --find-links dist/wheelhouse {}'
+TIME_LIMITED = ('ladder',)      # steps that take --time-limit and report what they cut
+QUICK_DEADLINE = 480            # well inside a ten-minute command, the install included
+MIN_STEP_SECONDS = 30           # a step with less left is skipped, not started
+PACK_SECONDS = 15               # kept for the last archive
+STEP_MARGIN = 45                # before a time-limited step's kill: its report and charts
+GRACE_SECONDS = 15              # between a late step's SIGTERM and its SIGKILL
 
 
 def plan(args):
@@ -54,8 +73,8 @@ def plan(args):
     steps = {
         'doctor': ([py, '-c', "from fastchain.doctor._cli import main; "
                     "main(['doctor', '--json'])"], {}, 120),
-        # Only the files that hold GPU tests: the others need hypothesis,
-        # which the node does not have.
+        # Only the files that hold GPU tests (some are property-based: the
+        # node gets hypothesis from the wheelhouse, see NEEDS).
         'gpu_tests': ([py, '-m', 'pytest', '-m', 'gpu', '-rs', '-p', 'no:cacheprovider']
                       + gpu_test_files(), {}, 300 if quick else 900),
         'resnet_fp32': (recipe + ['--data', 'synthetic', '--all', '--iterations', iters,
@@ -72,7 +91,8 @@ def plan(args):
                  {'FASTCHAIN_NVTX_LOG': os.path.join(out, 'logs', 'nvtx_ranges.tsv')}, 300),
         'nccl': ([py, '-m', 'pytest', '-rs', '-p', 'no:cacheprovider', '-k', 'nccl',
                   os.path.join(ROOT, 'tests', 'distributed')], {}, 300),
-        'ladder': ([py, os.path.join(HERE, 'ladder.py'), '--device', device] + bench_common,
+        'ladder': ([py, os.path.join(HERE, 'ladder.py'), '--device', device, '--batch',
+                    str(args.batch), '--crop', str(args.image_size)] + bench_common,
                    {}, 600 if quick else 1800),
         'overhead': ([py, os.path.join(HERE, 'overhead.py'), '--device', device]
                      + bench_common, {}, 600 if quick else 1800),
@@ -128,25 +148,90 @@ def figures(name, text, out):
 
 
 def run_step(name, argv, env, seconds, out):
+    """Runs one step in a process group of its own, its output written to
+    its log as it comes (a run cut off from outside keeps what the step
+    printed); past ``seconds`` the group gets SIGTERM, then SIGKILL."""
     log = os.path.join(out, 'logs', name + '.log')
+    doctor = os.path.join(out, 'doctor.json')
     start = time.monotonic()
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=seconds,
-                           env=dict(os.environ, **env), cwd=ROOT)
-        status, text = ('ok' if r.returncode == 0 else 'failed ({})'.format(r.returncode),
-                        r.stdout + r.stderr)
-        stdout = r.stdout
-    except subprocess.TimeoutExpired as e:
-        status = 'timed out after {} s'.format(seconds)
-        stdout = (e.stdout or b'').decode(errors='replace')
-        text = stdout + (e.stderr or b'').decode(errors='replace')
     with open(log, 'w') as f:
-        f.write(' '.join(argv) + '\n\n' + text)
-    if name == 'doctor' and status == 'ok':
-        with open(os.path.join(out, 'doctor.json'), 'w') as f:
-            f.write(stdout)         # the JSON alone (warnings went to stderr)
+        f.write(' '.join(argv) + '\n\n')
+        f.flush()
+        # the doctor's JSON alone in its file (its warnings go to the log)
+        stdout = open(doctor, 'w') if name == 'doctor' else f
+        try:
+            proc = subprocess.Popen(argv, stdout=stdout, stderr=f, cwd=ROOT,
+                                    start_new_session=True,
+                                    env=dict(os.environ, PYTHONUNBUFFERED='1', **env))
+            try:
+                rc = proc.wait(timeout=seconds)
+                status = 'ok' if rc == 0 else 'failed ({})'.format(rc)
+            except subprocess.TimeoutExpired:
+                stop_group(proc)
+                status = 'timed out after {} s'.format(seconds)
+        finally:
+            if stdout is not f:
+                stdout.close()
+    with open(log) as f:
+        text = f.read()
+    if name == 'doctor':
+        with open(doctor) as f:
+            text += f.read()
     return {'status': status, 'seconds': round(time.monotonic() - start, 1),
             'figures': figures(name, text, out), 'log': os.path.relpath(log, out)}
+
+
+def stop_group(proc, grace=None):
+    """SIGTERM to the step's process group (the benchmarks close their
+    variants on it), then SIGKILL to what is left of it after ``grace``
+    seconds."""
+    grace = GRACE_SECONDS if grace is None else grace
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass            # the group is gone
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def pack(results, path):
+    """The results as one archive (no generated JPEGs, no compiled
+    recorder), replaced whole so a run cut off keeps the last one."""
+    def keep(info):
+        skip = '/demo-data' in info.name or info.name.endswith('.so')
+        return None if skip else info
+    tmp = path + '.part'
+    with tarfile.open(tmp, 'w:gz') as tar:
+        tar.add(results, arcname='gpu', filter=keep)
+    os.replace(tmp, path)
+
+
+def unpack(archives, results):
+    """Extracts the archives of several runs (a full check split over
+    several commands) into ``results``, in order; their gpu_check.json
+    reports become one, each step's latest run kept, and each run's header
+    kept under ``runs``."""
+    merged = {'runs': [], 'steps': {}}
+    for path in archives:
+        with tarfile.open(path) as tar:
+            report = json.load(tar.extractfile('gpu/gpu_check.json'))
+            members = [m for m in tar.getmembers()
+                       if m.name != 'gpu/gpu_check.json' and m.name.startswith('gpu/')
+                       and '..' not in m.name.split('/') and (m.isfile() or m.isdir())]
+            for m in members:
+                m.name = m.name[len('gpu/'):] or '.'
+            safe = {'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}
+            tar.extractall(results, members=members, **safe)
+        merged['runs'].append(dict({k: v for k, v in report.items() if k != 'steps'},
+                                   archive=os.path.basename(path),
+                                   steps=list(report['steps'])))
+        merged['steps'].update(report['steps'])
+    with open(os.path.join(results, 'gpu_check.json'), 'w') as f:
+        json.dump(merged, f, indent=2)
+    return merged
 
 
 def main(argv=None):
@@ -156,40 +241,70 @@ def main(argv=None):
     p.add_argument('--steps', default=','.join(STEPS),
                    help='comma-separated, from: ' + ', '.join(STEPS))
     p.add_argument('--device', default='@cupy:0')
-    p.add_argument('--batch', type=int, default=32, help="the recipe's batch (the talk's: 32)")
-    p.add_argument('--image-size', type=int, default=224, help="the recipe's crop (the talk's: 224)")
-    p.add_argument('--pack', metavar='TAR_GZ', help='also write the results as one archive')
+    p.add_argument('--batch', type=int, default=32,
+                   help="the recipe's and the ladder's batch (the talk's: 32)")
+    p.add_argument('--image-size', type=int, default=224,
+                   help="the recipe's and the ladder's crop (the talk's: 224)")
+    p.add_argument('--pack', metavar='TAR_GZ',
+                   help='also write the results as one archive (rewritten after every step)')
+    p.add_argument('--deadline', type=float, default=None, metavar='SECONDS',
+                   help='seconds for the whole run (default with --quick: {}): each step '
+                        'gets what is left at most, the ladder ends its windows a margin '
+                        'before, and a step with less than {} s left is skipped and '
+                        'named'.format(QUICK_DEADLINE, MIN_STEP_SECONDS))
+    p.add_argument('--unpack', nargs='+', metavar='TAR_GZ',
+                   help='(here, not on the node) extract the archives of several runs into '
+                        '--results, their reports merged; runs nothing')
     args = p.parse_args(argv)
+    if args.unpack:
+        os.makedirs(args.results, exist_ok=True)
+        merged = unpack(args.unpack, args.results)
+        print('gpu_check: {} run(s), {} step(s) into {}'.format(
+            len(merged['runs']), len(merged['steps']), args.results))
+        return 0
     args.steps = [s for s in args.steps.split(',') if s]
     unknown = sorted(set(args.steps) - set(STEPS))
     if unknown:
         p.error('unknown step(s) {}; choose from {}'.format(', '.join(unknown),
                                                              ', '.join(STEPS)))
     os.makedirs(os.path.join(args.results, 'logs'), exist_ok=True)
+    start = time.monotonic()
+    deadline = QUICK_DEADLINE if args.deadline is None and args.quick else args.deadline
     report = {'started': time.strftime('%Y-%m-%d %H:%M:%S'), 'quick': args.quick,
-              'device': args.device, 'python': sys.executable, 'steps': {}}
+              'device': args.device, 'python': sys.executable, 'deadline_s': deadline,
+              'steps': {}}
     on_gpu = args.device.startswith('@cupy')
     for name, (cmd, env, seconds) in plan(args).items():
+        left = None if deadline is None else deadline - (time.monotonic() - start) - PACK_SECONDS
+        missing = [m for m in NEEDS.get(name, ()) if importlib.util.find_spec(m) is None]
         if name in GPU_ONLY and not on_gpu:
-            report['steps'][name] = {'status': 'skipped: needs a GPU (--device @cupy:0)'}
+            result = {'status': 'skipped: needs a GPU (--device @cupy:0)'}
+        elif missing:
+            result = {'status': 'failed: {} not installed in {} (fix: {})'.format(
+                ', '.join(missing), sys.executable, WHEELHOUSE_FIX.format(' '.join(missing)))}
+        elif left is not None and left < MIN_STEP_SECONDS:
+            result = {'status': 'skipped: the deadline ({} s) was {} s away'.format(
+                deadline, max(0, round(left + PACK_SECONDS)))}
         else:
-            if name == 'nvtx':
-                tool, why = nvtx_tool(args.results)
-                if tool is None:
-                    report['steps'][name] = {'status': 'skipped: recorder not built: ' + why}
-                    continue
-                env = dict(env, NVTX_INJECTION64_PATH=tool)
-            print('gpu_check: {} ...'.format(name), flush=True)
-            report['steps'][name] = run_step(name, cmd, env, seconds, args.results)
-            print('gpu_check: {} {}'.format(name, report['steps'][name]['status']), flush=True)
+            tool, why = nvtx_tool(args.results) if name == 'nvtx' else ('', '')
+            if tool is None:
+                result = {'status': 'skipped: recorder not built: ' + why}
+            else:
+                if tool:
+                    env = dict(env, NVTX_INJECTION64_PATH=tool)
+                if left is not None:
+                    seconds = int(min(seconds, left))
+                    if name in TIME_LIMITED:
+                        # ends its measurements itself, a margin before the kill
+                        cmd = cmd + ['--time-limit', str(max(seconds - STEP_MARGIN, 1))]
+                print('gpu_check: {} ...'.format(name), flush=True)
+                result = run_step(name, cmd, env, seconds, args.results)
+        report['steps'][name] = result
+        print('gpu_check: {} {}'.format(name, result['status']), flush=True)
         with open(os.path.join(args.results, 'gpu_check.json'), 'w') as f:
             json.dump(report, f, indent=2)
-    if args.pack:
-        def keep(info):     # no generated JPEGs, no compiled recorder
-            skip = '/demo-data' in info.name or info.name.endswith('.so')
-            return None if skip else info
-        with tarfile.open(args.pack, 'w:gz') as tar:
-            tar.add(args.results, arcname='gpu', filter=keep)
+        if args.pack:
+            pack(args.results, args.pack)
     failed = [n for n, s in report['steps'].items() if not s['status'].startswith(('ok',
                                                                                    'skipped'))]
     print('gpu_check: {} step(s) ok or skipped, failed: {}'.format(

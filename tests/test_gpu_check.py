@@ -2,11 +2,14 @@
 each step runs in its own process, its status and figures land in
 gpu_check.json, and the GPU-only steps say why they were skipped."""
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
+import time
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmarks',
                       'gpu_check.py')
@@ -23,8 +26,7 @@ def test_the_steps_run_and_report_on_a_cpu(tmp_path):
     steps = json.loads((out / 'gpu_check.json').read_text())['steps']
     assert steps['doctor']['status'] == 'ok'
     assert json.loads((out / 'doctor.json').read_text())['fastchain']
-    # The GPU tests' files collect (without hypothesis, which the node lacks)
-    # and skip here with their reason.
+    # The GPU tests' files collect and skip here with their reason.
     assert steps['gpu_tests']['status'] == 'ok', steps['gpu_tests']
     assert 'needs a CUDA GPU' in (out / 'logs' / 'gpu_tests.log').read_text()
     nvtx = steps['nvtx']
@@ -43,3 +45,109 @@ def test_an_unknown_step_is_refused():
     r = subprocess.run([sys.executable, SCRIPT, '--steps', 'doctr'], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and 'unknown step(s) doctr; choose from doctor' in r.stderr
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location('gpu_check', SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# A step that starts a child, says so, and ignores SIGTERM: only the kill of
+# its whole group ends both.
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])
+print('CHILD-PID', child.pid)
+time.sleep(120)
+"""
+
+
+def test_a_step_past_its_time_is_killed_with_its_children_and_keeps_its_output(
+        tmp_path, monkeypatch):
+    gpu_check = load_script()
+    monkeypatch.setattr(gpu_check, 'GRACE_SECONDS', 1)
+    (tmp_path / 'logs').mkdir()
+    start = time.monotonic()
+    result = gpu_check.run_step('stubborn', [sys.executable, '-c', STUBBORN], {}, 3,
+                                str(tmp_path))
+    assert result['status'] == 'timed out after 3 s'
+    assert time.monotonic() - start < 30
+    log = (tmp_path / 'logs' / 'stubborn.log').read_text()
+    pid = int(re.search(r'^CHILD-PID (\d+)$', log, re.M).group(1))   # printed live
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid), 'the step\'s child outlived the step'
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:        # a zombie still answers kill(0)
+        with open('/proc/{}/stat'.format(pid)) as f:
+            return f.read().split(')')[-1].split()[0] != 'Z'
+    except OSError:
+        return False
+
+
+def test_the_deadline_skips_what_cannot_start_and_the_archive_is_written(tmp_path):
+    out, archive = tmp_path / 'gpu', tmp_path / 'gpu.tar.gz'
+    r = subprocess.run([sys.executable, SCRIPT, '--device', '@numpy', '--steps',
+                        'doctor,nccl', '--deadline', '20', '--results', str(out),
+                        '--pack', str(archive)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((out / 'gpu_check.json').read_text())
+    assert report['deadline_s'] == 20
+    assert report['steps']['doctor']['status'].startswith(
+        'skipped: the deadline (20.0 s) was '), report['steps']
+    assert report['steps']['nccl']['status'].startswith('skipped: needs a GPU')
+    with tarfile.open(archive) as tar:
+        packed = json.load(tar.extractfile('gpu/gpu_check.json'))
+    assert packed['steps'] == report['steps']
+    assert not os.path.exists(str(archive) + '.part')
+
+
+def test_quick_has_a_deadline_inside_a_ten_minute_command():
+    gpu_check = load_script()
+    assert gpu_check.QUICK_DEADLINE + 60 <= 600      # a minute for the offline install
+
+
+def test_the_archives_of_a_split_run_unpack_into_one_report(tmp_path):
+    def run(steps, name):
+        out = tmp_path / name
+        r = subprocess.run([sys.executable, SCRIPT, '--device', '@numpy', '--steps', steps,
+                            '--results', str(out), '--pack', str(tmp_path / (name + '.tgz'))],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return str(tmp_path / (name + '.tgz'))
+
+    first, second = run('nccl', 'one'), run('doctor', 'two')
+    results = tmp_path / 'results'
+    r = subprocess.run([sys.executable, SCRIPT, '--unpack', first, second, '--results',
+                        str(results)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    merged = json.loads((results / 'gpu_check.json').read_text())
+    assert [run['steps'] for run in merged['runs']] == [['nccl'], ['doctor']]
+    assert merged['steps']['nccl']['status'].startswith('skipped: needs a GPU')
+    assert merged['steps']['doctor']['status'] == 'ok'
+    assert (results / 'logs' / 'doctor.log').exists()
+    assert json.loads((results / 'doctor.json').read_text())['fastchain']
+
+
+def test_a_step_whose_module_is_missing_names_it_and_the_fix(tmp_path, monkeypatch):
+    gpu_check = load_script()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec',
+                        lambda name, *a: None if name == 'hypothesis' else real(name, *a))
+    rc = gpu_check.main(['--device', '@numpy', '--steps', 'gpu_tests', '--results',
+                         str(tmp_path)])
+    assert rc == 1
+    status = json.loads((tmp_path / 'gpu_check.json').read_text())['steps']['gpu_tests']['status']
+    assert status.startswith('failed: hypothesis not installed in ')
+    assert 'pip install --no-index --find-links dist/wheelhouse hypothesis' in status
