@@ -43,9 +43,11 @@ machine's state; on this shared machine its speed shifts in regimes of tens
 of seconds, which windows of rebuilt rungs could not cancel. The "all" rung
 is built first and runs until autotune has decided every key; the other
 tuned rungs start from its choices (a cache file) and decide what is left
-before their turns, so no turn pays for measurements (a choice timed over
-whole steps still undecided after ``TUNING_STEPS`` is named in the notes:
-its measurements then ran in the turns, across the stops).
+before their turns, so no turn pays for measurements. A choice timed over
+whole steps (the loader's workers and depth, the static cache) takes turns
+longer than the ladder's turns and windows: one the tuning leaves (its step
+limit, ``STEP_KIND_STEPS``, or its share of ``--time-limit``) is decided
+from the trials it had, and the notes name it.
 
 ``--interleave windows`` (the default on a GPU, where a dozen processes would
 not fit in its memory at the largest batch): the rungs are rebuilt in this
@@ -165,12 +167,14 @@ WARMUP_ITERATIONS = 4  # worker start, first calls, the cached schedule's build 
 TURN_SETTLE = 1        # untimed steps at the start of a turn (caches the others evicted)
 TURN_STEPS = 4         # timed steps of a turn
 BUILD_TIMEOUT = 1200   # seconds for a rung's process to build, warm up and tune
-TUNING_STEPS = 240     # at most; on 2 cores the loader's count and depth take up to 120
+TUNING_STEPS = 240     # at most, while only keys timed per call are left
+STEP_KIND_STEPS = 1200 # at most, while a choice timed over whole steps is left: the loader
+                       # of a 16-core node takes 680 steps (worker counts) + up to 408 (depth)
 STALLED = 64           # steps without a new decision that end the tuning early when
                        # only per-call keys are left (one met rarely, in define-by-run)
 STEP_KINDS = ('loader_workers', 'loader_prefetch', 'static_graph')
-                       # timed over whole steps: left undecided, they would be measured
-                       # in the timed turns or windows (and in turns, across the stops)
+                       # timed over whole steps, in turns longer than the ladder's turns
+                       # and windows: what the tuning leaves of them is decided early
 
 
 def tune_first(build, limit, seconds=None):
@@ -192,17 +196,26 @@ def tuning_seconds(args):
     return None if left is None else max(left / 2, 0.0)
 
 
-def settle_tuning(step, limit, seconds=None):
-    """Steps until autotune has decided every key met so far (at least 8
-    steps, at most ``limit``, and no longer than ``seconds`` once 8 steps
-    ran; ``STALLED`` steps without a new decision end it only where no key
-    timed over whole steps is left); what it took and what stayed
-    undecided."""
+def settle_tuning(step, limit, seconds=None, step_limit=None):
+    """Steps until autotune has decided every key met so far: at least 8
+    steps; at most ``limit`` while only keys timed per call are left and
+    ``step_limit`` (``STEP_KIND_STEPS``) while a choice timed over whole
+    steps is; no longer than ``seconds`` once 8 steps ran; ``STALLED`` steps
+    without a new decision end it where only per-call keys are left.
+
+    A choice timed over whole steps still undecided then is decided from
+    the trials it has (``decide_now``): one of its turns (the loader's:
+    its slots plus two steps) is longer than a turn or a window of the
+    ladder, so it would never finish there and the rung would run under
+    whichever alternative a turn had begun. Returns the steps and seconds
+    it took, what was decided early, and what stayed undecided."""
     from fastchain import tune
-    start, steps, last_progress, decided = time.perf_counter(), 0, 0, -1
-    while steps < limit:
+    from fastchain.tune import _tuner
+    step_limit = STEP_KIND_STEPS if step_limit is None else step_limit
+    start, steps, last_progress, decided, left = time.perf_counter(), 0, 0, -1, []
+    while steps < (step_limit if set(left) & set(STEP_KINDS) else limit):
         if seconds is not None and steps >= 8 and time.perf_counter() - start > seconds:
-            break       # the time limit's share: what is left is named as undecided
+            break       # the time limit's share
         step()
         steps += 1
         summary = tune.summary()
@@ -214,18 +227,35 @@ def settle_tuning(step, limit, seconds=None):
             break
         if steps - last_progress >= STALLED and not set(left) & set(STEP_KINDS):
             break       # what is left is met rarely in this rung (a key of define-by-run)
+    early = []
+    for _ in range(len(STEP_KINDS) + 1):
+        now_decided = _tuner.decide_now(STEP_KINDS)
+        if not now_decided:
+            break
+        early += now_decided
+        step()          # a decision can open the next choice (the loader's depth)
+        steps += 1
     summary = tune.summary()
     return {'steps': steps, 'seconds': round(time.perf_counter() - start, 1),
+            'decided_early': early,
             'undecided': {k: s['keys'] - s['decided'] for k, s in summary.items()
                           if s['decided'] < s['keys']}}
 
 
 def undecided_step_kinds(tuning):
     """{rung: [kind]} of choices timed over whole steps that the tuning left
-    undecided (they were measured in the timed turns or windows)."""
+    undecided (met first after it: measured in the timed turns or windows)."""
     return {rung: sorted(set(t['undecided']) & set(STEP_KINDS))
             for rung, t in (tuning or {}).items()
             if t and set(t['undecided']) & set(STEP_KINDS)}
+
+
+def decided_early(tuning):
+    """{rung: ['kind key: picked (trials)']} of the choices the tuning pass
+    decided before their measurements were done."""
+    return {rung: ['{} {}: {} (trials {})'.format(d['kind'], d['key'], d['picked'], d['trials'])
+                   for d in t['decided_early']]
+            for rung, t in (tuning or {}).items() if t and t.get('decided_early')}
 
 
 def paired_ratio(rows, a, b):
@@ -314,17 +344,19 @@ class Setup:
     """What the coordinator and every rung process agree on."""
 
     def __init__(self, args):
-        import chainer
         from fastchain.backends import cuda
         from fastchain.data import available_cores, make_demo_dataset
         self.args = args
-        self.gpu = cuda.available()
+        try:
+            self.device = cuda.get_device(args.device)      # default: GPU 0 if usable
+        except RuntimeError as e:
+            sys.exit(str(e))
+        self.gpu = self.device.xp is not numpy
         self.default_batch = 32 if self.gpu else 16
         args.batch = args.batch or self.default_batch
         args.crop = args.crop or (224 if self.gpu else 32)
         args.interleave = args.interleave or ('windows' if self.gpu else 'turns')
         self.n_images = args.images or (320 if args.quick else 640)
-        self.device = chainer.get_device(args.device or ('@cupy:0' if self.gpu else '@numpy'))
         self.device.use()
         self.workers = available_cores()
         try:
@@ -581,6 +613,12 @@ def report(args, setup, rows, measured):
         notes.insert(0, 'WARNING: --time-limit {} s: {} of the {} {} ran (the figures rest '
                      'on fewer samples than planned).'.format(
                          args.time_limit, measured[unit], measured[unit + '_planned'], unit))
+    early = decided_early(measured['tuning'])
+    if early:
+        notes.insert(0, 'WARNING: choices timed over whole steps were decided before their '
+                     'measurements were done (the tuning pass reached its step or time limit), '
+                     'from the trials they had; those rungs ran with these choices: '
+                     '{}.'.format(early))
     late = undecided_step_kinds(measured['tuning'])
     if late:
         notes.insert(0, 'WARNING: choices timed over whole steps were still undecided when the '

@@ -67,3 +67,61 @@ def test_rounds_of_turns_end_when_on_round_says_so():
     _turns.rounds({'a': Fake(), 'b': Fake()}, 10, 1, 4, lambda n, s: seen.append(n),
                   on_round=lambda r: r == 2)
     assert len(seen) == 6           # three rounds of two turns, then the stop
+
+
+def test_a_choice_timed_over_whole_steps_left_by_the_tuning_is_decided_early(monkeypatch):
+    """A loader-like choice whose turns need more steps than the pass has:
+    the pass ends at its step limit and the choice takes the fastest count
+    it timed, so the windows after it run under one count, not a turn's."""
+    from fastchain.tune import _tuner
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    monkeypatch.setattr(_tuner, 'forced', {})
+    _tuner.forget()
+    turns = _tuner.Turns(settle=3, timed=2)
+    cost = {'4': 0.004, '2': 0.001, '1': 0.003}
+    ran = []
+
+    def step():
+        name = turns.step('loader_workers', ('pool',), ('4', '2', '1'))
+        ran.append(name)
+        time.sleep(cost[name])
+
+    try:
+        # a turn is 5 steps, recorded as the next begins: 3 untimed turns,
+        # then '4' and '2' timed (recorded at steps 21 and 26); 27 steps
+        # leave '1' without a trial
+        tuning = ladder.settle_tuning(step, 27, step_limit=27)
+        assert tuning['undecided'] == {}
+        [early] = tuning['decided_early']
+        assert early['kind'] == 'loader_workers' and early['picked'] == '2'
+        assert early['trials'] == {'4': 1, '2': 1, '1': 0}
+        after = len(ran)
+        for _ in range(10):
+            step()
+        assert set(ran[after:]) == {'2'}
+        assert ladder.decided_early({'all': tuning}) == {'all': [
+            "loader_workers ('pool',): 2 (trials {'4': 1, '2': 1, '1': 0})"]}
+    finally:
+        _tuner.forget()
+
+
+def test_the_pass_goes_past_its_step_limit_while_a_whole_step_choice_measures(monkeypatch):
+    from fastchain.tune import _tuner
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    monkeypatch.setattr(_tuner, 'forced', {})
+    monkeypatch.setattr(_tuner, 'TRIALS', 2)
+    _tuner.forget()
+    turns = _tuner.Turns(settle=1, timed=1)
+    cost = {'2': 0.003, '1': 0.001}
+
+    def step():
+        time.sleep(cost[turns.step('loader_workers', ('pool',), ('2', '1'))])
+
+    try:
+        # turns of 2 steps: 2 untimed, then 2 timed each; decided at step 13
+        tuning = ladder.settle_tuning(step, 8, step_limit=100)
+        assert 8 < tuning['steps'] < 100
+        assert tuning['decided_early'] == [] and tuning['undecided'] == {}
+        assert [c['picked'] for c in _tuner.choices('loader_workers')] == ['1']
+    finally:
+        _tuner.forget()

@@ -257,6 +257,26 @@ def describe(summary):
     return lines
 
 
+def decide_now(kinds=None):
+    """Ends the measuring of the undecided choices (of ``kinds``): each
+    takes the alternative with the lowest median of the times it has (the
+    default, the first named, where none was timed). For a benchmark that
+    must time a steady state before a choice timed over whole steps could
+    finish its turns; the results are the same whichever is picked. Returns
+    ``[{'kind', 'key', 'picked', 'trials'}]`` of the choices it decided."""
+    decided_now = []
+    with _lock:
+        for c in _choices.values():
+            if c.picked is not None or (kinds is not None and c.kind not in kinds):
+                continue
+            timed = [n for n in c.names if c.times[n]]
+            c.picked = min(timed, key=lambda a: (statistics.median(c.times[a]),
+                                                 c.names.index(a))) if timed else c.names[0]
+            decided_now.append({'kind': c.kind, 'key': c.label, 'picked': c.picked,
+                                'trials': {n: len(c.times[n]) for n in c.names}})
+    return decided_now
+
+
 def forget(kind=None):
     """Drop the choices made (of one kind), and those read from a cache
     file, so they are measured again."""

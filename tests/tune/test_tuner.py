@@ -275,3 +275,21 @@ def test_the_report_shows_what_was_picked_and_the_times(tuner):
     lines = fastchain.tune.describe(choices)
     assert 'cpu_conv: {} of {} keys decided: chainer {}; sum of medians: fastchain ' \
         '{:.1f} ms, chainer {:.1f} ms'.format(n, n, n, 2.0 * n, 1.0 * n) in lines
+
+
+def test_decide_now_takes_the_fastest_timed_so_far_or_the_default(tuner, monkeypatch):
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    tuner.update(a=3.0, b=1.0, c=2.0)
+    alternatives = tuple((n, lambda n=n: n) for n in 'abc')
+    # key 1: warmed up, then a and b timed once; c not yet
+    for _ in range(5):
+        _tuner.call('k', ('one',), alternatives)
+    _tuner.call('k', ('two',), alternatives)            # warm-up only: nothing timed
+    _tuner.call('other', ('x',), alternatives)          # another kind: left measuring
+    got = _tuner.decide_now(('k',))
+    assert [(d['key'], d['picked'], d['trials']) for d in got] == [
+        ("('one',)", 'b', {'a': 1, 'b': 1, 'c': 0}),
+        ("('two',)", 'a', {'a': 0, 'b': 0, 'c': 0})]
+    assert [_tuner.call('k', ('one',), alternatives) for _ in range(3)] == ['b'] * 3
+    assert [c['picked'] for c in _tuner.choices('other')] == [None]
+    assert _tuner.decide_now(('k',)) == []              # nothing left to decide
