@@ -209,6 +209,20 @@ def pack(results, path):
     os.replace(tmp, path)
 
 
+def probe_gpu():
+    """fastchain's CuPy probe, asked in a process of its own (this one
+    stays without CUDA): {'available', 'why', 'fix', ...}."""
+    code = ('import json; from fastchain.backends import cuda; '
+            'print(json.dumps(cuda.cupy_status().as_dict()))')
+    try:
+        r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except Exception as e:          # no fastchain, a crash, a hang: say which
+        return {'available': False, 'why': 'the probe failed: {}'.format(e),
+                'fix': 'run `fastchain doctor` in this Python'}
+
+
 def unpack(archives, results):
     """Extracts the archives of several runs (a full check split over
     several commands) into ``results``, in order; their gpu_check.json
@@ -267,13 +281,20 @@ def main(argv=None):
     if unknown:
         p.error('unknown step(s) {}; choose from {}'.format(', '.join(unknown),
                                                              ', '.join(STEPS)))
+    on_gpu = args.device.startswith('@cupy')
+    if on_gpu:
+        gpu = probe_gpu()
+        if not gpu.get('available'):
+            print('gpu_check: no usable GPU for {}: {} (fix: {}); to try this script on a '
+                  'CPU: --device @numpy'.format(args.device, gpu.get('why'), gpu.get('fix')),
+                  file=sys.stderr)
+            return 2
     os.makedirs(os.path.join(args.results, 'logs'), exist_ok=True)
     start = time.monotonic()
     deadline = QUICK_DEADLINE if args.deadline is None and args.quick else args.deadline
     report = {'started': time.strftime('%Y-%m-%d %H:%M:%S'), 'quick': args.quick,
               'device': args.device, 'python': sys.executable, 'deadline_s': deadline,
               'steps': {}}
-    on_gpu = args.device.startswith('@cupy')
     for name, (cmd, env, seconds) in plan(args).items():
         left = None if deadline is None else deadline - (time.monotonic() - start) - PACK_SECONDS
         missing = [m for m in NEEDS.get(name, ()) if importlib.util.find_spec(m) is None]

@@ -119,9 +119,11 @@ def main(argv=None):
                         'the CPU kernels (cpu_conv, fused_update) act on NumPy arrays only; '
                         'the GPU path is not run on a GPU yet')
     args = p.parse_args(argv)
-    import chainer
     from fastchain.backends import cuda
-    device = chainer.get_device(args.device or ('@cupy:0' if cuda.available() else '@numpy'))
+    try:
+        device = cuda.get_device(args.device)       # default: GPU 0 if usable
+    except RuntimeError as e:
+        sys.exit(str(e))
     device.use()
     # Rounds (one step per variant each); --windows sets the overhead- and
     # python-bound counts. A compute-bound step takes ~2 s here.

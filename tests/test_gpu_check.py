@@ -11,6 +11,8 @@ import sys
 import tarfile
 import time
 
+import pytest
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmarks',
                       'gpu_check.py')
 
@@ -151,3 +153,17 @@ def test_a_step_whose_module_is_missing_names_it_and_the_fix(tmp_path, monkeypat
     status = json.loads((tmp_path / 'gpu_check.json').read_text())['steps']['gpu_tests']['status']
     assert status.startswith('failed: hypothesis not installed in ')
     assert 'pip install --no-index --find-links dist/wheelhouse hypothesis' in status
+
+
+def test_without_a_usable_gpu_it_stops_at_once_naming_why_and_the_fix(tmp_path):
+    from fastchain.backends import cuda
+    status = cuda.cupy_status()
+    if status.available:
+        pytest.skip('a GPU is usable here')
+    r = subprocess.run([sys.executable, SCRIPT, '--results', str(tmp_path / 'gpu')],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith('gpu_check: no usable GPU for @cupy:0: {} (fix: {}); '
+                               'to try this script on a CPU: --device @numpy'.format(
+                                   status.why, status.fix)), r.stderr
+    assert not (tmp_path / 'gpu').exists()          # nothing run, nothing written

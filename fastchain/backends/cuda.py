@@ -106,6 +106,41 @@ def available():
     return cupy_status().available
 
 
+def get_device(spec=None):
+    """Chainer's device for ``spec`` (``'@numpy'``, ``'@cupy:N'``, a GPU id;
+    default: GPU 0 where one is usable, else the CPU). A GPU that cannot be
+    used raises RuntimeError naming why and the fix, instead of CUDA's own
+    error at the first use ("CUDA driver version is insufficient" where
+    there is no GPU at all)."""
+    import chainer
+    if spec is None:
+        spec = '@cupy:0' if available() else '@numpy'
+    index = _gpu_index(spec)
+    if index is not None:
+        status = cupy_status()
+        if not status.available:
+            raise RuntimeError('device {}: {} (fix: {}; or run on the CPU: @numpy)'.format(
+                spec, status.why, status.fix))
+        count = len(gpus())
+        if index >= count:
+            raise RuntimeError('device {}: this machine has {} GPU(s), @cupy:0 to @cupy:{} '
+                               '(fix: name one of those, or set CUDA_VISIBLE_DEVICES to show '
+                               'more)'.format(spec, count, count - 1))
+    return chainer.get_device(spec)
+
+
+def _gpu_index(spec):
+    """The GPU id ``spec`` names for CuPy, or None for another device."""
+    if isinstance(spec, bool):
+        return None
+    if isinstance(spec, int):
+        return spec if spec >= 0 else None      # Chainer's old integer ids: -1 is the CPU
+    if isinstance(spec, str) and spec.startswith('@cupy'):
+        _, _, number = spec.partition(':')
+        return int(number) if number.isdigit() else 0
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def gpus():
     """One dict per visible GPU: name, compute capability, memory, TensorCores."""

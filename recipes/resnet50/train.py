@@ -332,8 +332,10 @@ def main(argv=None):
     if comm is not None:
         device = comm.device()              # one GPU per process, by local rank
     else:
-        device = chainer.get_device(args.device or ('@cupy:0' if cuda.available()
-                                                    else '@numpy'))
+        try:
+            device = cuda.get_device(args.device)   # default: GPU 0 if usable
+        except RuntimeError as e:
+            sys.exit(str(e))
     device.use()
     if rank == 0 and device.xp is numpy and args.depth >= 50 and args.image_size >= 160 \
             and not args.iterations:

@@ -157,6 +157,12 @@ def test_tensor_cores_true_sets_tf32_on_cupy14_and_disable_restores_it(monkeypat
                      devices=[{'name': b'H100', 'major': 9, 'minor': 0,
                                'totalGlobalMem': 80 << 30}])
     state, calls = _with_compute_types(cupy)
+    # CuPy 14 without cuDNN graphs (where the cuDNN frontend and cuDNN 9 are
+    # installed, the graphs would be found and 'auto' would mean their fp16)
+    from fastchain.backends._status import Status
+    from fastchain.cudnn import _group
+    monkeypatch.setattr(_group, 'graph_status',
+                        lambda: Status(False, why='no cuDNN frontend', fix='-'))
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         with fastchain.enable(tensor_cores='auto', loader_workers=0) as h:
@@ -167,3 +173,26 @@ def test_tensor_cores_true_sets_tf32_on_cupy14_and_disable_restores_it(monkeypat
             report = h.report()['tensor_cores']
             assert report['active'] and 'TF32' in report['note']
     assert state['fp32'] == 1 and calls == [7, 1]
+
+
+def test_a_gpu_device_without_a_usable_gpu_names_why_and_the_fix(monkeypatch):
+    import numpy
+    fake_cupy(monkeypatch, '14.2.0', lambda: False)
+    for spec in ('@cupy:0', '@cupy', 0):
+        with pytest.raises(RuntimeError) as e:
+            cuda.get_device(spec)
+        assert str(e.value).startswith(
+            'device {}: no CUDA device found by CuPy (fix: check `nvidia-smi`'.format(spec))
+        assert str(e.value).endswith('; or run on the CPU: @numpy)')
+    # the default and the CPU's names are the CPU
+    assert cuda.get_device().xp is numpy
+    assert cuda.get_device('@numpy').xp is numpy and cuda.get_device(-1).xp is numpy
+
+
+def test_a_gpu_id_past_the_machines_gpus_is_refused(monkeypatch):
+    fake_cupy(monkeypatch, '14.2.0', lambda: True,
+              devices=[{'name': b'H100', 'major': 9, 'minor': 0, 'totalGlobalMem': 80 << 30}])
+    for spec in ('@cupy:1', 1):
+        with pytest.raises(RuntimeError, match=r'device {}: this machine has 1 GPU\(s\), '
+                                               r'@cupy:0 to @cupy:0 \(fix: '.format(spec)):
+            cuda.get_device(spec)

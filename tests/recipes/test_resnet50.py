@@ -110,6 +110,20 @@ def test_bad_data_path_and_bad_config(tmp_path):
     assert r.returncode != 0 and 'unknown option(s) itrations' in r.stderr
 
 
+def test_a_gpu_that_cannot_be_used_is_named_with_the_fix(tmp_path):
+    from fastchain.backends import cuda
+    status = cuda.cupy_status()
+    if status.available:
+        pytest.skip('a GPU is usable here')
+    r = subprocess.run([sys.executable, RECIPE, '--data', 'synthetic', '--device', '@cupy:0',
+                        '--out', str(tmp_path / 'o')] + TINY, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().endswith('device @cupy:0: {} (fix: {}; or run on the CPU: '
+                                     '@numpy)'.format(status.why, status.fix)), r.stderr
+    assert 'Traceback' not in r.stderr
+
+
 @pytest.mark.mpi
 def test_data_parallel_under_mpiexec_with_resume(tmp_path):
     from fastchain.backends import mpi
