@@ -24,7 +24,9 @@ talk:
                         Chainer, within a stated tolerance; when torch is installed)
   all                 plain.py + one fastchain.enable() call (ladder_scripts/with_fastchain.py)
   all_onednn          the same with onednn=True added to that call
-  torch               PyTorch eager ResNet-50, DataLoader with PIL (when torch is installed)
+  torch               PyTorch eager ResNet-50, DataLoader with PIL (when torch is installed);
+                        on a GPU as its users train there: channels-last, AMP (fp16
+                        autocast, GradScaler), cudnn.benchmark, pinned batches
   baseline_again      the baseline built again, an A/A control: baseline_again/baseline is
                         the run's noise floor (a ratio no accelerator can be told apart from)
 
@@ -139,15 +141,27 @@ def build_rung(rung, paths, args, device, cudnn_ok, fp16_ok):
     return updater.update, close
 
 
-def torch_rung(paths, args, workers):
+def torch_rung(paths, args, workers, gpu=None):
+    """PyTorch eager ResNet-50 with its DataLoader (PIL decode). On a GPU
+    (``gpu``: its index) as PyTorch users train there: the model in
+    channels-last, AMP (fp16 autocast with its GradScaler), cuDNN's
+    autotuner (``cudnn.benchmark``), pinned batches copied without
+    blocking; on a CPU in fp32. Returns (step, close)."""
     import torch
     import torch_resnet
 
+    on_gpu = gpu is not None
+    device = torch.device('cuda', gpu) if on_gpu else torch.device('cpu')
+    if on_gpu:
+        torch.backends.cudnn.benchmark = True
     loader = torch.utils.data.DataLoader(torch_dataset(paths, args.crop, plain.MEAN, 1 / 255), batch_size=args.batch, shuffle=True,
                                          num_workers=workers, drop_last=True,
-                                         persistent_workers=workers > 0)
-    model = torch_resnet.resnet50(len(paths['classes']))
+                                         persistent_workers=workers > 0, pin_memory=on_gpu)
+    model = torch_resnet.resnet50(len(paths['classes'])).to(device)
+    layout = torch.channels_last if on_gpu else torch.contiguous_format
+    model = model.to(memory_format=layout)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler('cuda', enabled=on_gpu)
     state = {'it': iter(loader)}
 
     def step():
@@ -156,11 +170,24 @@ def torch_rung(paths, args, workers):
         except StopIteration:
             state['it'] = iter(loader)
             x, t = next(state['it'])
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), t)
-        loss.backward()
-        optimizer.step()
-    return step, lambda: None
+        x = x.to(device, non_blocking=True).contiguous(memory_format=layout)
+        t = t.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.float16, enabled=on_gpu):
+            loss = torch.nn.functional.cross_entropy(model(x), t)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    def close():
+        # the loader's persistent workers end now, not when collected (windows
+        # rebuild this rung: each window would leave its workers behind)
+        it = getattr(loader, '_iterator', None) or state.get('it')
+        shutdown = getattr(it, '_shutdown_workers', None)
+        if shutdown is not None:
+            shutdown()
+        state.clear()
+    return step, close
 
 
 WARMUP_ITERATIONS = 4  # worker start, first calls, the cached schedule's build and replays
@@ -407,11 +434,26 @@ class Setup:
         return builders
 
     def torch_rung(self):
-        return torch_rung(self.paths, self.args, self.workers)
+        return torch_rung(self.paths, self.args, self.workers,
+                          self.device.device.id if self.gpu else None)
 
     def sync(self):
+        """Waits for the GPU's work (every stream: PyTorch's too)."""
         if self.gpu:
             self.device.device.synchronize()
+
+    def release(self):
+        """Gives back the memory a closed rung's pools keep (windows rebuild
+        rungs in one process: at the largest batch, what CuPy's and
+        PyTorch's pools hold from the last rung would not leave room)."""
+        if self.gpu:
+            import cupy
+            self.sync()
+            cupy.get_default_memory_pool().free_all_blocks()
+            cupy.get_default_pinned_memory_pool().free_all_blocks()
+            if self.has_torch:
+                import torch
+                torch.cuda.empty_cache()
 
 
 def tuned(rung):
@@ -473,7 +515,7 @@ def main(argv=None):
     if args.interleave == 'turns':
         measured = run_turns(args, setup, list(builders), rows, argv)
     else:
-        measured = run_windows(args, builders, rows)
+        measured = run_windows(args, builders, rows, setup)
     report(args, setup, rows, measured)
 
 
@@ -520,15 +562,20 @@ def run_turns(args, setup, names, rows, argv):
             'autotune_choices': summary}
 
 
-def run_windows(args, builders, rows):
-    """Rungs rebuilt in this process, one window each, window by window."""
+def run_windows(args, builders, rows, setup=None):
+    """Rungs rebuilt in this process, one window each, window by window;
+    the clock is read with the device synchronised (``setup.sync``), and a
+    closed rung's memory is given back before the next is built."""
     from fastchain import tune
+    sync = setup.sync if setup is not None else (lambda: None)
+    release = setup.release if setup is not None else (lambda: None)
     windows = args.windows or (3 if args.quick else 5)
     per_window = 4 if args.quick else 8
     # autotune's choices are kept across rungs and windows (keyed by shapes and
     # structure): make them all before any window is timed, on the rung that
     # meets every key, so no rung's windows pay for the measurements.
     tuning = tune_first(builders.get('all'), TUNING_STEPS, tuning_seconds(args))
+    release()
     warmup = {}
     names = list(builders)
     ran, last = 0, 0.0
@@ -546,13 +593,16 @@ def run_windows(args, builders, rows):
             try:
                 for _ in range(WARMUP_ITERATIONS):
                     step()
+                sync()
                 warmup.setdefault(name, round(time.perf_counter() - t0, 2))
                 start = time.perf_counter()
                 for _ in range(per_window):
                     step()
+                sync()
                 rows.add(name, per_window / (time.perf_counter() - start))
             finally:
                 close()
+                release()
         print('window {}/{}: '.format(w + 1, windows) + ', '.join(
             '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
         last, ran = time.monotonic() - began, w + 1
@@ -607,7 +657,13 @@ def report(args, setup, rows, measured):
              how,
              'baseline_again is the baseline built again (an A/A control): '
              'baseline_again/baseline is this run\'s noise floor.',
-             'Target on CPU: all/baseline >= 1.5.']
+             ('PyTorch (torch row): channels-last, AMP (fp16 autocast with its '
+              'GradScaler), cudnn.benchmark, pinned batches copied without blocking; the clock '
+              'is read with the device synchronised.' if setup.gpu else
+              'PyTorch (torch row): fp32 on the CPU, its own threads on the same cores.'),
+             ('Targets on a GPU (issue #19): autotune/baseline >= 2.1 (the talk\'s cuDNN and '
+              'autotune rungs), all/torch >= 0.8.' if setup.gpu else
+              'Target on CPU: all/baseline >= 1.5.')]
     unit = 'rounds' if measured['interleave'] == 'turns' else 'windows'
     if measured[unit] < measured[unit + '_planned']:
         notes.insert(0, 'WARNING: --time-limit {} s: {} of the {} {} ran (the figures rest '
