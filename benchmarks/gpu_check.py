@@ -92,7 +92,8 @@ def plan(args):
         'nccl': ([py, '-m', 'pytest', '-rs', '-p', 'no:cacheprovider', '-k', 'nccl',
                   os.path.join(ROOT, 'tests', 'distributed')], {}, 300),
         'ladder': ([py, os.path.join(HERE, 'ladder.py'), '--device', device, '--batch',
-                    str(args.batch), '--crop', str(args.image_size)] + bench_common,
+                    str(args.ladder_batch or args.batch), '--crop', str(args.image_size)]
+                   + bench_common,
                    {}, 600 if quick else 1800),
         'overhead': ([py, os.path.join(HERE, 'overhead.py'), '--device', device]
                      + bench_common, {}, 600 if quick else 1800),
@@ -257,6 +258,9 @@ def main(argv=None):
     p.add_argument('--device', default='@cupy:0')
     p.add_argument('--batch', type=int, default=32,
                    help="the recipe's and the ladder's batch (the talk's: 32)")
+    p.add_argument('--ladder-batch', default=None,
+                   help="the ladder's batch if not --batch's: a number, or max (the largest "
+                        "that fits, probed; written as ladder-bN beside the talk's batch)")
     p.add_argument('--image-size', type=int, default=224,
                    help="the recipe's and the ladder's crop (the talk's: 224)")
     p.add_argument('--pack', metavar='TAR_GZ',

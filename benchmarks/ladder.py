@@ -328,7 +328,10 @@ SKIP_FP16 = ('fp16 is a GPU rung: NumPy runs float16 matrix products without BLA
 
 def parse(argv):
     p = _common.parser('ladder', __doc__)
-    p.add_argument('--batch', type=int, default=None)
+    p.add_argument('--batch', type=batch_arg, default=None,
+                   help="images per step (default 32 on a GPU, 16 on a CPU); 'max' on a GPU: "
+                        "the largest power of two from 64 at which the baseline's fp32 "
+                        "step fits in its memory (probed first)")
     p.add_argument('--crop', type=int, default=None, help='training crop in pixels')
     p.add_argument('--images', type=int, default=None)
     p.add_argument('--device', default=None)
@@ -352,6 +355,60 @@ def parse(argv):
     args = p.parse_args(argv)
     args.started = time.monotonic()
     return args
+
+
+def batch_arg(text):
+    if text == 'max':
+        return text
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError('a batch of at least 1 image, or max')
+    return value
+
+
+PROBE_BATCHES = (64, 128, 256, 512, 1024)
+
+
+def out_of_memory(error):
+    """Whether ``error`` is a GPU's out-of-memory (CuPy's or PyTorch's)."""
+    names = {type(error).__name__} | {c.__name__ for c in type(error).__mro__}
+    return 'OutOfMemoryError' in names or 'out of memory' in str(error).lower()
+
+
+def largest_batch(device, crop, n_classes, sync, release, candidates=PROBE_BATCHES):
+    """The largest of ``candidates`` at which two steps of the baseline's
+    model (ResNet-50, fp32, Chainer's own kernels, MomentumSGD) fit on
+    ``device``, on random input of the ladder's crop; {batch: 'fits' or the
+    error} for the record. The baseline's fp32 im2col step needs the most
+    memory of the rungs; the others are built one at a time."""
+    import chainer
+    import chainer.links as L
+    from fastchain.models import ResNet
+    xp = device.xp
+    best, tried = None, {}
+    model = optimizer = x = t = None
+    for batch in candidates:
+        try:
+            model = L.Classifier(ResNet(50, n_classes))
+            model.to_device(device)
+            optimizer = chainer.optimizers.MomentumSGD(lr=0.01).setup(model)
+            x = xp.asarray(numpy.random.RandomState(0).standard_normal(
+                (batch, 3, crop, crop)).astype(numpy.float32))
+            t = xp.asarray(numpy.random.RandomState(1).randint(0, n_classes, batch)
+                           .astype(numpy.int32))
+            for _ in range(2):
+                optimizer.update(model, x, t)
+            sync()
+            tried[batch], best = 'fits', batch
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
+            tried[batch] = 'out of memory'
+            break
+        finally:
+            model = optimizer = x = t = None
+            release()
+    return best, tried
 
 
 def time_left(args):
@@ -380,11 +437,26 @@ class Setup:
             sys.exit(str(e))
         self.gpu = self.device.xp is not numpy
         self.default_batch = 32 if self.gpu else 16
-        args.batch = args.batch or self.default_batch
         args.crop = args.crop or (224 if self.gpu else 32)
         args.interleave = args.interleave or ('windows' if self.gpu else 'turns')
-        self.n_images = args.images or (320 if args.quick else 640)
         self.device.use()
+        self.probed = None
+        if args.batch == 'max':
+            if not self.gpu:
+                sys.exit("--batch max: the largest batch that fits is a GPU's; this run is "
+                         'on {} (give a number)'.format(self.device))
+            from fastchain.data._demo import CLASSES
+            args.batch, self.probed = largest_batch(self.device, args.crop, len(CLASSES),
+                                                    self.sync, self.release)
+            if args.batch is None:
+                sys.exit('--batch max: not even {} images fit: {}'.format(
+                    PROBE_BATCHES[0], self.probed))
+            print('largest batch that fits: {} ({})'.format(args.batch, self.probed),
+                  flush=True)
+        args.batch = args.batch or self.default_batch
+        # at least two batches of distinct images per epoch
+        self.n_images = args.images or max(320 if args.quick else 640,
+                                           -(-2 * args.batch // 10) * 10)
         self.workers = available_cores()
         try:
             import torch
@@ -451,8 +523,8 @@ class Setup:
             self.sync()
             cupy.get_default_memory_pool().free_all_blocks()
             cupy.get_default_pinned_memory_pool().free_all_blocks()
-            if self.has_torch:
-                import torch
+            torch = sys.modules.get('torch')
+            if torch is not None and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
 
 
@@ -578,7 +650,7 @@ def run_windows(args, builders, rows, setup=None):
     release()
     warmup = {}
     names = list(builders)
-    ran, last = 0, 0.0
+    ran, last, out_of_room = 0, 0.0, set()
     for w in range(windows):
         if w and not next_fits(args, last):
             break           # --time-limit: the report says how many windows ran
@@ -587,10 +659,11 @@ def run_windows(args, builders, rows, setup=None):
         # right after another (a slow rung's leftovers, the order's drift).
         shift = w % len(names)
         for name in names[shift:] + names[:shift]:
-            build = builders[name]
-            t0 = time.perf_counter()
-            step, close = build()
+            if name in out_of_room:
+                continue
+            t0, close = time.perf_counter(), None
             try:
+                step, close = builders[name]()
                 for _ in range(WARMUP_ITERATIONS):
                     step()
                 sync()
@@ -600,8 +673,15 @@ def run_windows(args, builders, rows, setup=None):
                     step()
                 sync()
                 rows.add(name, per_window / (time.perf_counter() - start))
+            except Exception as e:
+                if not out_of_memory(e):
+                    raise
+                # named, not fatal: the other rungs go on at this batch
+                out_of_room.add(name)
+                rows.skip(name, 'out of memory at batch {}: {}'.format(args.batch, e))
             finally:
-                close()
+                if close is not None:
+                    close()
                 release()
         print('window {}/{}: '.format(w + 1, windows) + ', '.join(
             '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
@@ -624,6 +704,7 @@ def report(args, setup, rows, measured):
     ratios['all/cpu_conv@paired'] = paired_ratio(rows, 'all', 'cpu_conv')
     diff = changed_lines()
     config = {'model': 'ResNet-50 v1.5', 'batch': args.batch, 'crop': args.crop,
+              'largest_batch_probe': setup.probed,
               'images': setup.n_images, 'image_sides_px': [300, 640],
               'device': str(setup.device), 'loader_workers': setup.workers,
               'warmup_iterations': WARMUP_ITERATIONS,

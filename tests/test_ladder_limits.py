@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', 'benchmarks'))
 import _common  # noqa: E402
@@ -125,3 +127,66 @@ def test_the_pass_goes_past_its_step_limit_while_a_whole_step_choice_measures(mo
         assert [c['picked'] for c in _tuner.choices('loader_workers')] == ['1']
     finally:
         _tuner.forget()
+
+
+class OutOfMemoryError(Exception):
+    """Named as CuPy's and PyTorch's are."""
+
+
+def test_the_largest_batch_is_the_last_that_fit_and_other_errors_are_raised(monkeypatch):
+    import chainer
+    import chainer.links as L
+    import fastchain.models
+
+    class Tiny(chainer.Chain):
+        def __init__(self, depth, n_classes, limit=128):
+            super().__init__()
+            self.limit = limit
+            with self.init_scope():
+                self.fc = L.Linear(None, n_classes)
+
+        def forward(self, x):
+            if x.shape[0] > self.limit:
+                raise OutOfMemoryError('out of memory allocating {} bytes'.format(x.nbytes))
+            return self.fc(x)
+
+    monkeypatch.setattr(fastchain.models, 'ResNet', Tiny)
+    released = []
+    device = chainer.get_device('@numpy')
+    best, tried = ladder.largest_batch(device, 4, 3, lambda: None,
+                                       lambda: released.append(1))
+    assert best == 128
+    assert tried == {64: 'fits', 128: 'fits', 256: 'out of memory'}
+    assert len(released) == 3           # the memory given back after every try
+
+    class Broken(chainer.Chain):
+        def forward(self, x):
+            raise ValueError('a real defect')
+
+    monkeypatch.setattr(fastchain.models, 'ResNet', lambda depth, n: Broken())
+
+    with pytest.raises(ValueError, match='a real defect'):
+        ladder.largest_batch(device, 4, 3, lambda: None, lambda: None)
+
+
+def test_a_rung_out_of_memory_is_named_and_the_others_go_on():
+    def too_big():
+        raise OutOfMemoryError('out of memory allocating 1 GiB')
+    builders = {'baseline': stand_in(0.001), 'fp16': too_big}
+    rows = _common.Rows('iterations/s')
+    args = args_for(None, 2)
+    args.batch = 512
+    measured = ladder.run_windows(args, builders, rows)
+    assert measured['windows'] == 2 and len(rows.windows['baseline']) == 2
+    assert 'fp16' not in rows.windows
+    assert rows.unavailable == [{'name': 'fp16', 'why': 'out of memory at batch 512: '
+                                                        'out of memory allocating 1 GiB'}]
+
+
+def test_batch_max_needs_a_gpu():
+    import subprocess
+    r = subprocess.run([sys.executable, os.path.join(HERE, '..', 'benchmarks', 'ladder.py'),
+                        '--batch', 'max', '--device', '@numpy', '--results', '/nonexistent'],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "--batch max: the largest batch that fits is a GPU's" in r.stderr
