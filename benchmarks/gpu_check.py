@@ -75,7 +75,7 @@ def plan(args):
                     "main(['doctor', '--json'])"], {}, 120),
         # Only the files that hold GPU tests (some are property-based: the
         # node gets hypothesis from the wheelhouse, see NEEDS).
-        'gpu_tests': ([py, '-m', 'pytest', '-m', 'gpu', '-rs', '-p', 'no:cacheprovider']
+        'gpu_tests': ([py, '-m', 'pytest', '-m', 'gpu', '-rsx', '-p', 'no:cacheprovider']
                       + gpu_test_files(), {}, 300 if quick else 900),
         'resnet_fp32': (recipe + ['--data', 'synthetic', '--all', '--iterations', iters,
                                   '--out', os.path.join(runs, 'fp32')] + size, {}, 300),
@@ -135,9 +135,10 @@ def figures(name, text, out):
     m = re.search(r'(\d+) passed', text)
     if m:
         found['passed'] = int(m.group(1))
-    m = re.search(r'(\d+) failed', text)
-    if m:
-        found['failed'] = int(m.group(1))
+    for outcome in ('failed', 'xfailed', 'skipped'):
+        m = re.search(r'(\d+) {}'.format(outcome), text)
+        if m:
+            found[outcome] = int(m.group(1))
     if name == 'nvtx':
         log = os.path.join(out, 'logs', 'nvtx_ranges.tsv')
         if os.path.exists(log):

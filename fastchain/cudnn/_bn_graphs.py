@@ -13,8 +13,9 @@ bound; the choice that matters is the layout).
 import numpy
 
 from fastchain.cudnn import _frontend
-from fastchain.cudnn._graphs import (_dtype, _entry, _execute, _finish, _lock, _new_graph,
-                                     _nhwc, _tensor, builds, first_runs, is_oom, strides)
+from fastchain.cudnn._graphs import (HEURISTIC_PLANS, _dtype, _entry, _execute, _finish, _lock,
+                                     _new_graph, _nhwc, _tensor, builds, first_runs, is_oom,
+                                     more_plans, strides)
 
 
 def _param_shape(x_shape):
@@ -79,7 +80,7 @@ def build_bn(key, layout='nchw'):
         tensors[name] = tensor
     with _lock:
         builds[(key, layout)] += 1
-    return _finish(cudnn, graph, key, tensors, layout)
+    return _finish(cudnn, graph, key, tensors, layout, want=HEURISTIC_PLANS)
 
 
 def _bn_entry(key):
@@ -130,16 +131,20 @@ def _run(entry, arrays):
     heuristics' order until one runs (cuDNN may refuse a plan only then)."""
     if entry.proven:
         return _run_bn(entry, arrays)
-    layout, last = entry.chosen[0], None
-    for plan in entry.graphs[layout].plans:
-        entry.chosen = (layout, plan)
+    layout, last, i = entry.chosen[0], None, 0
+    g = entry.graphs[layout]
+    while True:
+        if i >= len(g.plans):
+            more_plans(g, i + 1, _frontend.module())    # the next that builds
+            if i >= len(g.plans):
+                raise last
+        entry.chosen, i = (layout, g.plans[i]), i + 1
         try:
             return _run_bn(entry, arrays)
         except Exception as e:
             if is_oom(e):
                 raise
             last = e
-    raise last
 
 
 def bn_forward(key, x, gamma, beta, running_mean, running_var, eps, decay):

@@ -39,10 +39,28 @@ import threading
 import numpy
 
 from fastchain.cudnn import _frontend, _keys
-from fastchain.cudnn._plans import is_oom, plan_label, runnable  # noqa: F401 (is_oom: _bn_graphs)
+from fastchain.cudnn._plans import is_oom, more_plans, plan_label  # noqa: F401 (is_oom: _bn_graphs)
 
 TRIALS = 3
+REPEATS = 5             # runs between one pair of CUDA events (a trial: their mean)
 MAX_PLANS = 16
+HEURISTIC_PLANS = 1     # built without autotune: the first that builds (more if it fails)
+
+# The most workspace a plan may take. Chainer's own setting answers 0 where
+# CuPy has no cuDNN (and ignores a new value), so the graphs keep theirs:
+# Chainer's default for cuDNN, 8 MiB, until ``enable(workspace_size=...)``
+# or fp16 (512 MiB) sets another (``cudnn._group.workspace_accessors``).
+DEFAULT_WORKSPACE = 8 * 2 ** 20
+workspace_limit = DEFAULT_WORKSPACE
+
+
+def get_workspace_limit():
+    return workspace_limit
+
+
+def set_workspace_limit(size):
+    global workspace_limit
+    workspace_limit = int(size)
 
 _lock = threading.Lock()
 _entries = {}           # key -> _Entry
@@ -66,21 +84,27 @@ def refused(key):
 class _Entry:
     """A key's graphs (one per layout tried) and the chosen (layout, plan)."""
 
-    __slots__ = ('key', 'graphs', 'chosen', 'times', 'proven')
+    __slots__ = ('key', 'graphs', 'chosen', 'tuned', 'times', 'proven')
 
     def __init__(self, key):
         self.key = key
         self.graphs = {}        # layout -> _Graph
-        self.chosen = None      # (layout, plan index)
+        self.chosen = None      # (layout, plan index): the heuristics' (no autotune)
+        self.tuned = None       # (layout, plan index): autotune's (each kept apart, so a
+                                # key met first without autotune is still tuned with it)
         self.times = {}         # 'layout plan i' -> median ms (autotune)
         self.proven = False     # a call ran to the end: later errors are real errors
 
 
 class _Graph:
-    __slots__ = ('graph', 'tensors', 'plans', 'layout')
+    """A built graph: its plans in the frontend's list (``count``), those
+    built so far (``plans``), the next index to try, the first build error."""
 
-    def __init__(self, graph, tensors, plans, layout):
-        self.graph, self.tensors, self.plans, self.layout = graph, tensors, plans, layout
+    __slots__ = ('graph', 'tensors', 'plans', 'layout', 'count', 'next', 'error')
+
+    def __init__(self, graph, tensors, layout, count):
+        self.graph, self.tensors, self.layout = graph, tensors, layout
+        self.plans, self.count, self.next, self.error = [], count, 0, None
 
 
 def _dtype(cudnn, dtype):
@@ -107,11 +131,11 @@ def _tensor(graph, cudnn, name, shape, dtype, layout='nchw'):
                         data_type=_dtype(cudnn, dtype))
 
 
-def _finish(cudnn, graph, key, tensors, layout):
-    """Validate, lower, make and filter the plans, build them (all of them
-    under autotune, else the heuristics' choice); keep the indices that
-    built (the frontend keeps deselected and failed ones in its list);
-    Unsupported when none did."""
+def _finish(cudnn, graph, key, tensors, layout, want=None):
+    """Validate, lower, make and filter the plans, then build them one by one
+    (``want`` of them: ``MAX_PLANS`` under autotune, else the heuristics'
+    first that builds); Unsupported when none does."""
+    from fastchain.cudnn._plans import plan_count
     try:
         graph.validate()
         graph.build_operation_graph()
@@ -129,15 +153,17 @@ def _finish(cudnn, graph, key, tensors, layout):
         if limit is not None and hasattr(graph, 'deselect_workspace_greater_than'):
             graph.deselect_workspace_greater_than(limit)
         graph.check_support()
-        graph.build_plans(cudnn.build_plan_policy.ALL if _tuning()
-                          else cudnn.build_plan_policy.HEURISTICS_CHOICE)
-        plans = runnable(graph)
+        g = _Graph(graph, tensors, layout, plan_count(graph))
+        more_plans(g, want or (MAX_PLANS if _tuning() else HEURISTIC_PLANS), cudnn)
     except Exception as e:      # the frontend's errors (cudnnGraphNotSupportedError, ...)
+        if is_oom(e):
+            raise
         raise Unsupported('no cuDNN engine for {} ({}: {})'.format(
             layout.upper(), type(e).__name__, _first_line(e)))
-    if not plans:
-        raise Unsupported('no cuDNN engine for {} (no plan built)'.format(layout.upper()))
-    return _Graph(graph, tensors, plans, layout)
+    if not g.plans:
+        raise Unsupported('no cuDNN engine for {} (no plan of {} built{})'.format(
+            layout.upper(), g.count, ': ' + g.error if g.error else ''))
+    return g
 
 
 def _first_line(e):
@@ -249,7 +275,8 @@ def first_runs(entry, run):
             raise           # memory now, not the key: the next call tries again
         reason = e.reason if isinstance(e, Unsupported) else \
             'cuDNN could not run the {} graph ({}: {})'.format(
-                (entry.chosen or ('nchw',))[0].upper(), type(e).__name__, _first_line(e))
+                (entry.tuned or entry.chosen or ('nchw',))[0].upper(), type(e).__name__,
+                _first_line(e))
         with _lock:
             _refused[entry.key] = reason
             _entries.pop(entry.key, None)
@@ -288,14 +315,20 @@ def conv(key, a, b, out):
     input gradient or the weight gradient (``a``, ``b``: x and W, dy and W,
     x and dy; CuPy arrays, C-contiguous NCHW)."""
     entry = _entry(key, build_conv)
+    tuning = _tuning()
 
     def run():
-        if entry.chosen is None:
-            entry.chosen, wrote = _choose(entry, lambda layout, plan: _run_conv_layout(
-                entry, layout, plan, a, b, out), conv_layouts=True)
+        chosen = entry.tuned if tuning else entry.chosen
+        if chosen is None:
+            chosen, wrote = _choose(entry, lambda layout, plan: _run_conv_layout(
+                entry, layout, plan, a, b, out), tuning, conv_layouts=True)
+            if tuning:
+                entry.tuned = chosen
+            else:
+                entry.chosen = chosen
             if wrote:       # the chosen plan's run was the last: ``out`` is its result
                 return
-        _run_conv_layout(entry, *entry.chosen, a, b, out)
+        _run_conv_layout(entry, *chosen, a, b, out)
     first_runs(entry, run)
 
 
@@ -304,16 +337,22 @@ def _tuning():
     return _tuner.enabled
 
 
-def _choose(entry, run, conv_layouts=False):
+def _choose(entry, run, tuning, conv_layouts=False):
     """((layout, plan), wrote) for a key: the first NCHW plan in the
     heuristics' order that runs, or with autotune the fastest of every plan
     (and layout) timed, or the pick an autotune cache file holds for the key
     (:mod:`fastchain.tune._cache`). ``wrote``: the last run made here was the
     chosen one's (its output is the call's)."""
-    if not _tuning():
-        # The heuristics' order: the first plan that runs.
-        g, last = entry.graphs['nchw'], None
-        for plan in g.plans:
+    cudnn = _frontend.module()
+    if not tuning:
+        # The heuristics' order: the first plan that runs (built as needed).
+        g, last, i = entry.graphs['nchw'], None, 0
+        while True:
+            if i >= len(g.plans):
+                more_plans(g, i + 1, cudnn)
+                if i >= len(g.plans):
+                    break
+            plan, i = g.plans[i], i + 1
             try:
                 run('nchw', plan)
                 return ('nchw', plan), True
@@ -330,6 +369,8 @@ def _choose(entry, run, conv_layouts=False):
             entry.graphs['nhwc'] = guarded(build_conv, entry.key, 'nhwc')
         except Unsupported:
             pass
+    for g in entry.graphs.values():         # a graph built without autotune: the rest
+        more_plans(g, MAX_PLANS, cudnn)
     candidates = [(layout, plan) for layout, g in entry.graphs.items()
                   for plan in g.plans[:MAX_PLANS]]
     names = [plan_label(entry.graphs[layout], plan) for layout, plan in candidates]
@@ -343,11 +384,14 @@ def _choose(entry, run, conv_layouts=False):
             run(*candidate)                 # warm: first-call costs, caches
             trials = []
             for _ in range(TRIALS):
+                # back to back between one pair of events: the host's time to
+                # launch a run hides behind the runs queued before it
                 start.record()
-                run(*candidate)
+                for _ in range(REPEATS):
+                    run(*candidate)
                 end.record()
                 end.synchronize()
-                trials.append(cupy.cuda.get_elapsed_time(start, end))
+                trials.append(cupy.cuda.get_elapsed_time(start, end) / REPEATS)
         except Exception as e:
             if is_oom(e):
                 raise

@@ -33,9 +33,15 @@ def _workspace(value):
 
 
 def workspace_accessors():
-    """(get, set) of cuDNN's workspace size through Chainer (a no-op without cuDNN)."""
+    """(get, set) of cuDNN's workspace size: Chainer's where CuPy has cuDNN;
+    on CuPy 14 the cuDNN graphs' own limit (Chainer's answers 0 without
+    cuDNN and ignores a new value, which would leave the graphs only the
+    plans that need no workspace)."""
     import chainer.backends.cuda as chainer_cuda
-    return chainer_cuda.get_max_workspace_size, chainer_cuda.set_max_workspace_size
+    if chainer_cuda.cudnn_enabled:
+        return chainer_cuda.get_max_workspace_size, chainer_cuda.set_max_workspace_size
+    from fastchain.cudnn import _graphs
+    return _graphs.get_workspace_limit, _graphs.set_workspace_limit
 
 
 class CudnnGroup(Group):

@@ -94,8 +94,8 @@ def tensor_cores_allowed(dtype, setting):
 
 def conv_key(op, node, x_shape, w_shape, y_shape, dtype, tensor_cores, deterministic,
              device, workspace=None):
-    """``workspace``: the most bytes a plan may take (Chainer's
-    ``max_workspace_size``, which ``enable(workspace_size=...)`` sets)."""
+    """``workspace``: the most bytes a plan may take (the graphs' limit,
+    ``_graphs.workspace_limit``, which ``enable(workspace_size=...)`` sets)."""
     stride, pad, dilation = conv_geometry(node)
     return ConvKey(op, tuple(x_shape), tuple(w_shape), tuple(y_shape),
                    numpy.dtype(dtype).name, stride, pad, dilation, int(node.groups),

@@ -84,11 +84,10 @@ def _run_conv(op, node, key, a, b, out):
 
 def _key(op, node, x_shape, w_shape, y_shape, dtype, device):
     config = chainer.config
-    from chainer.backends import cuda as chainer_cuda
+    from fastchain.cudnn import _graphs
     return _keys.conv_key(op, node, x_shape, w_shape, y_shape, dtype,
                           _keys.tensor_cores_allowed(dtype, config.use_cudnn_tensor_core),
-                          config.cudnn_deterministic, device,
-                          chainer_cuda.get_max_workspace_size())
+                          config.cudnn_deterministic, device, _graphs.workspace_limit)
 
 
 def forward_layer(next_, node, inputs):

@@ -9,6 +9,47 @@ def plan_count(graph):
     return count() if count is not None else 1
 
 
+def more_plans(g, want, cudnn):
+    """Builds ``g``'s plans one index at a time, in the heuristics' order,
+    until ``want`` have built or none is left; ``g.plans`` lists those that
+    built. Frontend 1.32 keeps every plan in its list, those cuDNN
+    deselected (numeric notes, the workspace limit) included, and building
+    one raises ("Chosen plan index has been deselected.", a RuntimeError):
+    its own ``build_plans(ALL)`` stops at the first such, so each index is
+    built on its own here and one that fails is passed over (the first
+    reason kept in ``g.error``). A frontend without ``build_plan_at_index``
+    walks its own list once."""
+    build_at = getattr(g.graph, 'build_plan_at_index', None)
+    if build_at is None:
+        if g.next == 0:
+            g.next = g.count
+            try:
+                g.graph.build_plans(cudnn.build_plan_policy.ALL if want > 1
+                                    else cudnn.build_plan_policy.HEURISTICS_CHOICE)
+            except Exception as e:
+                if is_oom(e):
+                    raise
+                g.error = describe_error(e)
+            g.plans = runnable(g.graph)
+        return
+    while len(g.plans) < want and g.next < g.count:
+        index = g.next
+        g.next += 1
+        try:
+            build_at(index)
+        except Exception as e:
+            if is_oom(e):
+                raise
+            g.error = g.error or 'plan {}: {}'.format(index, describe_error(e))
+            continue
+        g.plans.append(index)
+
+
+def describe_error(e):
+    text = str(e).strip()
+    return '{}: {}'.format(type(e).__name__, text.splitlines()[0] if text else '')
+
+
 def runnable(graph):
     """Indices of the plans that built: those whose workspace the frontend
     can tell (a deselected or unbuilt one raises there)."""

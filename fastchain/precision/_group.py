@@ -48,7 +48,8 @@ class Fp16Group(Group):
             _setup_layer, loss_scale=values['loss_scale'], changes=changes))
         plan.wrap(convert, '_call_converter', 'fp16', _cast_layer)
         plan.wrap(chainer.Variable, 'backward', 'fp16', _attach.record_backward_scale)
-        if cuda.cudnn_status().available:
+        from fastchain.cudnn._group import graph_status
+        if cuda.cudnn_status().available or graph_status().available:
             # TensorCores need fp16 data (now the default dtype) and cuDNN's
             # 'auto' TensorCore mode; give their algorithms workspace.
             if 'tensor_cores' not in explicit:

@@ -102,6 +102,9 @@ class Graph:
         self.frontend, self.kwargs = frontend, kwargs
         self.tensors, self.ops, self.deselected, self.steps = [], [], [], []
         self.executed = []
+        self.built = set()
+        if not frontend.per_index:          # a frontend before build_plan_at_index
+            self.build_plan_at_index = None
         frontend.graphs.append(self)
 
     @property
@@ -158,17 +161,32 @@ class Graph:
             raise NotSupported('cudnnGraphNotSupportedError: no engine\nsecond line')
 
     def build_plans(self, policy):
+        # As frontend 1.32's walk: deselected plans stay in its list, and
+        # building one raises a RuntimeError that ends the walk (only a
+        # cudnnGraphNotSupportedError moves it on).
         self.steps.append(('build_plans', policy))
+        indices = range(self.get_execution_plan_count()) if policy == 'ALL' else [0]
+        for index in indices:
+            self._build(index)
+
+    def _build(self, index):
+        if index in self.frontend.dead.get(self.layout, ()):
+            raise RuntimeError('Chosen plan index has been deselected.')
+        self.built.add(index)
+
+    def build_plan_at_index(self, index):
+        self.steps.append(('build_plan_at_index', index))
+        self._build(index)
+        return self
 
     def get_execution_plan_count(self):
         return len(self.frontend.plan_costs.get(self.layout, [1.0]))
 
     def get_workspace_size_plan_at_index(self, index):
-        # As frontend 1.32: deselected and unbuilt plans stay in the list and
-        # fail here (and when executed).
+        # deselected and unbuilt plans stay in the list: nothing to tell
         if index in self.frontend.dead.get(self.layout, ()):
             raise RuntimeError('plan {} is not executable'.format(index))
-        return 256 * index
+        return 256 * index if index in self.built else 0
 
     def execute_plan_at_index(self, pack, workspace, index, handle=None):
         self.frontend.handles.append(handle)
@@ -182,6 +200,7 @@ class Graph:
         self.scalars = {t.name: float(numpy.asarray(a).ravel()[0])
                         for t, a in pack.items() if t.is_pass_by_value}
         assert all(type(a) is numpy.ndarray for t, a in pack.items() if t.is_pass_by_value)
+        assert index in self.built, 'plan {} executed unbuilt'.format(index)
         self.executed.append(index)
         self.frontend.executions.append((self.layout, index, pack))
         self.frontend.clock.now += self.frontend.plan_costs.get(self.layout, [1.0])[index]
@@ -194,6 +213,7 @@ def frontend(clock, backend=90300):
     m.graphs, m.executions, m.streams, m.handles = [], [], [], []
     m.fail_plans = {}       # layout -> plan indices that raise when executed
     m.dead = {}             # layout -> plan indices kept in the list but never built
+    m.per_index = True      # build_plan_at_index (frontend 1.x); False: build_plans alone
     m.plan_costs = {}
     m.unsupported = set()
     m.clock = clock

@@ -22,8 +22,8 @@ def described(monkeypatch):
     monkeypatch.setattr(_frontend, '_loaded', cudnn)
     monkeypatch.setattr(_frontend, 'handle', lambda device: None)
 
-    def describe_only(module, graph, key, tensors, layout):
-        return _graphs._Graph(graph, tensors, 1, layout)
+    def describe_only(module, graph, key, tensors, layout, want=None):
+        return _graphs._Graph(graph, tensors, layout, 1)
     monkeypatch.setattr(_graphs, '_finish', describe_only)
     monkeypatch.setattr(_bn_graphs, '_finish', describe_only)
     yield

@@ -188,8 +188,10 @@ def test_each_convolution_graph_is_told_its_geometry(monkeypatch, op, method, in
     # float16: TensorCores allowed; never inputs converted down or reductions
     # in a lower precision (fp32 accumulation as stated).
     assert graph.deselected == ['DOWN_CONVERT_INPUTS', 'REDUCED_PRECISION_REDUCTION']
-    # Without autotune the heuristics' choice is built (every plan: with it).
-    assert graph.steps[-1] == ('build_plans', 'HEURISTICS')
+    # Without autotune the heuristics' first plan that builds is built, one
+    # index at a time (with it: up to MAX_PLANS).
+    assert graph.steps[-1] == ('build_plan_at_index', 0)
+    assert not any(step[0] == 'build_plans' for step in graph.steps if isinstance(step, tuple))
 
 
 def test_float32_excludes_tensor_core_engines_and_deterministic_the_others(monkeypatch):
@@ -235,7 +237,8 @@ def test_autotune_times_every_plan_and_layout_and_keeps_the_fastest(monkeypatch)
         dev(numpy.zeros((2, 8, 6, 6), 'f'))
     _graphs.conv(key, a, b, out)
     runs = [e[:2] for e in fe.executions]
-    per_candidate = 1 + _graphs.TRIALS      # one untimed, then the timed trials
+    # one untimed, then the timed trials (each REPEATS runs between two events)
+    per_candidate = 1 + _graphs.TRIALS * _graphs.REPEATS
     assert runs.count(('nchw', 0)) == per_candidate
     assert runs.count(('nhwc', 0)) == per_candidate
     assert runs[-1] == ('nchw', 1)          # the call's own result: the kept plan's
@@ -512,9 +515,9 @@ def test_a_frontend_that_refuses_the_description_leaves_the_call_to_chainer(monk
     assert len(fe.graphs) == 2
 
 
-def _conv_arrays():
-    return (dev(numpy.zeros((2, 4, 6, 6), 'f')), dev(numpy.zeros((8, 4, 3, 3), 'f')),
-            dev(numpy.zeros((2, 8, 6, 6), 'f')))
+def _conv_arrays(dtype='f'):
+    return (dev(numpy.zeros((2, 4, 6, 6), dtype)), dev(numpy.zeros((8, 4, 3, 3), dtype)),
+            dev(numpy.zeros((2, 8, 6, 6), dtype)))
 
 
 def test_a_plan_cudnn_will_not_run_is_passed_over_then_the_key_refused(monkeypatch):
@@ -619,3 +622,82 @@ def test_a_batchnorm_graph_that_fails_its_first_run_leaves_the_statistics_alone(
         _bn_graphs.bn_forward(key, x, g, g, mean, var, 2e-5, 0.9)
     assert (mean == 5).all() and (var == 7).all()       # Chainer's code updates them
     assert _graphs.refused(key).startswith('cuDNN could not run the NCHW graph')
+
+
+def test_deselected_plans_in_the_list_are_passed_over_one_by_one(monkeypatch):
+    """Frontend 1.32 keeps deselected plans in its list and its own
+    build_plans(ALL) stops at the first with a RuntimeError: plans are built
+    one index at a time, the deselected ones passed over, with autotune and
+    without."""
+    fe = standin.install(monkeypatch)
+    fe.plan_costs = {'nchw': [1.0, 4.0, 2.0, 3.0]}
+    fe.dead = {'nchw': {0, 2}}
+    fe.unsupported.add('nhwc')
+    monkeypatch.setattr(_tuner, 'enabled', False)
+    key = key_of('conv forward')
+    _graphs.conv(key, *_conv_arrays())
+    assert [e[:2] for e in fe.executions] == [('nchw', 1)]      # the first that built
+    assert _graphs.refused(key) is None
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    other = key_of('conv forward', dtype='e')
+    _graphs.conv(other, *_conv_arrays('e'))
+    (choice,) = _tuner.choices('cudnn_graph')
+    assert set(choice['median_ms']) == {'nchw plan 1', 'nchw plan 3'}
+    assert choice['picked'] == 'nchw plan 3'
+
+
+def test_a_graph_with_no_plan_that_builds_is_refused_with_the_first_reason(monkeypatch):
+    fe = standin.install(monkeypatch)
+    fe.plan_costs = {'nchw': [1.0, 2.0]}
+    fe.dead = {'nchw': {0, 1}}
+    with pytest.raises(_graphs.Unsupported, match=r"no cuDNN engine for NCHW \(no plan of 2 "
+                       r"built: plan 0: RuntimeError: Chosen plan index has been deselected"):
+        _graphs.build_conv(key_of('conv forward'))
+
+
+def test_a_frontend_without_build_plan_at_index_walks_its_own_list(monkeypatch):
+    fe = standin.install(monkeypatch)
+    fe.per_index = False
+    fe.plan_costs = {'nchw': [1.0, 2.0]}
+    g = _graphs.build_conv(key_of('conv forward'))
+    assert fe.graphs[0].steps[-1] == ('build_plans', 'HEURISTICS') and g.plans[:1] == [0]
+
+
+def test_a_key_met_first_without_autotune_is_tuned_when_autotune_comes(monkeypatch):
+    """The heuristics' plan and autotune's are kept apart: the ladder's
+    cudnn rung (no autotune) runs a key before its autotune rung does."""
+    fe = standin.install(monkeypatch)
+    fe.plan_costs = {'nchw': [3.0, 1.0, 2.0]}
+    fe.unsupported.add('nhwc')
+    key = key_of('conv forward')
+    monkeypatch.setattr(_tuner, 'enabled', False)
+    _graphs.conv(key, *_conv_arrays())
+    assert fe.graphs[0].built == {0}            # one plan built without autotune
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    _graphs.conv(key, *_conv_arrays())
+    assert fe.graphs[0].built == {0, 1, 2}      # the rest built for the search
+    (choice,) = _tuner.choices('cudnn_graph')
+    assert choice['picked'] == 'nchw plan 1'
+    before = len(fe.executions)
+    monkeypatch.setattr(_tuner, 'enabled', False)
+    _graphs.conv(key, *_conv_arrays())          # without autotune: the heuristics' again
+    assert [e[:2] for e in fe.executions[before:]] == [('nchw', 0)]
+
+
+def test_the_graphs_keep_their_own_workspace_limit_which_enable_sets(monkeypatch):
+    """Chainer's workspace setting answers 0 without CuPy's cuDNN (and
+    ignores a new value): the graphs' limit is theirs, 8 MiB by default."""
+    import chainer.backends.cuda as chainer_cuda
+    import fastchain
+    from fastchain.cudnn import _group
+    assert not chainer_cuda.cudnn_enabled and chainer_cuda.get_max_workspace_size() == 0
+    get, set_ = _group.workspace_accessors()
+    assert get() == _graphs.DEFAULT_WORKSPACE == 8 << 20
+    node = conv_node(pad=1)
+    assert _layers._key('conv forward', node, (2, 4, 6, 6), (8, 4, 3, 3), (2, 8, 6, 6), 'f',
+                        0).workspace == 8 << 20
+    with fastchain.enable(workspace_size=64 << 20, loader_workers=0):
+        assert get() == 64 << 20
+        assert _layers._key('conv forward', node, (2, 4, 6, 6), (8, 4, 3, 3), (2, 8, 6, 6),
+                            'f', 0).workspace == 64 << 20
+    assert get() == 8 << 20

@@ -24,7 +24,7 @@ CONV_TOL = {'float32': 2.0 ** -16, 'float16': 2.0 ** -9}
 BN_TOL = {'float32': 2.0 ** -14, 'float16': 2.0 ** -8}
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture
 def graphs():
     import fastchain
     from fastchain.cudnn import _group
@@ -69,6 +69,28 @@ def bn_cases(n, seed=2027):
                'dtype': str(rng.choice(['float32', 'float16'])), 'seed': int(rng.randint(2 ** 16))}
 
 
+def took_graphs(before, ops):
+    """Each of ``ops`` ran once on a graph since ``before``; where cuDNN
+    refused a key (no engine for it: a limit of cuDNN, not of fastchain, and
+    its reason kept), the case is an expected failure naming the reason, so
+    the run shows which generated keys cuDNN has no engine for.
+    ``test_resnet50_runs_every_key_on_graphs`` allows no refusal."""
+    from fastchain.cudnn import _paths
+    after = _paths.summary()
+    for op in ops:
+        now = after.get(op, {'paths': {}, 'reasons': {}})
+        was = before.get(op, {'paths': {}, 'reasons': {}})
+        taken = now['paths'].get('graph', 0) - was['paths'].get('graph', 0)
+        if taken == 1:
+            continue
+        new = {r: n - was['reasons'].get(r, 0) for r, n in now['reasons'].items()
+               if n > was['reasons'].get(r, 0)}
+        refusals = [r for r in new if r.startswith(('no cuDNN engine', 'cuDNN could'))]
+        if refusals:
+            pytest.xfail('{}: cuDNN refused the key: {}'.format(op, '; '.join(refusals)))
+        assert taken == 1, (op, now)        # else both sides were Chainer's, for no reason
+
+
 def _within(name, got, want, scale, tol, dtype):
     got, want, scale = (numpy.asarray(chainer.backends.cuda.to_cpu(a), numpy.float64)
                         for a in (got, want, scale))
@@ -107,11 +129,7 @@ def test_convolution_graphs_match_im2col(graphs, case):
 
     before = _paths.summary()
     y, gx, gW, gy = _graph(lambda: run(x, W, b))
-    after = _paths.summary()
-    for op in ('conv forward', 'conv input gradient', 'conv weight gradient'):
-        taken = after.get(op, {'paths': {}})['paths'].get('graph', 0) - \
-            before.get(op, {'paths': {}})['paths'].get('graph', 0)
-        assert taken == 1, (op, after.get(op))
+    took_graphs(before, ('conv forward', 'conv input gradient', 'conv weight gradient'))
     y0, gx0, gW0, _ = _chainer(lambda: run(x, W, b))
     ax, aW, agy = abs(x), abs(W), abs(gy)
     scale_y = _chainer(lambda: F.convolution_2d(ax, aW, **kw).array)
@@ -158,11 +176,7 @@ def test_batchnorm_graphs_match_chainer(graphs, case):
     from fastchain.cudnn import _paths
     before = _paths.summary()
     got = _graph(run)
-    after = _paths.summary()
-    for op in ('batchnorm forward', 'batchnorm backward', 'batchnorm inference'):
-        taken = after.get(op, {'paths': {}})['paths'].get('graph', 0) - \
-            before.get(op, {'paths': {}})['paths'].get('graph', 0)
-        assert taken == 1, (op, after.get(op))      # else both sides were Chainer's
+    took_graphs(before, ('batchnorm forward', 'batchnorm backward', 'batchnorm inference'))
     want = _chainer(run)
     names = ('y', 'gx', 'ggamma', 'gbeta', 'running mean', 'running var', 'inference y')
     for name, g, w in zip(names, got, want):
@@ -215,3 +229,33 @@ def test_autotuned_plans_match_im2col_and_are_reported(graphs, case):
     _within('autotuned forward, first call', first, want, scale, CONV_TOL[c['dtype']],
             c['dtype'])
     assert bool((first == second).all())         # the kept plan from the first call on
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'float16'])
+def test_resnet50_runs_every_key_on_graphs(graphs, dtype):
+    """Every convolution and BatchNormalization key of a ResNet-50 training
+    step at 224 px (batch 2) and of its evaluation runs on a cuDNN graph:
+    none is refused (the reasons are named if one is)."""
+    import cupy
+    import chainer.links as L
+    from fastchain.cudnn import _paths
+    from fastchain.models import ResNet
+    config_dtype = numpy.float32 if dtype == 'float32' else chainer.mixed16
+    with chainer.using_config('dtype', config_dtype):
+        model = L.Classifier(ResNet(50, 10))
+    model.to_device('@cupy:0')
+    x = cupy.asarray(numpy.random.RandomState(0).standard_normal((2, 3, 224, 224)),
+                     dtype=dtype)
+    t = cupy.asarray([1, 2], dtype=numpy.int32)
+    _paths.forget()
+    with chainer.using_config('dtype', config_dtype):
+        _graph(lambda: model(x, t).backward())
+        with chainer.using_config('train', False):
+            _graph(lambda: model(x, t))
+    summary = _paths.summary()
+    ops = ('conv forward', 'conv input gradient', 'conv weight gradient',
+           'batchnorm forward', 'batchnorm backward', 'batchnorm inference')
+    left = {op: summary.get(op, {}).get('reasons') for op in ops
+            if summary.get(op, {'paths': {}})['paths'].get('chainer', 0)}
+    assert not left, 'keys left to Chainer: {}'.format(left)
+    assert all(summary[op]['paths'].get('graph', 0) > 0 for op in ops), summary
