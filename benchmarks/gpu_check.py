@@ -77,7 +77,7 @@ def plan(args):
         # node gets hypothesis from the wheelhouse, see NEEDS).
         'gpu_tests': ([py, '-m', 'pytest', '-m', 'gpu', '-rsx', '-p', 'no:cacheprovider']
                       + gpu_test_files(), {}, 300 if quick else 900),
-        'resnet_fp32': (recipe + ['--data', 'synthetic', '--all', '--iterations', iters,
+        'resnet_fp32': (recipe + ['--data', 'synthetic', '--all', '--fp32', '--iterations', iters,
                                   '--out', os.path.join(runs, 'fp32')] + size, {}, 300),
         'resnet_fp16': (recipe + ['--data', 'synthetic', '--all', '--fp16', '--iterations',
                                   iters, '--out', os.path.join(runs, 'fp16')] + size, {}, 300),
@@ -98,7 +98,8 @@ def plan(args):
         'overhead': ([py, os.path.join(HERE, 'overhead.py'), '--device', device]
                      + bench_common, {}, 600 if quick else 1800),
         'loader': ([py, os.path.join(HERE, 'loader.py')] + bench_common, {}, 600),
-        'nvtx_cost': ([py, os.path.join(HERE, 'nvtx_cost.py')] + bench_common, {}, 600),
+        'nvtx_cost': ([py, os.path.join(HERE, 'nvtx_cost.py'), '--device', device]
+                      + bench_common, {}, 600),
     }
     return {name: steps[name] for name in args.steps}
 

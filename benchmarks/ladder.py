@@ -78,6 +78,8 @@ import _turns  # noqa: E402
 from _images import list_pairs, torch_dataset  # noqa: E402
 from ladder_scripts import plain, with_fastchain  # noqa: E402
 
+# fastchain's CPU kernels: on a GPU they leave the step as the rung below
+CPU_ONLY = ('fused_update', 'cpu_conv', 'onednn', 'all_onednn')
 RUNGS = ('baseline', 'cudnn', 'autotune', 'fp16', 'fp32_preprocessing', 'multiprocess',
          'static_graph', 'fused_update', 'cpu_conv', 'onednn', 'all', 'all_onednn')
 
@@ -484,6 +486,10 @@ class Setup:
         onednn_ok = _onednn.status(load=True)
         builders = {}
         for rung in RUNGS:
+            if rung in CPU_ONLY and self.gpu:
+                rows.skip(rung, 'a CPU rung: on a GPU it changes nothing (the same steps as the '
+                          'rung below it)')
+                continue
             if rung in ('cudnn', 'autotune') and not self.cudnn.available:
                 rows.skip(rung, 'cuDNN is not available here: {} (fix: {})'.format(
                     self.cudnn.why, self.cudnn.fix))
@@ -587,7 +593,8 @@ def main(argv=None):
     if args.interleave == 'turns':
         measured = run_turns(args, setup, list(builders), rows, argv)
     else:
-        measured = run_windows(args, builders, rows, setup)
+        measured = run_windows(args, builders, rows, setup, on_window=lambda m: report(
+            args, setup, rows, m, chart_too=False))     # what a run cut off keeps
     report(args, setup, rows, measured)
 
 
@@ -634,15 +641,19 @@ def run_turns(args, setup, names, rows, argv):
             'autotune_choices': summary}
 
 
-def run_windows(args, builders, rows, setup=None):
+def run_windows(args, builders, rows, setup=None, on_window=None):
     """Rungs rebuilt in this process, one window each, window by window;
     the clock is read with the device synchronised (``setup.sync``), and a
-    closed rung's memory is given back before the next is built."""
+    closed rung's memory is given back before the next is built. On a GPU a
+    rung with loader workers warms up past what they load ahead
+    (``warmup_steps``) and windows time more steps. ``on_window(measured)``
+    after each window (the partial report: a run cut off keeps it)."""
     from fastchain import tune
     sync = setup.sync if setup is not None else (lambda: None)
     release = setup.release if setup is not None else (lambda: None)
+    gpu = setup is not None and setup.gpu
     windows = args.windows or (3 if args.quick else 5)
-    per_window = 4 if args.quick else 8
+    per_window = (16 if args.quick else 32) if gpu else (4 if args.quick else 8)
     # autotune's choices are kept across rungs and windows (keyed by shapes and
     # structure): make them all before any window is timed, on the rung that
     # meets every key, so no rung's windows pay for the measurements.
@@ -650,7 +661,15 @@ def run_windows(args, builders, rows, setup=None):
     release()
     warmup = {}
     names = list(builders)
-    ran, last, out_of_room = 0, 0.0, set()
+    ran, last, out_of_room, cut = 0, 0.0, set(), False
+
+    def measured():
+        return {'interleave': 'windows', 'windows': ran, 'windows_planned': windows,
+                'iterations_per_window': per_window,
+                'warmup_steps': {n: warmup_steps(n, setup) for n in names},
+                'warmup': warmup, 'cut_mid_window': cut,
+                'tuning': {'all': tuning}, 'autotune_choices': tune.summary()}
+
     for w in range(windows):
         if w and not next_fits(args, last):
             break           # --time-limit: the report says how many windows ran
@@ -661,10 +680,14 @@ def run_windows(args, builders, rows, setup=None):
         for name in names[shift:] + names[:shift]:
             if name in out_of_room:
                 continue
+            left = time_left(args)
+            if left is not None and left < 0:
+                cut = True  # past the limit inside a window: its other rungs are left out
+                break
             t0, close = time.perf_counter(), None
             try:
                 step, close = builders[name]()
-                for _ in range(WARMUP_ITERATIONS):
+                for _ in range(warmup_steps(name, setup)):
                     step()
                 sync()
                 warmup.setdefault(name, round(time.perf_counter() - t0, 2))
@@ -686,12 +709,35 @@ def run_windows(args, builders, rows, setup=None):
         print('window {}/{}: '.format(w + 1, windows) + ', '.join(
             '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
         last, ran = time.monotonic() - began, w + 1
-    return {'interleave': 'windows', 'windows': ran, 'windows_planned': windows,
-            'iterations_per_window': per_window, 'warmup': warmup,
-            'tuning': {'all': tuning}, 'autotune_choices': tune.summary()}
+        if on_window is not None:
+            on_window(measured())
+        if cut:
+            break
+    return measured()
 
 
-def report(args, setup, rows, measured):
+LOADER_WARMUP_PER_WORKER = 4    # a worker keeps 2 batches ahead (fastchain's slots,
+                                # PyTorch's prefetch_factor): twice that to drain them
+
+
+def warmup_steps(name, setup):
+    """Untimed steps before a window: ``WARMUP_ITERATIONS``, and on a GPU,
+    for a rung with loader workers, ``LOADER_WARMUP_PER_WORKER`` per worker,
+    so the batches they loaded ahead are used up before the clock starts (a
+    window of a few steps would otherwise time the buffer, not the loader)."""
+    if setup is None or not setup.gpu or not has_loader(name):
+        return WARMUP_ITERATIONS
+    return WARMUP_ITERATIONS + LOADER_WARMUP_PER_WORKER * setup.workers
+
+
+def has_loader(name):
+    """Whether the rung loads with worker processes."""
+    if name in ('all', 'all_onednn', 'torch'):
+        return True
+    return name in RUNGS and rung_options(name, True)[0]['loader_workers'] != 0
+
+
+def report(args, setup, rows, measured, chart_too=True):
     from fastchain import tune
     ratios = {'{}/baseline'.format(r): rows.ratio(r, 'baseline')
               for r in RUNGS[1:] + ('torch', 'baseline_again')}
@@ -746,6 +792,10 @@ def report(args, setup, rows, measured):
               'autotune rungs), all/torch >= 0.8.' if setup.gpu else
               'Target on CPU: all/baseline >= 1.5.')]
     unit = 'rounds' if measured['interleave'] == 'turns' else 'windows'
+    if measured.get('cut_mid_window'):
+        notes.insert(0, 'WARNING: --time-limit {} s was reached inside window {}: the rungs '
+                     'after that point have one window fewer.'.format(args.time_limit,
+                                                                      measured[unit]))
     if measured[unit] < measured[unit + '_planned']:
         notes.insert(0, 'WARNING: --time-limit {} s: {} of the {} {} ran (the figures rest '
                      'on fewer samples than planned).'.format(
@@ -765,7 +815,9 @@ def report(args, setup, rows, measured):
     # GPU) is written beside the default's results, not over them
     name = 'ladder' + ('' if args.batch == setup.default_batch else '-b{}'.format(args.batch))
     result = _common.write(name, args, config, rows, ratios, notes)
-    chart(result, os.path.join(args.results, name + ('-quick' if args.quick else '') + '.png'))
+    if chart_too:
+        chart(result, os.path.join(args.results, name + ('-quick' if args.quick else '')
+                                   + '.png'))
 
 
 if __name__ == '__main__':

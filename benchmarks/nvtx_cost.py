@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 
-def make_updater(size, batch, depth, width):
+def make_updater(size, batch, depth, width, device):
     import chainer
     import chainer.links as L
     from chainer import training
@@ -30,9 +30,10 @@ def make_updater(size, batch, depth, width):
     x = rng.randn(batch * 4, 3, size, size).astype(numpy.float32)
     t = rng.randint(0, 10, batch * 4).astype(numpy.int32)
     model = L.Classifier(ResNet(depth, 10, width=width))
+    model.to_device(device)
     optimizer = chainer.optimizers.MomentumSGD(0.01).setup(model)
     it = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(x, t), batch)
-    return training.StandardUpdater(it, optimizer)
+    return training.StandardUpdater(it, optimizer, device=device)
 
 
 class _Counter:
@@ -67,26 +68,39 @@ def call_cost(n=200000):
 def main(argv=None):
     p = _common.parser('nvtx_cost', __doc__)
     p.add_argument('--size', type=int, default=None, help='input side in pixels')
-    p.add_argument('--batch', type=int, default=8)
+    p.add_argument('--batch', type=int, default=None, help='default: 8 on a CPU, 32 on a GPU')
+    p.add_argument('--device', default=None, help="default: GPU 0 if usable, else '@numpy'")
     args = p.parse_args(argv)
     import fastchain
+    from fastchain.backends import cuda
     from fastchain.backends import nvtx as nvtx_backend
+    try:
+        device = cuda.get_device(args.device)
+    except RuntimeError as e:
+        sys.exit(str(e))
+    device.use()
+    gpu = device.xp is not numpy
+
+    def sync():             # on a GPU the clock is read after its work is done
+        if gpu:
+            device.device.synchronize()
     if nvtx_backend.profiler_attached():
         raise SystemExit('a profiler is attached (NVTX_INJECTION64_PATH is set): this '
                          'benchmark measures the cost without one')
-    size = args.size or (32 if args.quick else 64)
+    size = args.size or (224 if gpu else 32 if args.quick else 64)
+    args.batch = args.batch or (32 if gpu else 8)
     windows = args.windows or (9 if args.quick else 15)
     per_window = 4 if args.quick else 8
     depth, width = 50, 64
 
-    updaters = {'plain': make_updater(size, args.batch, depth, width)}
+    updaters = {'plain': make_updater(size, args.batch, depth, width, device)}
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')     # "no NVTX tool attached"
         # Kept enabled while measuring: its ranges live on the annotated
         # updater and optimizer; the plain one gets only the shared
         # converter's 'convert' range (one push/pop per step).
         handle = fastchain.enable(nvtx=True, loader_workers=0, autotune=False)
-        updaters['annotated'] = make_updater(size, args.batch, depth, width)
+        updaters['annotated'] = make_updater(size, args.batch, depth, width, device)
     for updater in updaters.values():       # warm-up: first calls, allocations
         for _ in range(2):
             updater.update()
@@ -94,9 +108,11 @@ def main(argv=None):
     rows = _common.Rows('iterations/s')
     for w in range(windows):
         for name, updater in updaters.items():
+            sync()
             start = time.perf_counter()
             for _ in range(per_window):
                 updater.update()
+            sync()
             rows.add(name, per_window / (time.perf_counter() - start))
         print('window {}/{}: '.format(w + 1, windows) + ', '.join(
             '{} {:.3f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
@@ -110,7 +126,7 @@ def main(argv=None):
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
             with fastchain.enable(nvtx=mode, loader_workers=0, autotune=False):
-                updater = make_updater(size, args.batch, depth, width)
+                updater = make_updater(size, args.batch, depth, width, device)
                 updater.update()
                 counter = _Counter()
                 ann.timeline = counter
@@ -124,6 +140,7 @@ def main(argv=None):
               'annotated/plain (counted)': round(1 / (1 + counted['annotated']), 5),
               'annotated_links/plain (counted)': round(1 / (1 + counted['annotated_links']), 5)}
     config = {'model': 'ResNet-{} (width {})'.format(depth, width), 'input': size,
+              'device': str(device),
               'batch': args.batch, 'windows': windows, 'iterations_per_window': per_window,
               'profiler_attached': False, 'annotator_calls_per_step': per_step,
               'seconds_per_push_pop_pair': pair,

@@ -190,3 +190,26 @@ def test_batch_max_needs_a_gpu():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "--batch max: the largest batch that fits is a GPU's" in r.stderr
+
+
+def test_past_the_limit_inside_a_window_the_rest_is_left_out_and_reported():
+    # each rung's window: 4 warm-up + 4 timed steps of 0.0125 s = 0.1 s
+    builders = {n: stand_in(0.0125) for n in ('a', 'b', 'c')}
+    rows = _common.Rows('iterations/s')
+    reports = []
+    measured = ladder.run_windows(args_for(0.15, 3), builders, rows,
+                                  on_window=reports.append)
+    assert measured['cut_mid_window'] and measured['windows'] == 1
+    assert {n: len(v) for n, v in rows.windows.items()} == {'a': 1, 'b': 1}
+    assert len(reports) == 1 and reports[0]['windows'] == 1    # written as it went
+
+
+def test_on_a_gpu_a_rung_with_loader_workers_warms_up_past_their_buffer():
+    gpu = argparse.Namespace(gpu=True, workers=16)
+    cpu = argparse.Namespace(gpu=False, workers=16)
+    for rung in ('multiprocess', 'static_graph', 'all', 'torch'):
+        assert ladder.warmup_steps(rung, gpu) == ladder.WARMUP_ITERATIONS + 4 * 16
+        assert ladder.warmup_steps(rung, cpu) == ladder.WARMUP_ITERATIONS
+    for rung in ('baseline', 'cudnn', 'autotune', 'fp16', 'fp32_preprocessing',
+                 'baseline_again'):
+        assert ladder.warmup_steps(rung, gpu) == ladder.WARMUP_ITERATIONS

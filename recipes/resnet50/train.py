@@ -82,6 +82,9 @@ def parse_args(argv=None):
     g.add_argument('--all', action='store_true',
                    help='every accelerator that helps on this device (one enable() call)')
     g.add_argument('--fp16', action='store_true', help='fp16 compute, fp32 masters, loss scaling')
+    g.add_argument('--fp32', action='store_true',
+                   help='fp32 compute even with --all (which turns fp16 on where TensorCores '
+                        'are: a GPU of compute capability 7.0 or more)')
     g.add_argument('--autotune', action='store_true',
                    help="measure and choose: cuDNN's algorithms where cuDNN works, "
                    "fastchain's bitwise-equal CPU kernels, fused update and static "
@@ -132,8 +135,12 @@ def enable_accelerators(args):
     if args.all:
         options.update(autotune=None, fp16='auto', loader_workers=None,
                        static_graph=True, nvtx=None)
+    if args.fp16 and args.fp32:
+        sys.exit('--fp16 and --fp32 contradict each other: give one')
     if args.fp16:
         options['fp16'] = True
+    if args.fp32:
+        options['fp16'] = False
     if args.autotune:
         options['autotune'] = True
     if args.static_graph:

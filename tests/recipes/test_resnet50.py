@@ -110,6 +110,15 @@ def test_bad_data_path_and_bad_config(tmp_path):
     assert r.returncode != 0 and 'unknown option(s) itrations' in r.stderr
 
 
+def test_fp32_keeps_all_in_fp32_and_contradicting_fp16_is_refused(tmp_path):
+    result = run(tmp_path, '--data', 'synthetic', '--iterations', '2', '--all', '--fp32')
+    assert 'fp16               off' in result.stdout
+    r = subprocess.run([sys.executable, RECIPE, '--data', 'synthetic', '--fp16', '--fp32',
+                        '--out', str(tmp_path / 'o')] + TINY, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and '--fp16 and --fp32 contradict each other' in r.stderr
+
+
 def test_a_gpu_that_cannot_be_used_is_named_with_the_fix(tmp_path):
     from fastchain.backends import cuda
     status = cuda.cupy_status()
