@@ -654,6 +654,9 @@ def run_windows(args, builders, rows, setup=None, on_window=None):
     gpu = setup is not None and setup.gpu
     windows = args.windows or (3 if args.quick else 5)
     per_window = (16 if args.quick else 32) if gpu else (4 if args.quick else 8)
+    if setup is not None and args.batch > setup.default_batch:
+        # a larger batch (the largest that fits): fewer steps, about as many images
+        per_window = max(4, per_window * setup.default_batch // args.batch)
     # autotune's choices are kept across rungs and windows (keyed by shapes and
     # structure): make them all before any window is timed, on the rung that
     # meets every key, so no rung's windows pay for the measurements.
