@@ -46,22 +46,6 @@ REPEATS = 5             # runs between one pair of CUDA events (a trial: their m
 MAX_PLANS = 16
 HEURISTIC_PLANS = 1     # built without autotune: the first that builds (more if it fails)
 
-# The most workspace a plan may take. Chainer's own setting answers 0 where
-# CuPy has no cuDNN (and ignores a new value), so the graphs keep theirs:
-# Chainer's default for cuDNN, 8 MiB, until ``enable(workspace_size=...)``
-# or fp16 (512 MiB) sets another (``cudnn._group.workspace_accessors``).
-DEFAULT_WORKSPACE = 8 * 2 ** 20
-workspace_limit = DEFAULT_WORKSPACE
-
-
-def get_workspace_limit():
-    return workspace_limit
-
-
-def set_workspace_limit(size):
-    global workspace_limit
-    workspace_limit = int(size)
-
 _lock = threading.Lock()
 _entries = {}           # key -> _Entry
 _refused = {}           # key -> reason

@@ -40,8 +40,8 @@ def workspace_accessors():
     import chainer.backends.cuda as chainer_cuda
     if chainer_cuda.cudnn_enabled:
         return chainer_cuda.get_max_workspace_size, chainer_cuda.set_max_workspace_size
-    from fastchain.cudnn import _graphs
-    return _graphs.get_workspace_limit, _graphs.set_workspace_limit
+    from fastchain.cudnn import _keys
+    return _keys.get_workspace_limit, _keys.set_workspace_limit
 
 
 class CudnnGroup(Group):

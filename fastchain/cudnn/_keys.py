@@ -31,6 +31,24 @@ BNKey = collections.namedtuple('BNKey', (
     'op', 'x_shape', 'dtype', 'param_dtype', 'eps', 'running', 'device'))
 
 
+
+# The most workspace a plan may take. Chainer's own setting answers 0 where
+# CuPy has no cuDNN (and ignores a new value), so the graphs keep theirs:
+# Chainer's default for cuDNN, 8 MiB, until ``enable(workspace_size=...)``
+# or fp16 (512 MiB) sets another (``cudnn._group.workspace_accessors``; the
+# key holds it, so another limit is another graph).
+DEFAULT_WORKSPACE = 8 * 2 ** 20
+workspace_limit = DEFAULT_WORKSPACE
+
+
+def get_workspace_limit():
+    return workspace_limit
+
+
+def set_workspace_limit(size):
+    global workspace_limit
+    workspace_limit = int(size)
+
 def compute_dtype(dtype):
     """Accumulation type: float32 for float16 and float32 inputs (fp16 on
     TensorCores with fp32 sums, as Chainer's cuDNN path did)."""
@@ -95,7 +113,7 @@ def tensor_cores_allowed(dtype, setting):
 def conv_key(op, node, x_shape, w_shape, y_shape, dtype, tensor_cores, deterministic,
              device, workspace=None):
     """``workspace``: the most bytes a plan may take (the graphs' limit,
-    ``_graphs.workspace_limit``, which ``enable(workspace_size=...)`` sets)."""
+    ``workspace_limit``, which ``enable(workspace_size=...)`` sets)."""
     stride, pad, dilation = conv_geometry(node)
     return ConvKey(op, tuple(x_shape), tuple(w_shape), tuple(y_shape),
                    numpy.dtype(dtype).name, stride, pad, dilation, int(node.groups),

@@ -84,10 +84,9 @@ def _run_conv(op, node, key, a, b, out):
 
 def _key(op, node, x_shape, w_shape, y_shape, dtype, device):
     config = chainer.config
-    from fastchain.cudnn import _graphs
     return _keys.conv_key(op, node, x_shape, w_shape, y_shape, dtype,
                           _keys.tensor_cores_allowed(dtype, config.use_cudnn_tensor_core),
-                          config.cudnn_deterministic, device, _graphs.workspace_limit)
+                          config.cudnn_deterministic, device, _keys.workspace_limit)
 
 
 def forward_layer(next_, node, inputs):

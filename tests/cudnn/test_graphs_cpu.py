@@ -692,7 +692,7 @@ def test_the_graphs_keep_their_own_workspace_limit_which_enable_sets(monkeypatch
     from fastchain.cudnn import _group
     assert not chainer_cuda.cudnn_enabled and chainer_cuda.get_max_workspace_size() == 0
     get, set_ = _group.workspace_accessors()
-    assert get() == _graphs.DEFAULT_WORKSPACE == 8 << 20
+    assert get() == _keys.DEFAULT_WORKSPACE == 8 << 20
     node = conv_node(pad=1)
     assert _layers._key('conv forward', node, (2, 4, 6, 6), (8, 4, 3, 3), (2, 8, 6, 6), 'f',
                         0).workspace == 8 << 20
