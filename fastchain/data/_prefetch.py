@@ -35,6 +35,13 @@ class PreparedBatch(list):
 
     arrays = None
     event = None
+    stacked = None      # the loader's stacked arrays (``LoadedBatch.stacked``), kept
+
+    @classmethod
+    def of(cls, batch):
+        prepared = cls(batch)
+        prepared.stacked = getattr(batch, 'stacked', None)
+        return prepared
 
 
 class _Passthrough(convert.Converter):
@@ -150,7 +157,7 @@ class DevicePrefetcher(iterator_module.Iterator):
                     self._put(_HERE)
                     return
                 try:
-                    batch = PreparedBatch(it.next())
+                    batch = PreparedBatch.of(it.next())
                 except StopIteration:
                     self._put(_END)
                     return
@@ -168,7 +175,7 @@ class DevicePrefetcher(iterator_module.Iterator):
         then fetching ahead starts again where it may."""
         it = self.iterator
         try:
-            batch = PreparedBatch(it.next())
+            batch = PreparedBatch.of(it.next())
         except StopIteration:
             return _END         # (and again at the next call)
         batch.arrays = convert._call_converter(self._convert, batch, self.device)

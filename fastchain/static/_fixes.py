@@ -177,7 +177,9 @@ def _retain_last(schedule):
         # Only arrays with data of their own: the replay copies new values into
         # a retained array, which a view (a broadcast, a reshape) cannot take
         # or would pass on to the array it views (measured: F.broadcast_to).
-        if (index is not None and array.flags.owndata and array.flags.writeable
+        # (CuPy's flags have no ``writeable``: its arrays always are.)
+        if (index is not None and array.flags.owndata
+                and getattr(array.flags, 'writeable', True)
                 and not schedule.unique_array_infos[index].was_deleted()):
             schedule.unique_array_infos[index].retain = True
 

@@ -23,7 +23,9 @@ CPU the replay is bitwise define-by-run (measured), so any difference is
 real; the margin is for GPU kernels whose summation order varies. While the
 ``onednn`` option is in force or has run in the process (oneDNN's kernels,
 not bitwise equal to Chainer's: a cache recorded with them and verified
-after the option was turned off sees their rounding), float32 arrays are
+after the option was turned off sees their rounding), or cuDNN graphs have
+run (engines allowed to sum in a varying order, unless
+``cudnn_deterministic``), float32 arrays are
 accepted within ``INEXACT`` of the largest magnitude among the arrays
 compared together (the outputs, or the gradients: a bias's gradient sums to
 little from larger values and carries their rounding); a defect of the cache
@@ -36,6 +38,7 @@ import numpy
 
 import chainer
 
+from fastchain.cudnn import _paths
 from fastchain.kernels import _onednn
 from fastchain.static import _functions
 
@@ -56,9 +59,12 @@ def allowed(dtype):
 
 
 def _inexact():
-    """oneDNN's kernels are in force, or have run in this process: a cache
-    recorded with them may be verified after the option was turned off."""
-    return _onednn.enabled or any(_onednn.calls.values())
+    """oneDNN's kernels are in force, or have run in this process (a cache
+    recorded with them may be verified after the option was turned off), or
+    cuDNN graphs have (their engines may sum in an order that varies from
+    call to call: a weight gradient split over thread blocks)."""
+    return (_onednn.enabled or any(_onednn.calls.values())
+            or any(paths.get('graph') for paths in _paths.calls.values()))
 
 
 def _host(x):

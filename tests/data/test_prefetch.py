@@ -299,3 +299,25 @@ def test_the_gpu_edge_copies_on_the_target_device_and_frees_no_batch_early():
     waited = fake.log.index(('wait', 'side', ('event', 'compute', retire_event[2])))
     assert waited < fake.log.index(('alloc', 'b3'))   # waits before its allocation
     assert gone1() is None              # and only then lets b1's memory go
+
+
+def test_the_loaders_stacked_images_reach_the_converter(images):
+    """The pool hands batches whose images are already one array
+    (``LoadedBatch.stacked``); the prefetcher keeps it, so the converter
+    copies that array instead of stacking the examples again."""
+    seen = []
+
+    class Recording(data.ImageConverter):
+        def __call__(self, batch, device=None):
+            seen.append(getattr(batch, 'stacked', None))
+            return super().__call__(batch, device)
+
+    it = data.DevicePrefetcher(data.MultiprocessIterator(images, 4, seed=5, n_workers=2),
+                               Recording())
+    try:
+        for _ in range(3):
+            it.next()
+    finally:
+        it.finalize()
+    # (the prefetcher converts ahead: it may have seen more batches than were taken)
+    assert len(seen) >= 3 and all(s is not None and s[0].shape[0] == 4 for s in seen), seen
