@@ -76,7 +76,7 @@ def cupy_status():
         missing = isinstance(error, ModuleNotFoundError)
         return Status(False, why='CuPy is not installed' if missing else
                       'CuPy failed to import: {}'.format(error), fix=gpu_fix())
-    version = cupy.__version__
+    version = getattr(cupy, '__version__', None)    # (a module named cupy that is not CuPy)
     try:
         # On CuPy 13 without a driver this raises instead of returning False.
         ok = bool(cupy.is_available())

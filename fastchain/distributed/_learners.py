@@ -163,8 +163,10 @@ class Learner:
 
     def report(self):
         """Counts so far: steps, samples, exchanges, bytes this rank sent
-        (ring algorithms), seconds spent exchanging, and their per-step and
-        per-sample means."""
+        (ring algorithms), seconds the host spent in the exchanges
+        (``comm_seconds``: on NCCL an allreduce the host only launches counts
+        its launch; its time on the device is the timeline's allreduce
+        device track), and their per-step and per-sample means."""
         out = dict(self.stats, learner=self.describe(), samples=self.samples,
                    warm_start_over=self.started)
         steps = max(self.stats['steps'], 1)

@@ -73,14 +73,29 @@ class NcclCommunicator(CommunicatorBase):
             from cupy.cuda import nccl
             uid = nccl.get_unique_id() if self.rank == 0 else None
             uid = self.bcast_obj(uid, what='NCCL unique id')
-            self._nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
-            self._stream = cupy.cuda.Stream(non_blocking=True)
+            # on this rank's GPU whatever device is current (a script that
+            # has not called comm.device().use() would put every rank on GPU 0)
+            with cupy.cuda.Device(self.intra_rank):
+                self._nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
+                self._stream = cupy.cuda.Stream(non_blocking=True)
         return self._nccl
 
     def _dtype(self, array):
+        """NCCL's type of ``array``; an array not on the GPU, or of a type
+        NCCL has not, is named with the fix."""
+        if not hasattr(getattr(array, 'data', None), 'ptr'):
+            raise TypeError(
+                'the nccl communicator works on CuPy arrays on the GPU, not {} (move the model '
+                'to comm.device() before its optimizer is made data-parallel, or give the '
+                'updater device=comm.device())'.format(type(array).__name__))
         from cupy.cuda import nccl
-        return {'float16': nccl.NCCL_FLOAT16, 'float32': nccl.NCCL_FLOAT32,
-                'float64': nccl.NCCL_FLOAT64, 'uint8': nccl.NCCL_UINT8}[array.dtype.name]
+        types = {name: getattr(nccl, 'NCCL_' + name.upper()) for name in (
+            'float16', 'float32', 'float64', 'uint8', 'int8', 'int32', 'int64', 'uint32',
+            'uint64') if hasattr(nccl, 'NCCL_' + name.upper())}
+        if array.dtype.name not in types:
+            raise TypeError('NCCL has no {} type (it has {})'.format(
+                array.dtype.name, ', '.join(sorted(types))))
+        return types[array.dtype.name]
 
     def bcast(self, array, root=0, what='bcast'):
         comm = self._setup()

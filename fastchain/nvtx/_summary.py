@@ -180,6 +180,13 @@ def _device_idle(per_step, kernels):
     return statistics.median(idle)
 
 
+HOST_TIME_NOTE = (
+    'note: these phases are host time. On a GPU the kernels run asynchronously: a phase '
+    "that waits for the device (fp16's loss-scale check, reading a loss) absorbs the device "
+    'time of the phases launched before it. For device time, profile with nsys '
+    '(profiling/README.md); the allreduce line "(on device)" is device time.')
+
+
 def diagnose(share, device_idle=None):
     """One line naming what bounds the (median) step."""
     def pct(x):
@@ -255,7 +262,11 @@ def format_summary(result):
             100 * result['device_idle']))
     else:
         lines.append('device idle: n/a (no device kernels in this record)')
-    lines.append('diagnosis: ' + result['diagnosis'])
+    if result.get('host_time_on_gpu'):
+        lines.append(HOST_TIME_NOTE)
+        lines.append('diagnosis (host time): ' + result['diagnosis'])
+    else:
+        lines.append('diagnosis: ' + result['diagnosis'])
     lines += _unclosed(result)
     return '\n'.join(lines)
 

@@ -120,6 +120,8 @@ class Timeline:
         device = self.resolve_device()
         result = _summary.summarize(self.ranges, skip=skip, device=device or None)
         result['unclosed'] = self.open_ranges()
+        from fastchain.backends import cuda
+        result['host_time_on_gpu'] = cuda.available()      # the phases' caveat there
         return result
 
     def save(self, path, skip=1):

@@ -205,3 +205,73 @@ def test_nccl_communicator_averages_gpu_arrays():
     a = cupy.arange(10, dtype=cupy.float32)
     comm.allreduce(a, 'test allreduce')
     cupy.testing.assert_array_equal(a, cupy.arange(10, dtype=cupy.float32) * comm.size)
+
+
+
+def _faked_world_of_two(comm, device, how, monkeypatch):
+    """With one rank, the gradient sync returns before its buckets (a world
+    of one has nothing to average), so the world is made to read two, for
+    the test only. The bucket path then runs:
+    packing, each bucket's allreduce (during backward with overlap), the
+    wait, the average; the sum over the one real rank, over two, halves each
+    gradient, so each step is plain SGD's at half the learning rate."""
+    import numpy
+    import chainer
+    import chainer.functions as F
+    import chainer.links as L
+    from fastchain import distributed
+    from fastchain.distributed import _optimizer
+    from fastchain.distributed._optimizer import gradient_sync_of
+    # the set-up's check that every rank has the same model gathers over the
+    # real world of one: left out; the collectives still pair the one rank
+    monkeypatch.setattr(_optimizer, 'check_same_model', lambda comm, target: None)
+    comm.size = 2
+    numpy.random.seed(0)
+    model = L.Classifier(chainer.Sequential(L.Linear(8, 16), F.relu, L.Linear(16, 3)))
+    model.to_device(device)
+    reference = model.copy(mode='copy')
+    opt = distributed.create_multi_node_optimizer(
+        chainer.optimizers.SGD(0.1), comm, bucket_cap_mb=0.0001,
+        overlap=(how == 'overlap'), fp16_allreduce=(how == 'fp16')).setup(model)
+    ref_opt = chainer.optimizers.SGD(0.05).setup(reference)
+    rng = numpy.random.RandomState(1)
+    for _ in range(3):
+        x = device.send(rng.rand(4, 8).astype(numpy.float32))
+        t = device.send(rng.randint(0, 3, 4).astype(numpy.int32))
+        opt.update(model, x, t)
+        ref_opt.update(reference, x, t)
+    # fp16 on the wire rounds each averaged gradient to 11 bits
+    rtol, atol = (2e-2, 2e-3) if how == 'fp16' else (1e-5, 1e-6)
+    for (name, p), (_, q) in zip(sorted(model.namedparams()), sorted(reference.namedparams())):
+        numpy.testing.assert_allclose(chainer.backends.cuda.to_cpu(p.array),
+                                      chainer.backends.cuda.to_cpu(q.array),
+                                      rtol=rtol, atol=atol, err_msg=name)
+    sync = gradient_sync_of(opt)
+    assert len(sync.buckets) > 1, len(sync.buckets)
+    if how == 'overlap':
+        assert (sync.overlapped_steps, sync.redone_steps) == (2, 0)
+
+
+@pytest.mark.parametrize('how', ['overlap', 'fp16'])
+def test_the_bucket_path_over_mpi_in_one_process(how, monkeypatch):
+    """The check the NCCL test below makes on a GPU, over MPI on the CPU
+    (one process, no mpiexec): its expectations hold where the path is known."""
+    pytest.importorskip('mpi4py')
+    import chainer
+    from fastchain import distributed
+    _faked_world_of_two(distributed.create_communicator('mpi'), chainer.get_device('@numpy'),
+                        how, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('how', ['overlap', 'fp16'])
+def test_nccl_bucket_path_on_one_gpu(how, monkeypatch):
+    """One GPU, one rank: NCCL's bucket path on the device (see
+    ``_faked_world_of_two``), set up before the world is faked (NCCL would
+    otherwise wait for a second rank)."""
+    from fastchain import distributed
+    comm = distributed.create_communicator('nccl')
+    device = comm.device()
+    device.use()
+    comm._setup()
+    _faked_world_of_two(comm, device, how, monkeypatch)

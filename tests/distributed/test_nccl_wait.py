@@ -72,3 +72,13 @@ def test_the_watchdog_drops_what_completed_and_aborts_past_the_deadline(monkeypa
     assert watched.aborted == ['bucket 1']
     stuck.finished = True
     assert pending.look() == 0
+
+
+def test_a_host_array_given_to_nccl_is_named_with_the_fix():
+    """A model not yet on the GPU when its optimizer is made data-parallel
+    used to fail inside CuPy ('memoryview' has no 'ptr')."""
+    import numpy
+    comm = object.__new__(_nccl.NcclCommunicator)
+    with pytest.raises(TypeError, match=r'the nccl communicator works on CuPy arrays on the '
+                                        r'GPU, not ndarray \(move the model to comm.device\(\)'):
+        comm._dtype(numpy.zeros(3, numpy.float32))

@@ -221,3 +221,24 @@ def test_nsys_nccl_kernels_are_device_allreduce_counted_at_their_launch(tmp_path
     assert device[0].track == 'GPU 0 stream 21'
     db = nsys_export(str(tmp_path / 'no-runtime.sqlite'), runtime=False)
     assert [d.launched for d in summarize.read_device(db)] == [12 * MS, 25 * MS]
+
+
+def test_on_a_gpu_the_summary_says_its_phases_are_host_time(monkeypatch):
+    """Where a GPU is in use the phases are host time (kernels run
+    asynchronously): the text says so and qualifies the diagnosis."""
+    from fastchain.backends import cuda
+    from fastchain.nvtx import _summary
+    ranges = [_summary.Range('step', 'step', 1, 0, 10_000_000, 0),
+              _summary.Range('forward', 'forward', 1, 0, 6_000_000, 1)]
+    result = _summary.summarize(ranges, skip=0)
+    plain = _summary.format_summary(result)
+    assert 'host time' not in plain and '\ndiagnosis: ' in plain
+    result['host_time_on_gpu'] = True
+    text = _summary.format_summary(result)
+    assert _summary.HOST_TIME_NOTE in text and '\ndiagnosis (host time): ' in text
+    # the timeline sets it from the device probe
+    monkeypatch.setattr(cuda, 'available', lambda: True)
+    from fastchain.nvtx._timeline import Timeline
+    timeline = Timeline()
+    timeline.ranges = ranges
+    assert timeline.summary(skip=0)['host_time_on_gpu'] is True
