@@ -156,9 +156,10 @@ def torch_rung(paths, args, workers, gpu=None):
     device = torch.device('cuda', gpu) if on_gpu else torch.device('cpu')
     if on_gpu:
         torch.backends.cudnn.benchmark = True
-    loader = torch.utils.data.DataLoader(torch_dataset(paths, args.crop, plain.MEAN, 1 / 255), batch_size=args.batch, shuffle=True,
-                                         num_workers=workers, drop_last=True,
-                                         persistent_workers=workers > 0, pin_memory=on_gpu)
+    loader = torch.utils.data.DataLoader(
+        torch_dataset(paths, args.crop, plain.MEAN, 1 / 255), batch_size=args.batch,
+        shuffle=True, num_workers=workers, drop_last=True, persistent_workers=workers > 0,
+        pin_memory=on_gpu)
     model = torch_resnet.resnet50(len(paths['classes'])).to(device)
     layout = torch.channels_last if on_gpu else torch.contiguous_format
     model = model.to(memory_format=layout)
