@@ -73,8 +73,9 @@ class Rows:
         return None
 
 
-def write(name, args, config, rows, ratios, notes=None):
-    """Print a Markdown table and write the JSON (to --json, and to results/)."""
+def write(name, args, config, rows, ratios, notes=None, quiet=False):
+    """Print a Markdown table (unless ``quiet``) and write the JSON (to
+    --json, and to results/)."""
     result = {
         'benchmark': name,
         'machine': machine(),
@@ -86,7 +87,8 @@ def write(name, args, config, rows, ratios, notes=None):
     if notes:
         result['notes'] = notes
     text = markdown(result)
-    print(text)
+    if not quiet:
+        print(text)
     stem = os.path.join(args.results, name + ('-quick' if args.quick else ''))
     paths = [args.json] if args.json else []
     paths.append(stem + '.json')

@@ -152,10 +152,12 @@ def figures(name, text, out):
     return found
 
 
-def run_step(name, argv, env, seconds, out):
+def run_step(name, argv, env, seconds, out, tick=None, every=60):
     """Runs one step in a process group of its own, its output written to
     its log as it comes (a run cut off from outside keeps what the step
-    printed); past ``seconds`` the group gets SIGTERM, then SIGKILL."""
+    printed); past ``seconds`` the group gets SIGTERM, then SIGKILL.
+    ``tick()`` is called every ``every`` seconds while it runs (the archive
+    rewritten: a call cut off mid-step still returns the step's log)."""
     log = os.path.join(out, 'logs', name + '.log')
     doctor = os.path.join(out, 'doctor.json')
     start = time.monotonic()
@@ -168,12 +170,20 @@ def run_step(name, argv, env, seconds, out):
             proc = subprocess.Popen(argv, stdout=stdout, stderr=f, cwd=ROOT,
                                     start_new_session=True,
                                     env=dict(os.environ, PYTHONUNBUFFERED='1', **env))
-            try:
-                rc = proc.wait(timeout=seconds)
-                status = 'ok' if rc == 0 else 'failed ({})'.format(rc)
-            except subprocess.TimeoutExpired:
+            rc = None
+            while rc is None and time.monotonic() - start < seconds:
+                try:
+                    rc = proc.wait(timeout=min(every, max(0.0, seconds - (
+                        time.monotonic() - start))))
+                except subprocess.TimeoutExpired:
+                    if tick is not None:
+                        f.flush()
+                        tick()
+            if rc is None:
                 stop_group(proc)
                 status = 'timed out after {} s'.format(seconds)
+            else:
+                status = 'ok' if rc == 0 else 'failed ({})'.format(rc)
         finally:
             if stdout is not f:
                 stdout.close()
@@ -233,6 +243,7 @@ def unpack(archives, results):
     several commands) into ``results``, in order; their gpu_check.json
     reports become one, each step's latest run kept, and each run's header
     kept under ``runs``."""
+    os.makedirs(results, exist_ok=True)
     merged = {'runs': [], 'steps': {}}
     for path in archives:
         with tarfile.open(path) as tar:
@@ -247,7 +258,12 @@ def unpack(archives, results):
         merged['runs'].append(dict({k: v for k, v in report.items() if k != 'steps'},
                                    archive=os.path.basename(path),
                                    steps=list(report['steps'])))
-        merged['steps'].update(report['steps'])
+        for step, result in report['steps'].items():
+            # a step a later run only skipped keeps the result of an earlier run
+            earlier = merged['steps'].get(step)
+            if earlier is None or not result['status'].startswith('skipped') or \
+                    earlier['status'].startswith('skipped'):
+                merged['steps'][step] = result
     with open(os.path.join(results, 'gpu_check.json'), 'w') as f:
         json.dump(merged, f, indent=2)
     return merged
@@ -289,6 +305,7 @@ def main(argv=None):
     if unknown:
         p.error('unknown step(s) {}; choose from {}'.format(', '.join(unknown),
                                                              ', '.join(STEPS)))
+    start = time.monotonic()        # the deadline counts from here, the probe included
     on_gpu = args.device.startswith('@cupy')
     if on_gpu:
         gpu = probe_gpu()
@@ -298,7 +315,6 @@ def main(argv=None):
                   file=sys.stderr)
             return 2
     os.makedirs(os.path.join(args.results, 'logs'), exist_ok=True)
-    start = time.monotonic()
     deadline = QUICK_DEADLINE if args.deadline is None and args.quick else args.deadline
     report = {'started': time.strftime('%Y-%m-%d %H:%M:%S'), 'quick': args.quick,
               'device': args.device, 'python': sys.executable, 'deadline_s': deadline,
@@ -327,7 +343,8 @@ def main(argv=None):
                         # ends its measurements itself, a margin before the kill
                         cmd = cmd + ['--time-limit', str(max(seconds - STEP_MARGIN, 1))]
                 print('gpu_check: {} ...'.format(name), flush=True)
-                result = run_step(name, cmd, env, seconds, args.results)
+                tick = (lambda: pack(args.results, args.pack)) if args.pack else None
+                result = run_step(name, cmd, env, seconds, args.results, tick=tick)
         report['steps'][name] = result
         print('gpu_check: {} {}'.format(name, result['status']), flush=True)
         with open(os.path.join(args.results, 'gpu_check.json'), 'w') as f:

@@ -595,7 +595,7 @@ def main(argv=None):
         measured = run_turns(args, setup, list(builders), rows, argv)
     else:
         measured = run_windows(args, builders, rows, setup, on_window=lambda m: report(
-            args, setup, rows, m, chart_too=False))     # what a run cut off keeps
+            args, setup, rows, m, final=False))     # what a run cut off keeps
     report(args, setup, rows, measured)
 
 
@@ -611,8 +611,9 @@ def run_turns(args, setup, names, rows, argv):
             _turns.Coordinator() as coordinator:
         cache = os.path.join(tmp, 'tune.json')
         base = [sys.executable, os.path.abspath(__file__)] + argv + ['--tune-cache', cache]
+        share, began = tuning_seconds(args), time.monotonic()     # for all rungs together
         for name in order:
-            seconds = tuning_seconds(args)
+            seconds = None if share is None else max(0.0, share - (time.monotonic() - began))
             rung = coordinator.start(name, base + ['--serve', name] + (
                 [] if seconds is None else ['--tune-seconds', str(seconds)]))
             ready[name] = rung.reply(BUILD_TIMEOUT)['ready']
@@ -648,7 +649,8 @@ def run_windows(args, builders, rows, setup=None, on_window=None):
     closed rung's memory is given back before the next is built. On a GPU a
     rung with loader workers warms up past what they load ahead
     (``warmup_steps``) and windows time more steps. ``on_window(measured)``
-    after each window (the partial report: a run cut off keeps it)."""
+    after each rung (the partial report: a run cut off keeps it)."""
+    import gc
     from fastchain import tune
     sync = setup.sync if setup is not None else (lambda: None)
     release = setup.release if setup is not None else (lambda: None)
@@ -659,20 +661,33 @@ def run_windows(args, builders, rows, setup=None, on_window=None):
         # a larger batch (the largest that fits): fewer steps, about as many images
         per_window = max(4, per_window * setup.default_batch // args.batch)
     # autotune's choices are kept across rungs and windows (keyed by shapes and
-    # structure): make them all before any window is timed, on the rung that
-    # meets every key, so no rung's windows pay for the measurements.
-    tuning = tune_first(builders.get('all'), TUNING_STEPS, tuning_seconds(args))
-    release()
+    # structure): make them before any window is timed, so no rung's windows
+    # pay for the measurements: on the "all" rung, and on a GPU also on the
+    # autotune rung, whose fp32 keys the fp16 "all" rung never meets.
+    tuning = {}
+    for name in ('all', 'autotune') if gpu else ('all',):
+        if name not in builders:
+            continue
+        try:
+            tuning[name] = tune_first(builders[name], TUNING_STEPS, tuning_seconds(args))
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
+            tuning[name] = {'steps': 0, 'seconds': 0.0, 'decided_early': [], 'undecided': {},
+                            'error': 'out of memory at batch {}: {}'.format(args.batch, e)}
+        if gpu:
+            gc.collect()
+        release()
     warmup = {}
     names = list(builders)
-    ran, last, out_of_room, cut = 0, 0.0, set(), False
+    ran, last, out_of_room, cut = 0, 0.0, {}, False
 
     def measured():
         return {'interleave': 'windows', 'windows': ran, 'windows_planned': windows,
                 'iterations_per_window': per_window,
                 'warmup_steps': {n: warmup_steps(n, setup) for n in names},
-                'warmup': warmup, 'cut_mid_window': cut,
-                'tuning': {'all': tuning}, 'autotune_choices': tune.summary()}
+                'warmup': warmup, 'cut_mid_window': cut, 'out_of_memory': out_of_room,
+                'tuning': tuning, 'autotune_choices': tune.summary()}
 
     for w in range(windows):
         if w and not next_fits(args, last):
@@ -688,7 +703,7 @@ def run_windows(args, builders, rows, setup=None, on_window=None):
             if left is not None and left < 0:
                 cut = True  # past the limit inside a window: its other rungs are left out
                 break
-            t0, close = time.perf_counter(), None
+            t0, step, close = time.perf_counter(), None, None
             try:
                 step, close = builders[name]()
                 for _ in range(warmup_steps(name, setup)):
@@ -703,13 +718,21 @@ def run_windows(args, builders, rows, setup=None, on_window=None):
             except Exception as e:
                 if not out_of_memory(e):
                     raise
-                # named, not fatal: the other rungs go on at this batch
-                out_of_room.add(name)
-                rows.skip(name, 'out of memory at batch {}: {}'.format(args.batch, e))
+                # named, not fatal: the other rungs go on at this batch (a rung
+                # with windows already measured keeps them, the note says why
+                # it has fewer)
+                out_of_room[name] = 'window {}: {}'.format(w + 1, e)
+                if name not in rows.windows:
+                    rows.skip(name, 'out of memory at batch {}: {}'.format(args.batch, e))
             finally:
                 if close is not None:
                     close()
+                step = close = None         # the rung's arrays unreferenced, then freed
+                if gpu:
+                    gc.collect()
                 release()
+            if on_window is not None:
+                on_window(measured())
         print('window {}/{}: '.format(w + 1, windows) + ', '.join(
             '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
         last, ran = time.monotonic() - began, w + 1
@@ -741,7 +764,9 @@ def has_loader(name):
     return name in RUNGS and rung_options(name, True)[0]['loader_workers'] != 0
 
 
-def report(args, setup, rows, measured, chart_too=True):
+def report(args, setup, rows, measured, final=True):
+    """The results; ``final=False``: a partial report written during the
+    run (no chart, nothing printed, a note saying so)."""
     from fastchain import tune
     ratios = {'{}/baseline'.format(r): rows.ratio(r, 'baseline')
               for r in RUNGS[1:] + ('torch', 'baseline_again')}
@@ -773,10 +798,10 @@ def report(args, setup, rows, measured, chart_too=True):
                '(a cache file) and decided what was left before their turns: {}.').format(
                    TURN_SETTLE, TURN_STEPS, measured['rounds'], measured['tuning'])
     else:
-        how = ('Before the windows, the "all" rung ran until autotune had decided every key '
-               '(choices are shared by the rungs): {}. Rungs take turns, each window starting '
-               'one rung later; "@paired" ratios are medians of per-window ratios.').format(
-                   measured['tuning']['all'])
+        how = ('Before the windows, the "all" rung (and on a GPU the autotune rung, for its '
+               'fp32 keys) ran until autotune had decided every key (choices are shared by '
+               'the rungs): {}. Rungs take turns, each window starting one rung later; '
+               '"@paired" ratios are medians of per-window ratios.').format(measured['tuning'])
     notes = ['Changed lines from the plain script to the "all" row: {} ({}); the talk '
              'needed 8.'.format(len(diff), '; '.join(diff)),
              'autotune (on from the autotune rung up, and in "all"; keyed by shapes and '
@@ -796,11 +821,18 @@ def report(args, setup, rows, measured, chart_too=True):
               'autotune rungs), all/torch >= 0.8.' if setup.gpu else
               'Target on CPU: all/baseline >= 1.5.')]
     unit = 'rounds' if measured['interleave'] == 'turns' else 'windows'
-    if measured.get('cut_mid_window'):
+    if measured.get('out_of_memory'):
+        notes.insert(0, 'WARNING: rungs out of GPU memory at batch {} (left out from then '
+                     'on): {}.'.format(args.batch, measured['out_of_memory']))
+    if not final:
+        notes.insert(0, 'PARTIAL: written during the run after {} complete {} of {} (the run '
+                     'was cut off if no later report replaced this one).'.format(
+                         measured[unit], unit, measured[unit + '_planned']))
+    elif measured.get('cut_mid_window'):
         notes.insert(0, 'WARNING: --time-limit {} s was reached inside window {}: the rungs '
                      'after that point have one window fewer.'.format(args.time_limit,
                                                                       measured[unit]))
-    if measured[unit] < measured[unit + '_planned']:
+    if final and measured[unit] < measured[unit + '_planned']:
         notes.insert(0, 'WARNING: --time-limit {} s: {} of the {} {} ran (the figures rest '
                      'on fewer samples than planned).'.format(
                          args.time_limit, measured[unit], measured[unit + '_planned'], unit))
@@ -818,8 +850,8 @@ def report(args, setup, rows, measured, chart_too=True):
     # another batch than the device's default (the largest that fits, on a
     # GPU) is written beside the default's results, not over them
     name = 'ladder' + ('' if args.batch == setup.default_batch else '-b{}'.format(args.batch))
-    result = _common.write(name, args, config, rows, ratios, notes)
-    if chart_too:
+    result = _common.write(name, args, config, rows, ratios, notes, quiet=not final)
+    if final:
         chart(result, os.path.join(args.results, name + ('-quick' if args.quick else '')
                                    + '.png'))
 

@@ -167,3 +167,36 @@ def test_without_a_usable_gpu_it_stops_at_once_naming_why_and_the_fix(tmp_path):
                                'to try this script on a CPU: --device @numpy'.format(
                                    status.why, status.fix)), r.stderr
     assert not (tmp_path / 'gpu').exists()          # nothing run, nothing written
+
+
+def test_the_archive_is_rewritten_while_a_long_step_runs(tmp_path):
+    """A call cut off in the middle of a step still returns that step's log."""
+    gpu_check = load_script()
+    (tmp_path / 'logs').mkdir()
+    ticks = []
+    code = "import time; print('halfway', flush=True); time.sleep(2.5)"
+    result = gpu_check.run_step('long', [sys.executable, '-c', code], {}, 30, str(tmp_path),
+                                tick=lambda: ticks.append(
+                                    (tmp_path / 'logs' / 'long.log').read_text()),
+                                every=1)
+    assert result['status'] == 'ok'
+    assert len(ticks) >= 2 and 'halfway' in ticks[-1]
+
+
+def test_unpacking_keeps_a_result_over_a_later_skip(tmp_path):
+    gpu_check = load_script()
+
+    def archive(name, steps):
+        d = tmp_path / name / 'gpu'
+        d.mkdir(parents=True)
+        (d / 'gpu_check.json').write_text(json.dumps({'quick': True, 'steps': steps}))
+        path = str(tmp_path / (name + '.tgz'))
+        with tarfile.open(path, 'w:gz') as tar:
+            tar.add(str(d), arcname='gpu')
+        return path
+
+    first = archive('a', {'ladder': {'status': 'ok'}, 'nccl': {'status': 'skipped: x'}})
+    second = archive('b', {'ladder': {'status': 'skipped: the deadline'},
+                           'nccl': {'status': 'ok'}})
+    merged = gpu_check.unpack([first, second], str(tmp_path / 'out'))
+    assert merged['steps'] == {'ladder': {'status': 'ok'}, 'nccl': {'status': 'ok'}}

@@ -193,15 +193,17 @@ def test_batch_max_needs_a_gpu():
 
 
 def test_past_the_limit_inside_a_window_the_rest_is_left_out_and_reported():
-    # each rung's window: 4 warm-up + 4 timed steps of 0.0125 s = 0.1 s
-    builders = {n: stand_in(0.0125) for n in ('a', 'b', 'c')}
+    # each rung's window: 4 warm-up + 4 timed steps of 0.025 s = 0.2 s: b
+    # starts 0.1 s before the limit, c after it
+    builders = {n: stand_in(0.025) for n in ('a', 'b', 'c')}
     rows = _common.Rows('iterations/s')
     reports = []
-    measured = ladder.run_windows(args_for(0.15, 3), builders, rows,
+    measured = ladder.run_windows(args_for(0.3, 3), builders, rows,
                                   on_window=reports.append)
     assert measured['cut_mid_window'] and measured['windows'] == 1
     assert {n: len(v) for n, v in rows.windows.items()} == {'a': 1, 'b': 1}
-    assert len(reports) == 1 and reports[0]['windows'] == 1    # written as it went
+    # written as it went: after each rung (a, b), then at the window's end
+    assert [r['windows'] for r in reports] == [0, 0, 1]
 
 
 def test_on_a_gpu_a_rung_with_loader_workers_warms_up_past_their_buffer():
@@ -213,3 +215,20 @@ def test_on_a_gpu_a_rung_with_loader_workers_warms_up_past_their_buffer():
     for rung in ('baseline', 'cudnn', 'autotune', 'fp16', 'fp32_preprocessing',
                  'baseline_again'):
         assert ladder.warmup_steps(rung, gpu) == ladder.WARMUP_ITERATIONS
+
+
+def test_a_rung_out_of_memory_after_measured_windows_keeps_them_and_is_noted():
+    calls = {'n': 0}
+
+    def grows():
+        calls['n'] += 1
+        if calls['n'] > 1:
+            raise OutOfMemoryError('out of memory allocating 2 GiB')
+        return stand_in(0.001)()
+    rows = _common.Rows('iterations/s')
+    args = args_for(None, 3)
+    args.batch = 256
+    measured = ladder.run_windows(args, {'baseline': stand_in(0.001), 'big': grows}, rows)
+    assert len(rows.windows['big']) == 1 and len(rows.windows['baseline']) == 3
+    assert rows.unavailable == []               # measured once: not listed as never run
+    assert measured['out_of_memory'] == {'big': 'window 2: out of memory allocating 2 GiB'}

@@ -126,6 +126,7 @@ def get_device(spec=None):
             raise RuntimeError('device {}: this machine has {} GPU(s), @cupy:0 to @cupy:{} '
                                '(fix: name one of those, or set CUDA_VISIBLE_DEVICES to show '
                                'more)'.format(spec, count, count - 1))
+        spec = '@cupy:{}'.format(index)     # Chainer's own name ('@cupy' alone it refuses)
     return chainer.get_device(spec)
 
 

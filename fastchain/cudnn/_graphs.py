@@ -84,10 +84,10 @@ class _Graph:
     """A built graph: its plans in the frontend's list (``count``), those
     built so far (``plans``), the next index to try, the first build error."""
 
-    __slots__ = ('graph', 'tensors', 'plans', 'layout', 'count', 'next', 'error')
+    __slots__ = ('graph', 'tensors', 'plans', 'layout', 'count', 'next', 'error', 'walked')
 
     def __init__(self, graph, tensors, layout, count):
-        self.graph, self.tensors, self.layout = graph, tensors, layout
+        self.graph, self.tensors, self.layout, self.walked = graph, tensors, layout, 0
         self.plans, self.count, self.next, self.error = [], count, 0, None
 
 

@@ -18,11 +18,14 @@ def more_plans(g, want, cudnn):
     its own ``build_plans(ALL)`` stops at the first such, so each index is
     built on its own here and one that fails is passed over (the first
     reason kept in ``g.error``). A frontend without ``build_plan_at_index``
-    walks its own list once."""
+    walks its own list: for the heuristics' choice, then once more for all
+    of it when more are wanted (autotune after a key ran without)."""
     build_at = getattr(g.graph, 'build_plan_at_index', None)
     if build_at is None:
-        if g.next == 0:
-            g.next = g.count
+        # its own walk: the heuristics' choice, or all of them once more are wanted
+        wanted = 2 if want > 1 else 1
+        if g.walked < wanted:
+            g.walked, g.next = wanted, g.count
             try:
                 g.graph.build_plans(cudnn.build_plan_policy.ALL if want > 1
                                     else cudnn.build_plan_policy.HEURISTICS_CHOICE)

@@ -24,8 +24,8 @@ real; the margin is for GPU kernels whose summation order varies. While the
 ``onednn`` option is in force or has run in the process (oneDNN's kernels,
 not bitwise equal to Chainer's: a cache recorded with them and verified
 after the option was turned off sees their rounding), or cuDNN graphs have
-run (engines allowed to sum in a varying order, unless
-``cudnn_deterministic``), float32 arrays are
+run (their engines may sum in a varying order; also under
+``cudnn_deterministic``, which this does not look at), float32 arrays are
 accepted within ``INEXACT`` of the largest magnitude among the arrays
 compared together (the outputs, or the gradients: a bias's gradient sums to
 little from larger values and carries their rounding); a defect of the cache

@@ -196,3 +196,14 @@ def test_a_gpu_id_past_the_machines_gpus_is_refused(monkeypatch):
         with pytest.raises(RuntimeError, match=r'device {}: this machine has 1 GPU\(s\), '
                                                r'@cupy:0 to @cupy:0 \(fix: '.format(spec)):
             cuda.get_device(spec)
+
+
+def test_a_gpu_named_without_its_index_is_gpu_0(monkeypatch):
+    import chainer
+    fake_cupy(monkeypatch, '14.2.0', lambda: True,
+              devices=[{'name': b'H100', 'major': 9, 'minor': 0, 'totalGlobalMem': 80 << 30}])
+    asked = []
+    monkeypatch.setattr(chainer, 'get_device', lambda spec: asked.append(spec) or spec)
+    for spec in ('@cupy', 0, '@cupy:0'):
+        cuda.get_device(spec)
+    assert asked == ['@cupy:0'] * 3        # Chainer refuses '@cupy' alone

@@ -661,6 +661,11 @@ def test_a_frontend_without_build_plan_at_index_walks_its_own_list(monkeypatch):
     fe.plan_costs = {'nchw': [1.0, 2.0]}
     g = _graphs.build_conv(key_of('conv forward'))
     assert fe.graphs[0].steps[-1] == ('build_plans', 'HEURISTICS') and g.plans[:1] == [0]
+    _graphs.more_plans(g, _graphs.MAX_PLANS, fe)        # autotune comes: all of it
+    assert fe.graphs[0].steps[-1] == ('build_plans', 'ALL') and g.plans == [0, 1]
+    _graphs.more_plans(g, _graphs.MAX_PLANS, fe)        # once
+    assert [s for s in fe.graphs[0].steps if s[0] == 'build_plans'] == [
+        ('build_plans', 'HEURISTICS'), ('build_plans', 'ALL')]
 
 
 def test_a_key_met_first_without_autotune_is_tuned_when_autotune_comes(monkeypatch):

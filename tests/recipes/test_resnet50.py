@@ -110,7 +110,19 @@ def test_bad_data_path_and_bad_config(tmp_path):
     assert r.returncode != 0 and 'unknown option(s) itrations' in r.stderr
 
 
-def test_fp32_keeps_all_in_fp32_and_contradicting_fp16_is_refused(tmp_path):
+def test_fp32_keeps_all_in_fp32_and_contradicting_fp16_is_refused(tmp_path, monkeypatch):
+    # what --all and --fp32 ask of enable() (on a CPU fp16='auto' is off
+    # anyway: the options themselves are what a GPU would get)
+    import importlib.util
+    import fastchain
+    spec = importlib.util.spec_from_file_location('resnet50_train', RECIPE)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    asked = []
+    monkeypatch.setattr(fastchain, 'enable', lambda **options: asked.append(options))
+    train.enable_accelerators(train.parse_args(['--all']))
+    train.enable_accelerators(train.parse_args(['--all', '--fp32']))
+    assert [a['fp16'] for a in asked] == ['auto', False]
     result = run(tmp_path, '--data', 'synthetic', '--iterations', '2', '--all', '--fp32')
     assert 'fp16               off' in result.stdout
     r = subprocess.run([sys.executable, RECIPE, '--data', 'synthetic', '--fp16', '--fp32',
