@@ -142,11 +142,6 @@ def main(argv=None):
     except RuntimeError as e:
         sys.exit(str(e))
     device.use()
-
-    def sync():
-        """On a GPU, waits for its work: the step's time is its whole time."""
-        if device.xp is not numpy:
-            device.device.synchronize()
     # Rounds (one step per variant each); --windows sets the overhead- and
     # python-bound counts. A compute-bound step takes ~2 s here.
     short = args.windows or (30 if args.quick else 80)
@@ -169,8 +164,7 @@ def main(argv=None):
         def timed_step(name):
             step, kernels = variants[name]
             with kernels():
-                sync()          # a GPU's queue empty before the clock starts
-                return _common.timed(lambda: (step(), sync()))[0]
+                return _common.timed(step)[0]     # step() synchronises a GPU itself
         for r in range(rounds[setting]):
             for name in (names if r % 2 == 0 else names[::-1]):
                 rows.add('{}@{}'.format(name, setting), 1.0 / timed_step(name))

@@ -1,4 +1,8 @@
-"""Models and training helpers shared by the kernel and static-graph tests."""
+"""Models and training helpers shared by the kernel and static-graph tests,
+and process checks shared by the tests that start process groups."""
+
+import os
+import time
 
 import numpy
 
@@ -176,3 +180,26 @@ class OneRank(CommunicatorBase):
 
     def device(self):
         return chainer.get_device('@numpy')
+
+
+def alive(pid):
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:        # a zombie still answers kill(0): ask /proc whether it runs
+        with open('/proc/{}/stat'.format(pid)) as f:
+            return f.read().split(')')[-1].split()[0] != 'Z'
+    except OSError:
+        return True
+
+
+def gone(pid, seconds=10):
+    """Whether ``pid`` stops running within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False

@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from tests.helpers import gone
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'benchmarks',
                       'gpu_check.py')
 
@@ -79,22 +81,7 @@ def test_a_step_past_its_time_is_killed_with_its_children_and_keeps_its_output(
     assert time.monotonic() - start < 30
     log = (tmp_path / 'logs' / 'stubborn.log').read_text()
     pid = int(re.search(r'^CHILD-PID (\d+)$', log, re.M).group(1))   # printed live
-    deadline = time.monotonic() + 10
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(pid), 'the step\'s child outlived the step'
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:        # a zombie still answers kill(0)
-        with open('/proc/{}/stat'.format(pid)) as f:
-            return f.read().split(')')[-1].split()[0] != 'Z'
-    except OSError:
-        return False
+    assert gone(pid), 'the step\'s child outlived the step'
 
 
 def test_the_deadline_skips_what_cannot_start_and_the_archive_is_written(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', 'benchmarks'))
 import _turns  # noqa: E402
+from tests.helpers import gone  # noqa: E402
 
 CHILD = os.path.join(HERE, 'turns_child.py')
 pytestmark = pytest.mark.skipif(not hasattr(os, 'killpg'), reason='needs POSIX signals')
@@ -33,27 +34,6 @@ def rung(name, mode, tmp_path):
 
 def size(path):
     return os.path.getsize(path) if os.path.exists(path) else 0
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:        # a zombie still answers kill(0): ask /proc whether it runs
-        with open('/proc/{}/stat'.format(pid)) as f:
-            return f.read().split(')')[-1].split()[0] != 'Z'
-    except OSError:
-        return True
-
-
-def gone(pid, seconds=10):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_stopped_variant_does_no_work_in_the_background(tmp_path):

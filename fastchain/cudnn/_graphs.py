@@ -39,7 +39,8 @@ import threading
 import numpy
 
 from fastchain.cudnn import _frontend, _keys
-from fastchain.cudnn._plans import is_oom, more_plans, plan_label  # noqa: F401 (is_oom: _bn_graphs)
+from fastchain.cudnn._plans import (is_oom, more_plans, plan_count,  # noqa: F401 (is_oom)
+                                     plan_label)
 
 TRIALS = 3
 REPEATS = 5             # runs between one pair of CUDA events (a trial: their mean)
@@ -119,7 +120,6 @@ def _finish(cudnn, graph, key, tensors, layout, want=None):
     """Validate, lower, make and filter the plans, then build them one by one
     (``want`` of them: ``MAX_PLANS`` under autotune, else the heuristics'
     first that builds); Unsupported when none does."""
-    from fastchain.cudnn._plans import plan_count
     try:
         graph.validate()
         graph.build_operation_graph()
