@@ -147,7 +147,7 @@ class _Cache:
     def _verified(self, chain, plain, key, args, building):
         before = _verify.Snapshot(chain)
         recorder = _functions.Recorder() if building else contextlib.nullcontext()
-        statistics = _fixes.building_statistics(chain) if building else \
+        statistics = _fixes.building_statistics(chain, _keys.array_inputs(args)) if building else \
             contextlib.nullcontext()
         watch = _reads.watching() if building else contextlib.nullcontext([])
         try:

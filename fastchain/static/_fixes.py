@@ -24,6 +24,13 @@ the hook the cache's backward verification runs in.
    function, so the last function's retained arrays keep the first step's
    values in its backward node. Fix: they are marked when the forward
    schedule is built.
+5. Work define-by-run does not do: Chainer makes each array argument of a
+   cached call a variable that requires a gradient (its schedule needs one to
+   have a backward) and asks for that gradient when it builds the backward
+   schedule, so every replayed step computes, for a convolutional network,
+   the first convolution's input gradient, which nobody can read. Fix: those
+   inputs are left out of what the backward is built for; a variable argument
+   keeps its gradient.
 
 The layers (:mod:`fastchain.config._patches`, layer ``static_graph``) are on
 ``BatchNormalization.backward``, ``FixedBatchNormalization.backward``,
@@ -53,6 +60,7 @@ _lock = _patches.lock
 _local = threading.local()
 _leases = set()
 CHECK = 'static_backward_check'     # attachment key on a schedule: a pending check
+ARRAY_INPUTS = 'static_array_inputs'    # on a forward schedule: drop_input_gradients
 
 
 def installed():
@@ -109,12 +117,15 @@ def _build_then_fix(next_, schedule, *args, **kwargs):
     saved = getattr(_local, 'statistics', None)
     if saved is not None and not schedule.pass_depth:   # the forward schedule
         _restore(saved)
+        _patches.attach(schedule, ARRAY_INPUTS, _local.array_inputs)
     _bind.bind_schedule(schedule)
     _flat.compile_schedule(schedule)
     return result
 
 
 def _backward_then_check(next_, schedule, indexes, grad_outputs):
+    if schedule.backward_schedule_func is None:     # this call builds it
+        drop_input_gradients(schedule)
     with verbosity(getattr(schedule, 'verbosity_level', 0) > 0):
         check = _patches.attached(schedule, CHECK)
         if check is None:
@@ -138,6 +149,24 @@ def verbosity(verbose):
         yield
     finally:
         _local.verbose = before
+
+
+# --- 5. input gradients nobody reads ----------------------------------------------
+
+def drop_input_gradients(schedule):
+    """Before Chainer builds ``schedule``'s backward: the inputs that were
+    arrays in the call that built it (Chainer made them variables that require
+    a gradient, which nobody can read; define-by-run computes none) are left
+    out of the gradients it asks for (the parameters' and every input's), so
+    the backward schedule has no kernel for them (for a convolutional
+    network, the first convolution's input gradient)."""
+    import chainer
+    in_vars = getattr(schedule, 'in_vars', None)
+    for i in _patches.attached(schedule, ARRAY_INPUTS, ()):
+        if in_vars and i < len(in_vars) and in_vars[i] is not None:
+            # a stand-in outside the graph: its gradient is None, and no
+            # function's input gradient is on the way to it
+            in_vars[i] = chainer.Variable(in_vars[i].array, requires_grad=False)
 
 
 # --- 2. persistent values on the building iteration -----------------------------
@@ -185,14 +214,19 @@ def _retain_last(schedule):
 
 
 class building_statistics:
-    """While a schedule may be built, remember the statistics to go back to."""
+    """While a schedule may be built, remember the statistics to go back to,
+    and which of the call's inputs are arrays (``array_inputs``:
+    :func:`fastchain.static._keys.array_inputs`)."""
 
-    def __init__(self, chain):
+    def __init__(self, chain, array_inputs=()):
         self.chain = chain
+        self.array_inputs = array_inputs
 
     def __enter__(self):
         _local.statistics = snapshot_statistics(self.chain)
+        _local.array_inputs = self.array_inputs
 
     def __exit__(self, *exc):
         _local.statistics = None
+        _local.array_inputs = ()
         return False

@@ -27,6 +27,22 @@ def _array_key(x):
     return type(a), a.shape, a.dtype, getattr(device, 'id', device)
 
 
+def array_inputs(args):
+    """The positions, in Chainer's flattened order of a call's arguments, of
+    those that are arrays (not variables): Chainer's static graph makes them
+    variables that require a gradient, which nobody can read."""
+    flat = []
+
+    def walk(x):
+        if isinstance(x, (list, tuple)):
+            for item in x:
+                walk(item)
+        else:
+            flat.append(not isinstance(x, chainer.Variable))
+    walk(args)
+    return tuple(i for i, is_array in enumerate(flat) if is_array)
+
+
 def key(args):
     """What a schedule is valid for, or None if an argument is not an array."""
     arrays = _array_key(args)

@@ -141,10 +141,14 @@ def flatten(x):
 
 
 def _copy(x, inputs):
-    """``x`` with every array or variable replaced by a new leaf variable."""
+    """``x`` with every array or variable replaced by a new leaf variable,
+    which requires a gradient where the replay gives one: a variable that
+    requires one (an array argument's is not computed, as define-by-run
+    computes none)."""
     if isinstance(x, (list, tuple)):
         return type(x)(_copy(item, inputs) for item in x)
-    v = chainer.Variable(getattr(x, 'array', x))
+    v = chainer.Variable(getattr(x, 'array', x), requires_grad=isinstance(
+        x, chainer.Variable) and x.requires_grad)
     inputs.append(v)
     return v
 
@@ -222,7 +226,7 @@ class Reference:
         the gradients ``before`` the step as define-by-run would."""
         pairs = [(y, g) for y, g in zip(self.outputs, grad_outputs)
                  if g is not None and isinstance(y, chainer.Variable)]
-        inputs = [x for x in self.inputs if x.dtype.kind == 'f']
+        inputs = [x for x in self.inputs if x.dtype.kind == 'f' and x.requires_grad]
         targets = list(params) + inputs
         if not pairs or not targets:
             return [before(p) for p in params], [None] * len(self.inputs)

@@ -112,3 +112,14 @@ def test_a_cached_chain_inside_another_is_recorded_as_part_of_it():
         warnings.simplefilter('error', StaticGraphFallback)
         assert not side_by_side(ordinary, cached, batches([numpy.float32] * 4))
     assert cache_state(cached.inner)['sequences'] == {}     # never ran on its own
+
+
+def test_array_inputs_are_counted_in_chainers_flattened_order():
+    from chainer.graph_optimizations.static_graph import _flatten_args
+    from fastchain.static._keys import array_inputs
+    a = numpy.zeros(2, numpy.float32)
+    v = chainer.Variable(a)
+    args = (a, [v, (a, v)], v, a)
+    flat, _, _ = _flatten_args(args)
+    assert array_inputs(args) == tuple(
+        i for i, x in enumerate(flat) if not isinstance(x, chainer.Variable)) == (0, 2, 5)

@@ -80,6 +80,35 @@ def test_input_gradients_are_verified(monkeypatch):
     assert cache_state(cached.inner)['cause'] == 'defect'
 
 
+@pytest.mark.parametrize('as_variable', [False, True])
+def test_an_array_input_gets_no_gradient_and_a_variable_keeps_its_own(as_variable):
+    """Chainer's static graph makes an array argument a variable that
+    requires a gradient and computes it every step, though nobody can read it
+    (define-by-run computes none): the cache's backward leaves it out (no
+    input gradient of the first convolution), with the same bits for all
+    else; a variable that requires a gradient still gets define-by-run's."""
+    from tests.helpers import assert_same, schedules
+    ordinary, cached = copies(ConvBN)
+    cache_static_graph(cached)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        for i, (x, t) in enumerate(batches(count=5)):
+            inputs = [chainer.Variable(x.copy()) if as_variable else x for _ in range(2)]
+            for model, xi in zip((ordinary, cached), inputs):
+                model.cleargrads()
+                F.softmax_cross_entropy(model(xi), t).backward()
+            if as_variable:
+                numpy.testing.assert_array_equal(inputs[1].grad, inputs[0].grad)
+            assert_same(ordinary, cached, 'step {}'.format(i))
+    assert cache_state(cached)['fallback'] is None
+    forward, backward = schedules(cached)
+    names = [type(info.function_node).__name__ for info in backward.schedule_info_list]
+    # the input gradient of a convolution is a deconvolution; the weight
+    # gradient is there either way
+    assert ('Deconvolution2DFunction' in names) == as_variable
+    assert 'Convolution2DGradW' in names
+
+
 def test_gradient_accumulation_is_refused_with_the_reason():
     """Two passes before an update, gradients not cleared in between:
     define-by-run adds them up, Chainer's replay would keep only the last."""
