@@ -71,6 +71,12 @@ def cache_state(chain):
     return None if cache is None else cache.state
 
 
+def _uninitialized(chain):
+    """The names of ``chain``'s parameters not made yet (their size comes
+    from their first input)."""
+    return frozenset(name for name, p in chain.namedparams() if p.array is None)
+
+
 def is_cached(chain):
     return _patches.attached(chain, STATE) is not None
 
@@ -93,6 +99,7 @@ class _Cache:
         # autotune: one step a turn; an evaluation between two steps voids it
         self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)
         self.structures = {}        # autotune: key -> the choice's key
+        self.lazy = None            # the parameters unmade before the last define-by-run step
 
     def __call__(self, plain, args, kwargs):
         config = chainer.config
@@ -118,6 +125,17 @@ class _Cache:
             managers = chain.__dict__['schedule_manager'] = _keys.Managers(self.token,
                                                                            self.verbosity)
         building = _keys.will_build(managers.select(key))
+        if building:
+            lazy = _uninitialized(chain)
+            if lazy and lazy != self.lazy:
+                # A parameter of unknown size (L.Linear(None, n)) is made on
+                # its first call from NumPy's global generator: a step whose
+                # call makes one runs define-by-run, as in plain Chainer, and
+                # a later one records (one that makes none: an unused layer
+                # stays unmade, and the schedule is recorded without it).
+                self.lazy = lazy
+                self.turns.reset()
+                return plain(*args)
         if not building and self.state['verified'].get(key, 0) >= self.verify_steps:
             if not _tuner.enabled:
                 self.turns.reset()

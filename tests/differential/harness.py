@@ -24,6 +24,7 @@ import io
 import os
 import tempfile
 import warnings
+import zlib
 
 import numpy
 
@@ -72,9 +73,13 @@ def state(model, optimizer, loss, grads, after_grads=True):
     ``grads`` as backward left them; ``after_grads``: also each parameter's
     ``.grad`` after the update (fp16 with hooks: not comparable, Chainer's
     hooks changed its fp16 gradients in place, fastchain's an fp32 copy)."""
-    s = {'loss': numpy.array(loss, copy=True), 'optimizer.t': optimizer.t}
+    # NumPy's global generator: where it stands decides later draws (a
+    # script's shuffling, dropout's masks)
+    key, position = numpy.random.get_state()[1:3]
+    s = {'loss': numpy.array(loss, copy=True), 'optimizer.t': optimizer.t,
+         'numpy random state': (zlib.crc32(key.tobytes()), position)}
     for name, p in model.namedparams():
-        s['W' + name] = p.array.copy()
+        s['W' + name] = None if p.array is None else p.array.copy()  # not made yet
         if grads is not None:
             s['backward grad' + name] = grads[name]
         if after_grads:
@@ -171,9 +176,7 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
 
     def make(seed):
         numpy.random.seed(seed)
-        with (chainer.using_config('dtype', chainer.mixed16) if plain_fp16
-              else contextlib.nullcontext()):
-            model = build(spec)
+        model = build(spec)
         optimizer, hook_objects = make_optimizer(opt_spec, hooks)
         optimizer.setup(model)
         for hook in hook_objects:
@@ -185,8 +188,12 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
         return model, optimizer
 
     trace = []
+    # Plain Chainer's fp16 script sets the compute dtype for the whole run
+    # (a parameter whose size comes from its first input is made then)
+    dtype_config = (chainer.using_config('dtype', chainer.mixed16) if plain_fp16
+                    else contextlib.nullcontext())
     with tempfile.TemporaryDirectory() as folder, handles(layout, folder) as (made, disable_at):
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), dtype_config:
             warnings.simplefilter('ignore')     # fallbacks, fp16 on a CPU
             model, optimizer = make(SEED)
             step = {}

@@ -4,7 +4,8 @@ A model is drawn as a *spec* (plain tuples, so a failing example prints as
 something to read) and built by :func:`build`: convolutions and
 deconvolutions of random kernel, stride, pad, dilation and groups; batch
 normalisation; dropout; pooling; residual adds; optionally a second input
-and a branch on the data; global average pooling and a linear classifier.
+and a branch on the data; global average pooling and a linear classifier
+(optionally of an input size Chainer infers on the first call).
 """
 
 import numpy
@@ -27,7 +28,8 @@ def _deconv_out(size, k, s, p):
 
 
 @st.composite
-def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_branch=True):
+def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_branch=True,
+                allow_lazy=True):
     n = draw(st.integers(2, 4))
     c = draw(st.integers(1, 4))
     h, w = draw(st.integers(4, 11)), draw(st.integers(4, 11))
@@ -82,8 +84,11 @@ def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_bra
             layers.append((kind,))
     extra = draw(st.booleans())
     branch = allow_branch and draw(st.integers(0, 5)) == 0     # one model in six
+    # the head's input size left to Chainer (L.Linear(None, n)): its weights
+    # are made on the first call, from NumPy's global generator
+    lazy = allow_lazy and draw(st.booleans())
     return {'input': spec_input, 'layers': tuple(layers), 'extra_input': extra,
-            'branch': branch}
+            'branch': branch, 'lazy_head': lazy}
 
 
 class Net(chainer.Chain):
@@ -114,7 +119,8 @@ class Net(chainer.Chain):
                 elif kind == 'res':
                     setattr(self, name, L.Convolution2D(c, c, layer[2], 1, layer[2] // 2,
                                                         initialW=init))
-            self.head = L.Linear(c, CLASSES, initialW=init)
+            self.head = L.Linear(None if spec.get('lazy_head') else c, CLASSES,
+                                 initialW=init)
             if spec['extra_input']:
                 self.side = L.Linear(3, CLASSES, initialW=init)
             if spec['branch']:

@@ -314,3 +314,42 @@ def test_decorated_method_of_a_model_that_is_not_static_falls_back():
             model.flip = sign < 0
             step(model, numpy.full((2, 4), sign, numpy.float32), t)
     assert cache_state(model)['cause'] == 'not static'
+
+
+class LazyMLP(chainer.Chain):
+    """Sizes left to Chainer (L.Linear(None, n)): weights made on the first
+    call from NumPy's global generator; ``unused`` is never called."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(None, 8)
+            self.l2 = L.Linear(8, 5)
+            self.unused = L.Linear(None, 5)
+
+    def forward(self, x):
+        return self.l2(F.relu(self.l1(x)))
+
+
+def test_parameters_made_on_the_first_call_are_made_as_define_by_run_makes_them():
+    """The step that makes them runs define-by-run (they draw from NumPy's
+    global generator, which a script's shuffling reads next); the next one
+    records, with the unused layer still unmade: the same bits and the same
+    generator state as plain Chainer, and no fallback."""
+    from tests.helpers import assert_same, side_by_side
+    numpy.random.seed(0)
+    ordinary = LazyMLP()
+    numpy.random.seed(0)
+    cached = LazyMLP()
+    cache_static_graph(cached)
+    rng = numpy.random.RandomState(3)
+    batches = [(rng.randn(4, 6).astype(numpy.float32), rng.randint(0, 5, 4).astype(numpy.int32))
+               for _ in range(6)]
+    # side_by_side seeds NumPy before each model's step and compares the
+    # generator's state after it, with the parameters and gradients
+    assert side_by_side(ordinary, cached, batches) == []
+    state = cache_state(cached)
+    assert state['fallback'] is None and state['sequences']      # recorded
+    assert max(state['verified'].values()) >= 2
+    assert cached.unused.W.array is None
+    assert_same(ordinary, cached)
