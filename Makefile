@@ -29,8 +29,12 @@ CUDNN_FRONTEND ?= nvidia-cudnn-frontend
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.fastchain-setup
+# What the venv was set up with: a change (EXTRAS=...,bench, another NUMPY_SPEC)
+# sets it up again, as a change of pyproject.toml does.
+SETUP_ARGS := extras=$(EXTRAS) numpy=$(NUMPY_SPEC) old_setuptools=$(OLD_SETUPTOOLS) cudnn_frontend=$(CUDNN_FRONTEND)
+SETUP_ARGS_FILE := $(VENV)/.fastchain-setup-args
 
-.PHONY: setup test test-np1 doctor demo bench gpu-check clean test-differential mutation-check \
+.PHONY: FORCE setup test test-np1 doctor demo bench gpu-check clean test-differential mutation-check \
 	wheelhouse wheelhouse-check cupy14-check
 
 setup: $(STAMP)
@@ -39,7 +43,13 @@ setup: $(STAMP)
 # has, so a plain `pip install chainer` fails in pip's isolated build. Build it
 # without isolation against setuptools<82, then (by default) move to the newest
 # setuptools so the venv is what a user has today.
-$(STAMP): pyproject.toml Makefile
+$(SETUP_ARGS_FILE): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(SETUP_ARGS)' | cmp -s - $@ || echo '$(SETUP_ARGS)' > $@
+
+FORCE:
+
+$(STAMP): pyproject.toml Makefile $(SETUP_ARGS_FILE)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -U pip
 	$(PIP) install "setuptools<82" wheel $(NUMPY_SPEC)
