@@ -94,8 +94,6 @@ def save(path):
         choices = entry.setdefault('choices', {})
         for (kind, key_repr), choice in decided.items():
             choices.setdefault(kind, {})[key_repr] = choice
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
         tmp = '{}.tmp{}'.format(path, os.getpid())
         with open(tmp, 'w') as f:
             json.dump(data, f, indent=1, sort_keys=True)

@@ -26,6 +26,16 @@ def _path(value):
     if os.path.isdir(path):
         raise ValueError('{} is a folder; give a file path, e.g. {}'.format(
             path, os.path.join(path, 'autotune.json')))
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError('the folder {!r} does not exist{} (the file is written there at '
+                         'disable() and at exit): create it first or choose another path'
+                         .format(folder, '' if not os.path.exists(folder) else
+                                 ' as a folder (it is a file)'))
+    if not os.access(folder, os.W_OK) or (os.path.exists(path)
+                                          and not os.access(path, os.W_OK)):
+        raise ValueError('{!r} cannot be written (permissions): choose another path'
+                         .format(path))
     return path
 
 

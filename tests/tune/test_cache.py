@@ -89,6 +89,14 @@ def test_the_option_wants_a_file_path(tmp_path):
         fastchain.enable(tune_cache=3)
     with pytest.raises(ValueError, match='is a folder; give a file path, e.g. .*autotune.json'):
         fastchain.enable(tune_cache=str(tmp_path))
+    # checked at enable(), before anything changes: not at disable() after training
+    missing = tmp_path / 'no' / 'autotune.json'
+    with pytest.raises(ValueError, match="folder '.*no' does not exist .*create it first"):
+        fastchain.enable(tune_cache=str(missing))
+    (tmp_path / 'a_file').write_text('')
+    with pytest.raises(ValueError, match='does not exist as a folder \\(it is a file\\)'):
+        fastchain.enable(tune_cache=str(tmp_path / 'a_file' / 'autotune.json'))
+    assert not missing.parent.exists()
 
 
 class Net(chainer.Chain):
