@@ -59,6 +59,9 @@ def parse_args(argv=None):
                    help='--data demo: training images per class (validation: a fifth)')
     g.add_argument('--demo-root', default=os.path.join(HERE, '.data', 'demo'),
                    help='--data demo: where the generated files go')
+    g.add_argument('--skip-bad-images', action='store_true',
+                   help='leave images that cannot be read out of their batch (counted in '
+                        'the log as skipped_examples) instead of stopping')
     g.add_argument('--batch-size', type=int, default=32, help='per process')
     g.add_argument('--val-batch-size', type=int, default=64)
 
@@ -114,15 +117,56 @@ def parse_args(argv=None):
 
     args, _ = p.parse_known_args(argv)
     if args.config:
-        import yaml
-        with open(args.config) as f:
-            values = yaml.safe_load(f) or {}
-        known = {a.dest for a in p._actions}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            p.error('{}: unknown option(s) {}'.format(args.config, ', '.join(unknown)))
-        p.set_defaults(**values)
+        p.set_defaults(**read_config(p, args.config))
     return p.parse_args(argv)
+
+
+def read_config(p, path):
+    """The options in the YAML file ``path``, checked as the command line
+    checks them (argparse checks no default it is given)."""
+    import difflib
+    import yaml
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as e:
+        p.error('--config {}: {}'.format(path, e.strerror or e))
+    except yaml.YAMLError as e:
+        p.error('--config {}: not valid YAML ({})'.format(path, e))
+    if not isinstance(values, dict):
+        p.error('--config {}: expected option: value lines, found {}'.format(
+            path, type(values).__name__))
+    actions = {a.dest: a for a in p._actions if a.dest not in ('help', 'config')}
+    for name in sorted(set(values) - set(actions)):
+        close = difflib.get_close_matches(str(name).replace('-', '_'), actions, n=1)
+        p.error('{}: unknown option {!r}{}'.format(
+            path, name, " (did you mean '{}'?)".format(close[0]) if close else ''))
+    for name, value in values.items():
+        action = actions[name]
+        where = '{}: {} (--{})'.format(path, name, name.replace('_', '-'))
+        if action.nargs == 0:           # a flag: true or false
+            if not isinstance(value, bool):
+                p.error('{}: expected true or false, got {!r}'.format(where, value))
+            continue
+        if value is None:
+            continue
+        kind = action.type
+        if kind is not None:
+            exact = kind is not int or (isinstance(value, (int, str))
+                                        and not isinstance(value, bool))
+            try:
+                converted = kind(value) if exact else None
+            except (TypeError, ValueError):
+                converted = None
+            if converted is None:
+                p.error('{}: expected {} {}, got {!r}'.format(
+                    where, 'an' if kind is int else 'a', getattr(kind, '__name__', kind),
+                    value))
+            value = values[name] = converted
+        if action.choices is not None and value not in action.choices:
+            p.error('{}: {!r} is not one of {}'.format(
+                where, value, ', '.join(map(str, action.choices))))
+    return values
 
 
 # --- accelerators --------------------------------------------------------------
@@ -182,6 +226,15 @@ def make_datasets(args):
                                        n_val=max(1, per_class // 5), size=side)
         return (data.ImageListDataset(paths['train'], root, train_tf),
                 data.ImageListDataset(paths['val'], root, val_tf), len(paths['classes']))
+    if not os.path.isdir(args.data):
+        sys.exit("--data {}: {}; expected 'demo', 'synthetic', or a dataset directory".format(
+            args.data, 'not a directory' if os.path.exists(args.data) else
+            'no such directory'))
+    for listing, other in (('train.txt', 'val.txt'), ('train', 'val')):
+        if os.path.exists(os.path.join(args.data, listing)) and \
+                not os.path.exists(os.path.join(args.data, other)):
+            sys.exit('--data {}: has {} but no {} (the validation set, in the same form)'
+                     .format(args.data, listing, other))
     if os.path.exists(os.path.join(args.data, 'train.txt')):
         train = data.ImageListDataset(os.path.join(args.data, 'train.txt'), args.data, train_tf)
         val = data.ImageListDataset(os.path.join(args.data, 'val.txt'), args.data, val_tf)
@@ -374,10 +427,12 @@ def main(argv=None):
         optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(args.weight_decay))
 
     converter = data.ImageConverter()
+    on_error = 'skip' if args.skip_bad_images else 'raise'
     train_it = data.MultiprocessIterator(train, args.batch_size, seed=args.seed,
-                                         n_workers=args.loaderjobs)
+                                         n_workers=args.loaderjobs, on_error=on_error)
     val_it = data.MultiprocessIterator(val, args.val_batch_size, repeat=False,
-                                       shuffle=False, n_workers=args.loaderjobs)
+                                       shuffle=False, n_workers=args.loaderjobs,
+                                       on_error=on_error)
     train_it = data.DevicePrefetcher(train_it, converter, device)
     updater = training.StandardUpdater(train_it, optimizer, converter=train_it.converter,
                                        device=device)
@@ -402,12 +457,21 @@ def main(argv=None):
     if rank == 0:
         add_reporting(trainer, args, total, iters_per_epoch)
     if args.resume:
+        if not os.path.isfile(args.resume):
+            sys.exit('--resume {}: no such snapshot file (they are {}/snapshot_iter_N)'.format(
+                args.resume, args.out))
         chainer.serializers.load_npz(args.resume, trainer)     # every rank: same state
     if rank == 0:
         write_config(args, handle, world, 'at the start of training')
 
     try:
-        trainer.run()
+        trainer.run(show_loop_exception_msg=False)   # an error is raised (or named) below
+    except data.DataLoadError as e:
+        if args.skip_bad_images:
+            raise
+        sys.exit('{}\nfix: replace or remove that file, or run with --skip-bad-images to '
+                 'leave unreadable images out (counted in the log as skipped_examples)'
+                 .format(str(e).split('\nIn the worker:')[0]))
     finally:
         val_it.finalize()
     log = trainer.get_extension('LogReport') if rank == 0 else None

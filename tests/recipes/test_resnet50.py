@@ -103,11 +103,71 @@ def test_bad_data_path_and_bad_config(tmp_path):
     cmd = [sys.executable, RECIPE, '--data', str(tmp_path / 'nothing'), '--out',
            str(tmp_path / 'o')] + TINY
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "expected 'demo', 'synthetic'" in r.stderr
-    (tmp_path / 'bad.yaml').write_text('itrations: 2\n')
-    r = subprocess.run(cmd[:2] + ['--config', str(tmp_path / 'bad.yaml')],
+    assert r.returncode != 0 and 'nothing: no such directory' in r.stderr
+    assert "expected 'demo', 'synthetic'" in r.stderr
+    # a config file's values are checked as the command line's are
+    for text, message in (('itrations: 2', "unknown option 'itrations' (did you mean "
+                                           "'iterations'?)"),
+                          ('image-size: 48', "(did you mean 'image_size'?)"),
+                          ('schedule: linear', "schedule (--schedule): 'linear' is not one "
+                                               'of cosine, step'),
+                          ('depth: 42', 'depth (--depth): 42 is not one of 18, 34, 50'),
+                          ('batch_size: eight', "expected an int, got 'eight'"),
+                          ('all: 3', 'all (--all): expected true or false, got 3')):
+        (tmp_path / 'bad.yaml').write_text(text + '\n')
+        r = subprocess.run(cmd[:2] + ['--config', str(tmp_path / 'bad.yaml')],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and message in r.stderr, (text, r.stderr[-500:])
+        assert 'Traceback' not in r.stderr
+    r = subprocess.run(cmd[:2] + ['--config', str(tmp_path / 'absent.yaml')],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and 'unknown option(s) itrations' in r.stderr
+    assert r.returncode == 2 and 'absent.yaml: No such file or directory' in r.stderr
+
+
+def _image_folders(root, broken=None):
+    """train/ and val/ with two classes of small JPEGs; ``broken``: a train
+    file cut short."""
+    from PIL import Image
+    import numpy
+    rng = numpy.random.RandomState(0)
+    for split, n in (('train', 8), ('val', 2)):
+        for label in ('a', 'b'):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.randint(0, 256, (40, 40, 3)).astype(numpy.uint8)
+                Image.fromarray(pixels).save(folder / '{}.jpg'.format(i))
+    if broken:
+        path = root / 'train' / broken
+        path.write_bytes(path.read_bytes()[:200])
+
+
+def test_bad_images_stop_with_the_fix_or_are_skipped_and_counted(tmp_path):
+    _image_folders(tmp_path / 'ds', broken='a/3.jpg')
+    cmd = [sys.executable, RECIPE, '--data', str(tmp_path / 'ds'), '--out',
+           str(tmp_path / 'o'), '--iterations', '4', '--no-snapshots'] + TINY
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert 'a/3.jpg' in r.stderr and 'run with --skip-bad-images' in r.stderr
+    r = subprocess.run(cmd + ['--skip-bad-images'], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = json.loads((tmp_path / 'o' / 'log').read_text())
+    # 32 images, batch 8: the broken one is met in the first epoch (4 iterations)
+    assert sum(e.get('skipped_examples', 0) for e in log) > 0
+
+
+def test_a_dataset_without_validation_and_a_missing_snapshot_are_named(tmp_path):
+    _image_folders(tmp_path / 'ds')
+    import shutil
+    shutil.rmtree(tmp_path / 'ds' / 'val')
+    cmd = [sys.executable, RECIPE, '--out', str(tmp_path / 'o'), '--iterations', '2'] + TINY
+    r = subprocess.run(cmd + ['--data', str(tmp_path / 'ds')], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and 'has train but no val' in r.stderr, r.stderr[-1000:]
+    r = subprocess.run(cmd + ['--data', 'synthetic', '--resume', str(tmp_path / 'nope')],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and 'nope: no such snapshot file' in r.stderr, r.stderr[-1000:]
 
 
 def test_fp32_keeps_all_in_fp32_and_contradicting_fp16_is_refused(tmp_path, monkeypatch):
