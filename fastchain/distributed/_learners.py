@@ -42,6 +42,7 @@ so when it is written and when it is loaded.
 
 import time
 import warnings
+import weakref
 
 import numpy
 
@@ -64,7 +65,7 @@ class Learner:
     per_rank_state = False      # has state that differs between ranks
 
     def __init__(self):
-        self.optimizer = None
+        self._optimizer = None      # held weakly: the optimizer holds its learner
         self.comm = None
         self.distributed_after = 0
         self.samples = 0            # over all ranks
@@ -78,6 +79,18 @@ class Learner:
         self._pending = None        # this rank's local state, loaded, applied at next update
         self._pending_shared = None     # the same for the state all ranks share
         self._warned = set()
+
+    @property
+    def optimizer(self):
+        """The optimizer served (None before set-up or once it is gone)."""
+        return None if self._optimizer is None else self._optimizer()
+
+    @optimizer.setter
+    def optimizer(self, optimizer):
+        # The optimizer's attachments (kept as long as it lives, in a weak
+        # table) hold the learner: a strong reference back would keep the
+        # optimizer and its model alive for the life of the process.
+        self._optimizer = None if optimizer is None else weakref.ref(optimizer)
 
     # -- binding (create_multi_node_optimizer) ---------------------------------
 

@@ -300,3 +300,27 @@ def test_residuals_stay_when_the_average_overflows_fp16():
             opt.update()
         expect = 10000 if kept else 0
         numpy.testing.assert_array_equal(learner.residuals[0], expect)
+
+
+@pytest.mark.parametrize('learner', [None, 'QuantizedSGD', 'BlockMomentum'])
+def test_a_dropped_data_parallel_optimizer_and_its_model_are_freed(learner):
+    """The optimizer's attachments (a weak table keyed by the optimizer) hold
+    its learner: the learner holds the optimizer weakly, or neither (nor the
+    model) would ever be freed."""
+    import gc
+    import weakref
+
+    def make():
+        model = L.Classifier(L.Linear(3, 2))
+        made = None if learner is None else (
+            distributed.QuantizedSGD(1) if learner == 'QuantizedSGD'
+            else distributed.BlockMomentum(2))
+        opt = distributed.create_multi_node_optimizer(
+            chainer.optimizers.MomentumSGD(0.1), OneRank(), learner=made).setup(model)
+        for _ in range(3):
+            opt.update(model, numpy.ones((2, 3), numpy.float32), numpy.zeros(2, numpy.int32))
+        return weakref.ref(opt), weakref.ref(model)
+    opt, model = make()
+    for _ in range(3):      # cycles freed in turn
+        gc.collect()
+    assert opt() is None and model() is None
