@@ -164,7 +164,8 @@ def enable(**options):
     Each keyword belongs to one accelerator group; see the README for the
     full table. A keyword left out takes its default, which is "on where
     available" for the safe speed-ups and "off" for those that change
-    numerics (``fp16``) or execution (``static_graph``). Inside the handle's
+    numerics (``fp16``, ``onednn``) or execution (``static_graph``), and for
+    ``timeline`` (a trace file written on disable). Inside the handle's
     scope its explicit keywords override those of handles enabled before.
 
     An option given explicitly that cannot take effect here (``cudnn``
@@ -221,7 +222,52 @@ def enable(**options):
         elif state.requested and state.active and state.note:
             warnings.warn('fastchain: {}: {}'.format(state.name, state.note),
                           FastchainWarning, stacklevel=2)
+    _warn_set_up_before(handle)
     return handle
+
+
+def _warn_set_up_before(handle):
+    """fp16 and static_graph act when an optimizer is set up: one set up
+    before they were asked for is left as it was, which is named."""
+    names = [name for name in ('fp16', 'static_graph') if name in handle.states
+             and handle.states[name].requested and handle.states[name].active]
+    if not names:
+        return
+    import gc
+    from chainer.optimizer import GradientMethod
+    def missed(name):
+        # type(), not isinstance(): the latter reads __class__, which some
+        # objects (lazy modules' proxies) answer with a warning
+        return [o for o in gc.get_objects() if issubclass(type(o), GradientMethod)
+                and getattr(o, 'target', None) is not None and not _applied(name, o)]
+    for name in names:
+        if missed(name):
+            for _ in range(2):      # not one that is only garbage not collected yet
+                gc.collect()        # (a second pass frees what the first let go)
+        missed_now = missed(name)
+        if missed_now:
+            warnings.warn(
+                'fastchain: {} acts when an optimizer is set up; {} set up before this '
+                'enable() ({}) {} unchanged: call fastchain.enable() before building the '
+                'model and optimizer.setup(model)'.format(
+                    name, 'an optimizer' if len(missed_now) == 1 else
+                    '{} optimizers'.format(len(missed_now)),
+                    ', '.join('{} of {}'.format(type(o).__name__, type(o.target).__name__)
+                              for o in missed_now[:3]),
+                    'is' if len(missed_now) == 1 else 'are'), FastchainWarning, stacklevel=3)
+
+
+def _applied(name, optimizer):
+    import chainer
+    import chainer.links as L
+    if name == 'fp16':
+        from fastchain.precision._attach import scaler_of
+        return (optimizer.__dict__.get('_use_fp32_update') is True
+                or scaler_of(optimizer) is not None)
+    from fastchain.static._cache import is_cached
+    target = optimizer.target
+    chain = target.predictor if isinstance(target, L.Classifier) else target
+    return not isinstance(chain, chainer.Chain) or is_cached(chain) or 'forward' in vars(chain)
 
 
 def _abandon(handle):

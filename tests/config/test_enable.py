@@ -246,3 +246,39 @@ def test_disable_is_idempotent_and_the_handle_reports():
     h.disable()
     assert not h.active and not any(s['active'] for s in h.report().values())
     assert set(h.report()) >= {'cudnn', 'autotune', 'tensor_cores'}
+
+
+class _Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = chainer.links.Linear(3, 2)
+
+    def forward(self, x):
+        return self.l(x)
+
+
+def test_an_optimizer_set_up_before_fp16_or_static_graph_is_named():
+    """Both act at optimizer.setup(): one set up before enable() asks for
+    them is left as it was, and enable() says so (not one set up after)."""
+    import chainer.links as L
+    before = chainer.optimizers.SGD().setup(L.Classifier(_Net()))
+    with pytest.warns(FastchainWarning) as caught:
+        handle = fastchain.enable(static_graph=True, fp16=True, loader_workers=0)
+    try:
+        messages = [str(w.message) for w in caught]
+        for name in ('fp16', 'static_graph'):
+            assert any(m.startswith('fastchain: {} acts when an optimizer is set up; an '
+                                    'optimizer set up before this enable() (SGD of '
+                                    'Classifier) is unchanged: call fastchain.enable() '
+                                    'before'.format(name)) for m in messages), messages
+        after = chainer.optimizers.SGD().setup(L.Classifier(_Net()))
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter('always')
+            fastchain.enable(static_graph=True, loader_workers=0).disable()
+        # the one set up before is still named; the one set up after is not
+        assert [str(w.message).count('SGD of Classifier') for w in again
+                if 'acts when an optimizer' in str(w.message)] == [1]
+    finally:
+        handle.disable()
+    del before, after
