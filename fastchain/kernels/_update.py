@@ -77,12 +77,24 @@ def fused_layer(rule, momentum, next_, param):
     if not _tuner.enabled:
         return _fused(rule, momentum, p, grad, v)
     # autotune: per (rule, dtype, size), the fused kernel or Chainer's,
-    # whichever is faster (the same bits either way).
-    return _tuner.call('fused_update', (momentum, p.dtype.str, p.size), (
+    # whichever is faster (the same bits either way); once decided, run
+    # directly (a step makes one of these calls per parameter).
+    key = (momentum, p.dtype.str, p.size)
+    kept = _picks.get(key)
+    if kept is not None and kept[0] == _tuner.generation and not _tuner.forced:
+        return _fused(rule, momentum, p, grad, v) if kept[1] == 'fused' else next_(param)
+    out = _tuner.call('fused_update', key, (
         ('fused', lambda: _fused(rule, momentum, p, grad, v)),
         ('chainer', lambda: next_(param))),
         label=lambda: '{} {} {} elements'.format(
             'MomentumSGD' if momentum else 'SGD', p.dtype, p.size))
+    picked = _tuner.pick('fused_update', key)
+    if picked is not None:
+        _picks[key] = (_tuner.generation, picked)
+    return out
+
+
+_picks = {}     # autotune's decided alternative per key: (generation, name)
 
 
 def _fused(rule, momentum, p, grad, v):

@@ -34,6 +34,9 @@ forced_calls = {}   # kind -> calls that took the forced alternative
 
 _lock = threading.Lock()
 _choices = {}       # (kind, key) -> Choice
+# Bumped by forget(): a call site that keeps a decided pick (to skip call()'s
+# work on every call) keeps it with the generation it was read in.
+generation = 0
 _known = {}         # (kind, repr(key)) -> a choice read from a cache file (_cache.py)
 
 
@@ -97,6 +100,14 @@ def know(entries):
     met later with the same alternatives takes the stored pick unmeasured."""
     with _lock:
         _known.update(entries)
+
+
+def pick(kind, key):
+    """The alternative decided for (kind, key), or None while undecided (or
+    never met). A call site may keep it, with :data:`generation`, and run it
+    directly while ``enabled``, ``forced`` is empty and the generation holds."""
+    c = _choices.get((kind, key))
+    return None if c is None else c.picked
 
 
 def decided():
@@ -280,7 +291,9 @@ def decide_now(kinds=None):
 def forget(kind=None):
     """Drop the choices made (of one kind), and those read from a cache
     file, so they are measured again."""
+    global generation
     with _lock:
+        generation += 1
         for k in [k for k in _choices if kind is None or k[0] == kind]:
             del _choices[k]
         for k in [k for k in _known if kind is None or k[0] == kind]:

@@ -110,10 +110,11 @@ def convnet():
     return L.Classifier(ConvNet())
 
 
-def train(options, steps, seed=0, inspect=None):
+def train(options, steps, seed=0, inspect=None, steps_then=None):
     """(model, optimizer) after ``steps`` MomentumSGD steps, with fastchain's
     ``options`` (None: plain Chainer); ``inspect(model)`` is called before
-    the handle is disabled."""
+    the handle is disabled, and before it ``steps_then(model, optimizer, x,
+    t)``, which may take 4 more steps of the last batch."""
     rng = numpy.random.RandomState(seed)
     batches = [(rng.randn(4, 3, 12, 12).astype(numpy.float32),
                 rng.randint(0, 5, 4).astype(numpy.int32)) for _ in range(steps)]
@@ -129,6 +130,8 @@ def train(options, steps, seed=0, inspect=None):
             optimizer.setup(model)
             for x, t in batches:
                 optimizer.update(model, x, t)
+            if steps_then is not None:
+                steps_then(model, optimizer, x, t)
             if inspect is not None:
                 inspect(model)
         finally:
@@ -293,3 +296,44 @@ def test_decide_now_takes_the_fastest_timed_so_far_or_the_default(tuner, monkeyp
     assert [_tuner.call('k', ('one',), alternatives) for _ in range(3)] == ['b'] * 3
     assert [c['picked'] for c in _tuner.choices('other')] == [None]
     assert _tuner.decide_now(('k',)) == []              # nothing left to decide
+
+
+@pytest.mark.parametrize('faster', ['fastchain', 'chainer'])
+def test_a_decided_call_site_runs_its_pick_without_asking_again(tuner, monkeypatch, faster):
+    """Once a bound convolution's or the fused update's key is decided, the
+    call site runs the pick directly (a cached step makes ~300 such calls);
+    forget() makes it measure again. Bit for bit plain Chainer throughout."""
+    slower = {'fastchain': 'chainer', 'chainer': 'fastchain'}[faster]
+    fused = 'fused' if faster == 'fastchain' else 'chainer'
+    tuner.update({('cpu_conv_bound', faster): 0.5, ('cpu_conv_bound', slower): 1.0,
+                  ('fused_update', fused): 0.5,
+                  ('fused_update', {'fused': 'chainer', 'chainer': 'fused'}[fused]): 1.0,
+                  'cached': 0.5, 'define-by-run': 1.0})
+    asked = []
+    call = _tuner.call
+    monkeypatch.setattr(_tuner, 'call', lambda kind, *a, **k: asked.append(kind) or
+                        call(kind, *a, **k))
+    kinds = ('cpu_conv_bound', 'fused_update')
+    after = {}
+
+    def inspect(model, optimizer, x, t):
+        decided = {c['kind']: c['picked'] for c in _tuner.choices() if c['kind'] in kinds}
+        assert decided == {'cpu_conv_bound': faster, 'fused_update': fused}
+        assert all(c['picked'] is not None for c in _tuner.choices('cpu_conv_bound'))
+        # trained on: no call site asks the tuner again
+        before = len(asked)
+        for _ in range(3):
+            optimizer.update(model, x, t)
+        after['decided'] = [k for k in asked[before:] if k in kinds]
+        _tuner.forget()         # measured again from the next call
+        before = len(asked)
+        optimizer.update(model, x, t)
+        after['forgotten'] = set(asked[before:]) & set(kinds)
+    def four_more(model, optimizer, x, t):
+        for _ in range(4):
+            optimizer.update(model, x, t)
+    plain = train(None, 16, steps_then=four_more)
+    got = train({'static_graph': True, 'cpu_conv': True, 'fused_update': True}, 16,
+                steps_then=inspect)
+    assert after == {'decided': [], 'forgotten': set(kinds)}
+    assert_bitwise(plain, got)
