@@ -23,6 +23,11 @@ machine's neighbours hit every variant alike:
 - ``chainer_static``: the cache with Chainer's kernels and update
   (``enable(static_graph=True, cpu_conv=False, fused_update=False)``).
 
+With ``--untuned``, ``dynamic_untuned`` and ``static_untuned`` repeat the
+two with autotune off (fastchain's kernels for every key, the cache always
+replaying): ``static/static_untuned`` and ``dynamic/dynamic_untuned`` show
+what autotune's machinery costs a step (the results are the same bits).
+
 ``static/dynamic`` is the cache's effect with everything else equal, as the
 talk's static-graph rung sat on the rungs below it; ``chainer_static/
 chainer_dynamic`` is the same comparison on Chainer's own kernels. The cache
@@ -57,16 +62,18 @@ SETTINGS = {'overhead_bound': (2, 32, 64), 'compute_bound': (16, 96, 64),
 # variant: (static_graph, cpu_conv, fused_update)
 VARIANTS = {'chainer_dynamic': (False, False, False), 'chainer_static': (True, False, False),
             'dynamic': (False, True, True), 'static': (True, True, True)}
+# --untuned adds these (autotune off: fastchain's kernels everywhere, the cache
+# always replays): what autotune's machinery costs a step, everything else equal
+UNTUNED = {'dynamic_untuned': (False, True, True), 'static_untuned': (True, True, True)}
 WARM_UP = 3     # steps: the cached models build their schedules
-MAX_TUNING_STEPS = 40   # then until autotune decided (the static cache: 8 more steps)
+MAX_TUNING_STEPS = 40   # then until autotune decided (the static cache: ~10 more steps)
 
 
-def make(static, cpu_conv, fused, batch, size, width, device):
+def make(static, cpu_conv, fused, batch, size, width, device, autotune=True):
     """One variant: a ResNet-50 classifier and its training step (on ``device``)."""
     import chainer
     import chainer.links as L
     import fastchain
-    from fastchain import tune
     from fastchain.models import ResNet
     from fastchain.static import cache_static_graph
     from fastchain.kernels._update import fuse
@@ -86,6 +93,7 @@ def make(static, cpu_conv, fused, batch, size, width, device):
         optimizer.update(model, x, t)
         if device.xp is not numpy:
             device.device.synchronize()     # read the clock after the GPU is done
+    step.model, step.optimizer = model, optimizer
 
     # Chainer's variants are plain Chainer on a GPU too: Chainer's own
     # kernels there (im2col on CuPy 14), not fastchain's cuDNN graphs.
@@ -95,20 +103,29 @@ def make(static, cpu_conv, fused, batch, size, width, device):
     def kernels():
         """This variant's convolution kernels (process-wide) while inside."""
         with fastchain.enable(cpu_conv=cpu_conv, fused_update=False, loader_workers=0,
-                              **plain):
+                              autotune=autotune, **plain):
             yield
     with kernels(), warnings.catch_warnings():
         warnings.simplefilter('error')      # a fallback would void the comparison
         for _ in range(WARM_UP):
             step()
         # then until autotune has decided what this variant meets (the
-        # cache's schedule against define-by-run, kernels per key), so no
-        # timed round measures alternatives
+        # cache's schedule against define-by-run, kernels per key): a step
+        # that calls no undecided choice, so no timed round measures
+        # alternatives (a key met only while the schedule was built stays
+        # undecided and is not met again)
         for _ in range(MAX_TUNING_STEPS):
-            if all(s['decided'] == s['keys'] for s in tune.summary().values()):
-                break
+            before = _measuring()
             step()
+            if _measuring() == before:
+                break
     return step, kernels
+
+
+def _measuring():
+    """The calls so far of autotune's undecided choices, per choice."""
+    from fastchain.tune import _tuner
+    return {k: c.calls for k, c in list(_tuner._choices.items()) if c.picked is None}
 
 
 def profile(step, n=5):
@@ -135,6 +152,10 @@ def main(argv=None):
                    help="Chainer device (default: '@cupy:0' where a GPU works, else '@numpy'); "
                         'the CPU kernels (cpu_conv, fused_update) act on NumPy arrays only; '
                         'the GPU path is not run on a GPU yet')
+    p.add_argument('--untuned', action='store_true',
+                   help='also run dynamic and static with autotune off (fastchain\'s kernels '
+                        'everywhere, the cache always replays): what autotune\'s machinery '
+                        'costs a step')
     args = p.parse_args(argv)
     from fastchain.backends import cuda
     try:
@@ -155,10 +176,13 @@ def main(argv=None):
                         'alternating between rounds; a window is one step',
               'settings': {k: {'batch': b, 'input': s, 'width': w}
                            for k, (b, s, w) in SETTINGS.items()}}
+    config['untuned_variants'] = sorted(UNTUNED) if args.untuned else []
+    specs = dict(VARIANTS, **(UNTUNED if args.untuned else {}))
     profiles = {}
     for setting, (batch, size, width) in SETTINGS.items():
-        variants = {name: make(*VARIANTS[name], batch, size, width, device)
-                    for name in VARIANTS}
+        variants = {name: make(*specs[name], batch, size, width, device,
+                               autotune=name not in UNTUNED)
+                    for name in specs}
         names = list(variants)
 
         def timed_step(name):
@@ -183,8 +207,12 @@ def main(argv=None):
         del variants
     ratios, paired = {}, {}
     for s in SETTINGS:
-        for a, b in (('static', 'dynamic'), ('chainer_static', 'chainer_dynamic'),
-                     ('dynamic', 'chainer_dynamic'), ('static', 'chainer_dynamic')):
+        pairs = [('static', 'dynamic'), ('chainer_static', 'chainer_dynamic'),
+                 ('dynamic', 'chainer_dynamic'), ('static', 'chainer_dynamic')]
+        if args.untuned:
+            pairs += [('static_untuned', 'dynamic_untuned'), ('static', 'static_untuned'),
+                      ('dynamic', 'dynamic_untuned')]
+        for a, b in pairs:
             key = '{}/{}@{}'.format(a, b, s)
             ratios[key] = rows.ratio('{}@{}'.format(a, s), '{}@{}'.format(b, s))
             # The same ratio taken within each round, then the median: steps of
