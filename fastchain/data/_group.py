@@ -36,7 +36,8 @@ class LoaderGroup(Group):
     name = 'loader'
     options = (
         Option('loader_workers', 'worker processes for the updater\'s '
-               'SerialIterator (default: the cores available; 0: off)',
+               'SerialIterator (default: this process\'s share of the node\'s '
+               'cores; 0: off)',
                check=_workers),
         boolean('prefetch_to_device', 'convert and copy batch k+1 while batch k '
                 'computes (default: on with the loader; needs loader_workers >= 1)'),

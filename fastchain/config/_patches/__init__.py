@@ -49,6 +49,7 @@ point                                      layers
 ``GradientMethod.setup``                   nvtx, static_graph, fused_update, fp16
 ``chainer.dataset.convert._call_converter``  nvtx, fp16
 ``StandardUpdater.__init__``               nvtx, loader
+``chainer.Variable.backward``              fp16
 ``Trainer.run``                            nvtx
 ``<Convolution/Deconvolution>._forward_cpu_core``  cpu_conv, onednn (only one of them)
 ``BatchNormalization.forward``,            onednn, cudnn
