@@ -253,7 +253,7 @@ def _warn_set_up_before(handle):
                     name, 'an optimizer' if len(missed_now) == 1 else
                     '{} optimizers'.format(len(missed_now)),
                     ', '.join('{} of {}'.format(type(o).__name__, type(o.target).__name__)
-                              for o in missed_now[:3]),
+                              for o in missed_now[::-1][:3]),      # the newest first
                     'is' if len(missed_now) == 1 else 'are'), FastchainWarning, stacklevel=3)
 
 
@@ -267,7 +267,10 @@ def _applied(name, optimizer):
     from fastchain.static._cache import is_cached
     target = optimizer.target
     chain = target.predictor if isinstance(target, L.Classifier) else target
-    return not isinstance(chain, chainer.Chain) or is_cached(chain) or 'forward' in vars(chain)
+    # a forward decorated with fastchain.static_graph caches on its first call
+    decorated = hasattr(getattr(type(chain), 'forward', None), '__fastchain_static__')
+    return (not isinstance(chain, chainer.Chain) or is_cached(chain) or decorated
+            or 'forward' in vars(chain))
 
 
 def _abandon(handle):

@@ -143,13 +143,14 @@ class _Lazy:
                 return _chainers(self.original, func, inputs)
             if self.tune_key is None:
                 self.tune_key = call_key(self.node, inputs)
+            generation = _tuner.generation      # before the pick: a forget() between
             out = _tuner.call('cpu_conv_bound', self.tune_key, (
                 ('fastchain', lambda: self.plan(inputs)),
                 ('chainer', lambda: _chainers(self.original, func, inputs))),
                 label=self._label)
             picked = _tuner.pick('cpu_conv_bound', self.tune_key)
             if picked is not None:
-                self.pick = (_tuner.generation, picked)
+                self.pick = (generation, picked)
             return out
         return self.original(func, inputs=inputs)
 

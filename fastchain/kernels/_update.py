@@ -83,6 +83,7 @@ def fused_layer(rule, momentum, next_, param):
     kept = _picks.get(key)
     if kept is not None and kept[0] == _tuner.generation and not _tuner.forced:
         return _fused(rule, momentum, p, grad, v) if kept[1] == 'fused' else next_(param)
+    generation = _tuner.generation      # before the pick: a forget() between
     out = _tuner.call('fused_update', key, (
         ('fused', lambda: _fused(rule, momentum, p, grad, v)),
         ('chainer', lambda: next_(param))),
@@ -90,7 +91,7 @@ def fused_layer(rule, momentum, next_, param):
             'MomentumSGD' if momentum else 'SGD', p.dtype, p.size))
     picked = _tuner.pick('fused_update', key)
     if picked is not None:
-        _picks[key] = (_tuner.generation, picked)
+        _picks[key] = (generation, picked)
     return out
 
 

@@ -99,7 +99,7 @@ class _Cache:
         # autotune: one step a turn; an evaluation between two steps voids it
         self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)
         self.structures = {}        # autotune: key -> the choice's key
-        self.lazy = None            # the parameters unmade before the last define-by-run step
+        self.lazy = {}              # key -> the parameters unmade before its define-by-run step
 
     def __call__(self, plain, args, kwargs):
         config = chainer.config
@@ -127,13 +127,13 @@ class _Cache:
         building = _keys.will_build(managers.select(key))
         if building:
             lazy = _uninitialized(chain)
-            if lazy and lazy != self.lazy:
+            if lazy and lazy != self.lazy.get(key):
                 # A parameter of unknown size (L.Linear(None, n)) is made on
                 # its first call from NumPy's global generator: a step whose
                 # call makes one runs define-by-run, as in plain Chainer, and
                 # a later one records (one that makes none: an unused layer
                 # stays unmade, and the schedule is recorded without it).
-                self.lazy = lazy
+                self.lazy[key] = lazy
                 self.turns.reset()
                 return plain(*args)
         if not building and self.state['verified'].get(key, 0) >= self.verify_steps:

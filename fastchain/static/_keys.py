@@ -20,17 +20,22 @@ def _array_key(x):
     if isinstance(x, (list, tuple)):
         parts = tuple(_array_key(item) for item in x)
         return None if None in parts else (type(x), parts)
-    a = x.array if isinstance(x, chainer.Variable) else x
+    variable = isinstance(x, chainer.Variable)
+    a = x.array if variable else x
     if not hasattr(a, 'shape') or not hasattr(a, 'dtype'):
         return None
     device = getattr(a, 'device', None)
-    return type(a), a.shape, a.dtype, getattr(device, 'id', device)
+    # an array's gradient is left out of the backward, a variable's that
+    # requires one is not (_fixes.drop_input_gradients): not one schedule
+    needs = 'variable' if variable and x.requires_grad else 'array'
+    return type(a), a.shape, a.dtype, getattr(device, 'id', device), needs
 
 
 def array_inputs(args):
     """The positions, in Chainer's flattened order of a call's arguments, of
-    those that are arrays (not variables): Chainer's static graph makes them
-    variables that require a gradient, which nobody can read."""
+    those whose gradient nobody reads: arrays, and variables that require
+    none (Chainer's static graph records its call on new variables that
+    require one, and asks for it)."""
     flat = []
 
     def walk(x):
@@ -38,7 +43,7 @@ def array_inputs(args):
             for item in x:
                 walk(item)
         else:
-            flat.append(not isinstance(x, chainer.Variable))
+            flat.append(not (isinstance(x, chainer.Variable) and x.requires_grad))
     walk(args)
     return tuple(i for i, is_array in enumerate(flat) if is_array)
 

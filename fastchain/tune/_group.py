@@ -34,8 +34,9 @@ def _path(value):
                                  ' as a folder (it is a file)'))
     if not os.access(folder, os.W_OK) or (os.path.exists(path)
                                           and not os.access(path, os.W_OK)):
-        raise ValueError('{!r} cannot be written (permissions): choose another path'
-                         .format(path))
+        raise ValueError('{!r} cannot be written (permissions): it is rewritten at '
+                         'disable() and at exit; choose another path (a read-only cache: '
+                         'copy it to a writable one)'.format(path))
     return path
 
 

@@ -137,7 +137,7 @@ def read_config(p, path):
         p.error('--config {}: expected option: value lines, found {}'.format(
             path, type(values).__name__))
     actions = {a.dest: a for a in p._actions if a.dest not in ('help', 'config')}
-    for name in sorted(set(values) - set(actions)):
+    for name in sorted(set(values) - set(actions), key=str):
         close = difflib.get_close_matches(str(name).replace('-', '_'), actions, n=1)
         p.error('{}: unknown option {!r}{}'.format(
             path, name, " (did you mean '{}'?)".format(close[0]) if close else ''))
@@ -149,11 +149,14 @@ def read_config(p, path):
                 p.error('{}: expected true or false, got {!r}'.format(where, value))
             continue
         if value is None:
+            if action.default is not None:
+                p.error('{}: expected a value (its default is {!r}); leave the key out '
+                        'for the default'.format(where, action.default))
             continue
         kind = action.type
         if kind is not None:
-            exact = kind is not int or (isinstance(value, (int, str))
-                                        and not isinstance(value, bool))
+            exact = not isinstance(value, bool) and (
+                kind is not int or isinstance(value, (int, str)))
             try:
                 converted = kind(value) if exact else None
             except (TypeError, ValueError):
@@ -230,7 +233,8 @@ def make_datasets(args):
         sys.exit("--data {}: {}; expected 'demo', 'synthetic', or a dataset directory".format(
             args.data, 'not a directory' if os.path.exists(args.data) else
             'no such directory'))
-    for listing, other in (('train.txt', 'val.txt'), ('train', 'val')):
+    listed = os.path.exists(os.path.join(args.data, 'train.txt'))   # takes precedence
+    for listing, other in (('train.txt', 'val.txt'), ('train', 'val'))[:1 if listed else 2]:
         if os.path.exists(os.path.join(args.data, listing)) and \
                 not os.path.exists(os.path.join(args.data, other)):
             sys.exit('--data {}: has {} but no {} (the validation set, in the same form)'

@@ -248,7 +248,7 @@ def test_disable_is_idempotent_and_the_handle_reports():
     assert set(h.report()) >= {'cudnn', 'autotune', 'tensor_cores'}
 
 
-class _Net(chainer.Chain):
+class _SetUpBefore(chainer.Chain):
     def __init__(self):
         super().__init__()
         with self.init_scope():
@@ -258,27 +258,39 @@ class _Net(chainer.Chain):
         return self.l(x)
 
 
+class _SetUpAfter(_SetUpBefore):
+    pass
+
+
+class _Decorated(_SetUpBefore):
+    @fastchain.static_graph
+    def forward(self, x):
+        return self.l(x)
+
+
 def test_an_optimizer_set_up_before_fp16_or_static_graph_is_named():
     """Both act at optimizer.setup(): one set up before enable() asks for
-    them is left as it was, and enable() says so (not one set up after)."""
-    import chainer.links as L
-    before = chainer.optimizers.SGD().setup(L.Classifier(_Net()))
+    them is left as it was, and enable() says so (not one set up after, nor
+    one whose forward is decorated with fastchain.static_graph)."""
+    before = chainer.optimizers.SGD().setup(_SetUpBefore())
+    decorated = chainer.optimizers.SGD().setup(_Decorated())
     with pytest.warns(FastchainWarning) as caught:
         handle = fastchain.enable(static_graph=True, fp16=True, loader_workers=0)
     try:
-        messages = [str(w.message) for w in caught]
-        for name in ('fp16', 'static_graph'):
-            assert any(m.startswith('fastchain: {} acts when an optimizer is set up; an '
-                                    'optimizer set up before this enable() (SGD of '
-                                    'Classifier) is unchanged: call fastchain.enable() '
-                                    'before'.format(name)) for m in messages), messages
-        after = chainer.optimizers.SGD().setup(L.Classifier(_Net()))
+        messages = [str(w.message) for w in caught if 'acts when an optimizer' in
+                    str(w.message)]
+        assert [m.split(' acts')[0] for m in messages] == ['fastchain: fp16',
+                                                          'fastchain: static_graph']
+        assert all('SGD of _SetUpBefore' in m and 'call fastchain.enable() before' in m
+                   for m in messages), messages
+        assert 'SGD of _Decorated' in messages[0] and 'SGD of _Decorated' not in messages[1]
+        after = chainer.optimizers.SGD().setup(_SetUpAfter())
         with warnings.catch_warnings(record=True) as again:
             warnings.simplefilter('always')
             fastchain.enable(static_graph=True, loader_workers=0).disable()
-        # the one set up before is still named; the one set up after is not
-        assert [str(w.message).count('SGD of Classifier') for w in again
-                if 'acts when an optimizer' in str(w.message)] == [1]
+        [message] = [str(w.message) for w in again if 'acts when an optimizer' in
+                     str(w.message)]
+        assert 'SGD of _SetUpBefore' in message and '_SetUpAfter' not in message
     finally:
         handle.disable()
-    del before, after
+    del before, after, decorated

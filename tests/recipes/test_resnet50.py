@@ -113,7 +113,10 @@ def test_bad_data_path_and_bad_config(tmp_path):
                                                'of cosine, step'),
                           ('depth: 42', 'depth (--depth): 42 is not one of 18, 34, 50'),
                           ('batch_size: eight', "expected an int, got 'eight'"),
-                          ('all: 3', 'all (--all): expected true or false, got 3')):
+                          ('all: 3', 'all (--all): expected true or false, got 3'),
+                          ('batch_size: null', 'batch_size (--batch-size): expected a value '
+                                               '(its default is 32)'),
+                          ('epochs: yes', 'epochs (--epochs): expected a float, got True')):
         (tmp_path / 'bad.yaml').write_text(text + '\n')
         r = subprocess.run(cmd[:2] + ['--config', str(tmp_path / 'bad.yaml')],
                            capture_output=True, text=True, timeout=120)
@@ -155,6 +158,23 @@ def test_bad_images_stop_with_the_fix_or_are_skipped_and_counted(tmp_path):
     log = json.loads((tmp_path / 'o' / 'log').read_text())
     # 32 images, batch 8: the broken one is met in the first epoch (4 iterations)
     assert sum(e.get('skipped_examples', 0) for e in log) > 0
+
+
+def test_a_list_format_dataset_beside_a_train_folder_is_read_as_lists(tmp_path):
+    """train.txt takes precedence: a train/ folder beside it without val/
+    is not an error (the validation images may live elsewhere)."""
+    root = tmp_path / 'ds'
+    _image_folders(root)
+    (root / 'val').rename(root / 'held_out')
+    for name, folder in (('train.txt', 'train'), ('val.txt', 'held_out')):
+        lines = ['{}/{}/{} {}'.format(folder, label, f.name, i)
+                 for i, label in enumerate(('a', 'b'))
+                 for f in sorted((root / folder / label).iterdir())]
+        (root / name).write_text('\n'.join(lines) + '\n')
+    cmd = [sys.executable, RECIPE, '--data', str(root), '--out', str(tmp_path / 'o'),
+           '--iterations', '1', '--no-snapshots'] + TINY
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_a_dataset_without_validation_and_a_missing_snapshot_are_named(tmp_path):

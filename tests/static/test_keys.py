@@ -119,7 +119,9 @@ def test_array_inputs_are_counted_in_chainers_flattened_order():
     from fastchain.static._keys import array_inputs
     a = numpy.zeros(2, numpy.float32)
     v = chainer.Variable(a)
-    args = (a, [v, (a, v)], v, a)
+    n = chainer.Variable(a, requires_grad=False)
+    args = (a, [v, (a, v)], v, a, n)
     flat, _, _ = _flatten_args(args)
     assert array_inputs(args) == tuple(
-        i for i, x in enumerate(flat) if not isinstance(x, chainer.Variable)) == (0, 2, 5)
+        i for i, x in enumerate(flat) if not isinstance(x, chainer.Variable)
+        or not x.requires_grad) == (0, 2, 5, 6)

@@ -353,3 +353,31 @@ def test_parameters_made_on_the_first_call_are_made_as_define_by_run_makes_them(
     assert max(state['verified'].values()) >= 2
     assert cached.unused.W.array is None
     assert_same(ordinary, cached)
+
+
+class TwoLazyHeads(chainer.Chain):
+    """One head per input width, each of a size left to Chainer: the second
+    is made only when the second width first comes, under another key."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.narrow = L.Linear(None, 5)
+            self.wide = L.Linear(None, 5)
+
+    def forward(self, x):
+        return (self.narrow if x.shape[1] == 6 else self.wide)(x)
+
+
+def test_a_parameter_first_made_under_a_later_key_is_made_as_define_by_run_makes_it():
+    from tests.helpers import side_by_side
+    numpy.random.seed(0)
+    ordinary = TwoLazyHeads()
+    numpy.random.seed(0)
+    cached = TwoLazyHeads()
+    cache_static_graph(cached)
+    rng = numpy.random.RandomState(4)
+    batches = [(rng.randn(4, 6 if i < 5 else 9).astype(numpy.float32),
+                rng.randint(0, 5, 4).astype(numpy.int32)) for i in range(9)]
+    assert side_by_side(ordinary, cached, batches) == []
+    assert len(cache_state(cached)['sequences']) == 2      # both keys recorded

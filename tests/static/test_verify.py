@@ -109,6 +109,41 @@ def test_an_array_input_gets_no_gradient_and_a_variable_keeps_its_own(as_variabl
     assert 'Convolution2DGradW' in names
 
 
+def test_array_calls_and_variable_calls_of_one_shape_get_their_own_schedules():
+    """A critic called on arrays (its input's gradient left out) and then on a
+    generator's output (a variable: the generator needs that gradient), after
+    the verified steps, as a WGAN trains: the generator gets define-by-run's
+    gradients every step."""
+    class Pair(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.generator = L.Linear(4, 3 * 6 * 6)
+                self.critic = ConvBN()
+    ordinary, cached = copies(Pair)
+    cache_static_graph(cached.critic)
+    rng = numpy.random.RandomState(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        for i in range(8):
+            real = rng.randn(4, 3, 6, 6).astype(numpy.float32)
+            z = rng.randn(4, 4).astype(numpy.float32)
+            for model in (ordinary, cached):
+                model.cleargrads()
+                if i < 5:       # critic steps on arrays, past the verified ones
+                    loss = F.sum(model.critic(real))
+                else:           # generator steps through the critic
+                    fake = F.reshape(model.generator(z), (4, 3, 6, 6))
+                    loss = F.sum(model.critic(fake))
+                loss.backward()
+            for (name, p), (_, q) in zip(sorted(ordinary.namedparams()),
+                                         sorted(cached.namedparams())):
+                if i >= 5 or not name.startswith('/generator'):
+                    numpy.testing.assert_array_equal(
+                        q.grad, p.grad, err_msg='step {} {}'.format(i, name))
+    assert cache_state(cached.critic)['fallback'] is None
+
+
 def test_gradient_accumulation_is_refused_with_the_reason():
     """Two passes before an update, gradients not cleared in between:
     define-by-run adds them up, Chainer's replay would keep only the last."""
