@@ -117,6 +117,13 @@ class Group(abc.ABC):
     def open(self, handle, values):
         """Create what belongs to one handle for its life (a timeline)."""
 
+    def unused(self, values, own):
+        """Messages for the options in ``own`` (one handle's explicit names)
+        that do nothing under the options in force ``values``: one that
+        configures an accelerator which is off (``loss_scale`` without fp16).
+        Each is one warning at ``enable()``."""
+        return []
+
     @abc.abstractmethod
     def plan(self, values, explicit, plan):
         """Declare the layers and values ``values`` ask for."""

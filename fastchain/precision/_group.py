@@ -36,6 +36,14 @@ class Fp16Group(Group):
     def probe(self):
         return [State('fp16', True, False)]
 
+    def unused(self, values, own):
+        # 'auto' off on this machine is the user's choice, made per machine
+        if 'loss_scale' in own and values['fp16'] is False:
+            return ['loss_scale={!r} has no effect: fp16 is off, and loss scaling is '
+                    "part of fp16's training (give fp16=True with it)".format(
+                        values['loss_scale'])]
+        return []
+
     def plan(self, values, explicit, plan):
         if not _wanted(values['fp16']):
             return

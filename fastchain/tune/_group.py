@@ -71,6 +71,13 @@ class AutotuneGroup(Group):
                 "only fastchain's CPU choices are tuned".format(status.why, graphs.why,
                                                                 graphs.fix))
 
+    def unused(self, values, own):
+        if 'tune_cache' in own and values['autotune'] is False:
+            return ['tune_cache={!r} has no effect while autotune=False: the choices it '
+                    'keeps are neither used nor measured (leave autotune on, or leave '
+                    'tune_cache out)'.format(values['tune_cache'])]
+        return []
+
     def open(self, handle, values):
         path = values['tune_cache']
         if path is None:

@@ -186,6 +186,35 @@ def test_asking_for_off_never_warns():
         fastchain.enable(cudnn='never', autotune=False, tensor_cores=False).disable()
 
 
+def _fastchain_warnings(**options):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter('always')
+        fastchain.enable(**options).disable()
+    return [str(w.message) for w in record if w.category is FastchainWarning]
+
+
+def test_an_option_of_an_accelerator_that_is_off_warns_naming_it(tmp_path):
+    cache = str(tmp_path / 'tune.json')
+    msgs = _fastchain_warnings(loss_scale=False, loader_workers=0)
+    assert len(msgs) == 1 and 'loss_scale=False has no effect: fp16 is off' in msgs[0]
+    msgs = _fastchain_warnings(tune_cache=cache, autotune=False, loader_workers=0)
+    assert len(msgs) == 1 and 'tune_cache=' in msgs[0] and 'autotune=False' in msgs[0]
+    # fp16='auto' off on this machine is a choice made per machine: no warning
+    assert not _fastchain_warnings(fp16='auto', loss_scale={'init_scale': 2.0 ** 10},
+                                   loader_workers=0)
+    assert not _fastchain_warnings(tune_cache=cache, loader_workers=0)
+
+
+def test_an_option_given_inside_the_scope_of_its_accelerator_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        outer = fastchain.enable(fp16=True, loader_workers=0)  # fp16 on a CPU warns
+    try:
+        assert not _fastchain_warnings(loss_scale=False)
+    finally:
+        outer.disable()
+
+
 def test_unknown_option_is_a_type_error_naming_the_valid_ones():
     with pytest.raises(TypeError) as e:
         fastchain.enable(autotun=True)
