@@ -54,6 +54,7 @@ from fastchain.tune import _tuner
 STATE = 'static_cache'      # attachment key: the chain's cache
 VOIDED_LIMIT = 32           # autotune: periods voided by evaluations before it gives up
 _CHAINER_ATTRIBUTES = ('schedule_manager', 'static_schedule', '_out_vars_unflatten_inds')
+LIVE = weakref.WeakSet()    # every cache whose chain lives (for handle.report())
 
 
 class StaticGraphFallback(UserWarning):
@@ -100,6 +101,7 @@ class _Cache:
         self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)
         self.structures = {}        # autotune: key -> the choice's key
         self.lazy = {}              # key -> the parameters unmade before its define-by-run step
+        LIVE.add(self)
 
     def __call__(self, plain, args, kwargs):
         config = chainer.config

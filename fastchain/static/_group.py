@@ -1,5 +1,6 @@
 """The static-graph group of ``fastchain.enable``: the static-subgraph cache."""
 
+import collections
 import functools
 
 from fastchain.config import _patches
@@ -27,8 +28,24 @@ class StaticGraphGroup(Group):
     def states(self, values, explicit):
         from chainer.optimizer import GradientMethod
         on = _patches.in_force(GradientMethod, 'setup', 'static_graph') is not None
-        return [State('static_graph', True, on, requested='static_graph' in explicit
-                      and bool(values['static_graph']), setting=values['static_graph'])]
+        state = State('static_graph', True, on, requested='static_graph' in explicit
+                      and bool(values['static_graph']), setting=values['static_graph'])
+        state.calls = models()
+        return [state]
+
+
+def models():
+    """{'cached': models replaying (or still verifying) their schedules,
+    'define_by_run': {model: why} for those that fell back}, over the live
+    caches (an option's or ``fastchain.static_graph``'s); None if none."""
+    from fastchain.static import _cache
+    live = [c for c in list(_cache.LIVE) if c.ref() is not None]
+    if not live:
+        return None
+    names = collections.Counter(c.name for c in live if c.state['fallback'] is None)
+    return {'cached': dict(sorted(names.items())),
+            'define_by_run': {c.name: c.state['fallback'] for c in live
+                              if c.state['fallback'] is not None}}
 
 
 def _setup_layer(changes, next_, optimizer, link):

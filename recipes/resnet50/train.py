@@ -345,7 +345,11 @@ def speed_report(args, handle, meter, log, device, n_classes, world=1):
     for name, s in report.items():
         if name in ('loader', 'prefetch_to_device'):
             continue        # the recipe builds its own pipeline (below)
-        if s['active']:
+        fell = (s.get('calls') or {}).get('define_by_run') if name == 'static_graph' else None
+        if s['active'] and fell:
+            status = 'active, but define-by-run: ' + '; '.join(
+                '{}: {}'.format(model, why) for model, why in fell.items())
+        elif s['active']:
             status = 'active'
         elif not s['available']:
             status = 'unavailable: {} (fix: {})'.format(s['why'], s['fix'])

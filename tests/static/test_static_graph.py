@@ -1,5 +1,6 @@
 """Cached static subgraphs give exactly what define-by-run gives."""
 
+import gc
 import warnings
 
 import numpy
@@ -152,6 +153,39 @@ def test_machinery_errors_fall_back_with_the_reason(monkeypatch):
         # they do not put it back after monkeypatch has restored the original.
         from fastchain.static import _fixes
         _fixes.uninstall()
+
+
+class _Dropping(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.fc = L.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(F.dropout(x, 0.5))
+
+
+def test_the_report_names_the_models_cached_and_those_that_fell_back():
+    gc.collect()        # earlier tests' chains, in reference cycles
+    with fastchain.enable(static_graph=True, loader_workers=0) as h:
+        assert h.report()['static_graph']['calls'] is None        # none made yet
+        kept = L.Classifier(small_resnet())
+        chainer.optimizers.SGD(0.1).setup(kept)
+        dropping = L.Classifier(_Dropping())
+        chainer.optimizers.SGD(0.1).setup(dropping)
+        rng = numpy.random.RandomState(4)
+        with pytest.warns(StaticGraphFallback):
+            for _ in range(2):
+                dropping(rng.randn(4, 3).astype(numpy.float32),
+                         rng.randint(0, 2, 4).astype(numpy.int32))
+        state = h.report()['static_graph']
+        assert state['active']
+        assert state['calls']['cached'] == {type(kept.predictor).__name__: 1}
+        assert list(state['calls']['define_by_run']) == ['_Dropping']
+        assert 'dropout' in state['calls']['define_by_run']['_Dropping'].lower()
+        del kept, dropping
+        gc.collect()
+        assert h.report()['static_graph']['calls'] is None        # caches left with them
 
 
 def test_enable_caches_the_predictor_and_disable_restores(capsys, recwarn):
