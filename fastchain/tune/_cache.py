@@ -43,6 +43,9 @@ def fingerprint():
     return json.dumps(described, sort_keys=True), described
 
 
+_warned = set()
+
+
 def _read(path):
     """The file's contents, {} where there is none; a warning (and {}) where
     it cannot be used."""
@@ -56,10 +59,13 @@ def _read(path):
             raise ValueError('not a fastchain autotune cache of format {}'.format(FORMAT))
         return data
     except (OSError, ValueError) as e:
+        from fastchain.config import _patches
         from fastchain.config._enable import FastchainWarning
-        warnings.warn('fastchain: the autotune cache {} could not be used ({}); autotune '
-                      'measures again and the file will be rewritten'.format(path, e),
-                      FastchainWarning, stacklevel=3)
+        message = ('fastchain: the autotune cache {} could not be used ({}); autotune '
+                   'measures again and the file will be rewritten'.format(path, e))
+        if message not in _warned:      # once: not again when it is rewritten
+            _warned.add(message)
+            warnings.warn(message, FastchainWarning, stacklevel=_patches.user_stacklevel())
         return {}
 
 

@@ -78,9 +78,12 @@ def test_a_corrupt_file_is_named_measured_around_and_rewritten(tuner, tmp_path):
     path = tmp_path / 'autotune.json'
     path.write_text('{"format": 1, "machines": ')
     with pytest.warns(FastchainWarning, match='the autotune cache {} could not be used'.format(
-            path)):
+            path)) as record:
         ran = _decide(tuner, str(path))
     assert len(set(ran)) == 3
+    named = [w for w in record if 'could not be used' in str(w.message)]
+    assert len(named) == 1          # at enable(), not again when disable() rewrites it
+    assert named[0].filename == __file__        # the user's enable() line
     assert json.load(open(path))['format'] == 1
 
 
