@@ -92,8 +92,9 @@ def parse_args(argv=None):
                    help="measure and choose: cuDNN's algorithms where cuDNN works, "
                    "fastchain's bitwise-equal CPU kernels, fused update and static "
                    'cache everywhere (on by default; this flag asks for it explicitly)')
-    g.add_argument('--loaderjobs', type=int, default=0,
-                   help='loader worker processes (0: load in the main process)')
+    g.add_argument('--loaderjobs', type=int, default=None,
+                   help="loader worker processes (0: load in the main process; default: "
+                   "0, or with --all this process's share of the node's cores)")
     g.add_argument('--static-graph', action='store_true', help='cache static subgraphs')
     g.add_argument('--nvtx', action='store_true', help='NVTX ranges for nsys')
     g.add_argument('--timeline', metavar='PATH',
@@ -386,9 +387,13 @@ def main(argv=None):
     args = parse_args(argv)
     comm = distributed.create_communicator() if launched_by_mpi() else None
     world, rank = (comm.size, comm.rank) if comm else (1, 0)
-    if args.all and args.loaderjobs == 0:
-        # the cores of this node, shared by its processes
-        args.loaderjobs = max(1, data.available_cores() // (comm.intra_size if comm else 1))
+    if args.loaderjobs is None:
+        # with --all, the cores of this node, shared by its processes
+        args.loaderjobs = max(1, data.available_cores() // (
+            comm.intra_size if comm else 1)) if args.all else 0
+    if args.loaderjobs < 0:
+        sys.exit('--loaderjobs {}: give how many loader processes (0: none)'.format(
+            args.loaderjobs))
     if args.keep_snapshots < 0:
         sys.exit('--keep-snapshots {}: give how many snapshots to keep (0: all)'.format(
             args.keep_snapshots))

@@ -190,6 +190,18 @@ def test_a_dataset_without_validation_and_a_missing_snapshot_are_named(tmp_path)
     assert r.returncode == 1 and 'nope: no such snapshot file' in r.stderr, r.stderr[-1000:]
 
 
+def test_loaderjobs_0_keeps_the_loader_off_even_with_all(tmp_path):
+    result = run(tmp_path, '--data', 'synthetic', '--iterations', '2', '--all',
+                 '--loaderjobs', '0', '--no-snapshots')
+    assert 'loader             off: loading in the main process' in result.stdout
+    config = json.loads((tmp_path / 'out' / 'config.json').read_text())
+    assert config['args']['loaderjobs'] == 0
+    r = subprocess.run([sys.executable, RECIPE, '--data', 'synthetic', '--loaderjobs', '-2',
+                        '--out', str(tmp_path / 'o')] + TINY, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and '--loaderjobs -2: give how many loader processes' in r.stderr
+
+
 def test_fp32_keeps_all_in_fp32_and_contradicting_fp16_is_refused(tmp_path, monkeypatch):
     # what --all and --fp32 ask of enable() (on a CPU fp16='auto' is off
     # anyway: the options themselves are what a GPU would get)
