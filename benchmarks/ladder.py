@@ -202,7 +202,7 @@ STEP_KIND_STEPS = 1200 # at most, while a choice timed over whole steps is left:
                        # of a 16-core node takes 680 steps (worker counts) + up to 408 (depth)
 STALLED = 64           # steps without a new decision that end the tuning early when
                        # only per-call keys are left (one met rarely, in define-by-run)
-STEP_KINDS = ('loader_workers', 'loader_prefetch', 'static_graph')
+STEP_KINDS = ('loader_workers', 'loader_prefetch', 'static_graph', 'per_call_picks')
                        # timed over whole steps, in turns longer than the ladder's turns
                        # and windows: what the tuning leaves of them is decided early
 
@@ -240,7 +240,7 @@ def settle_tuning(step, limit, seconds=None, step_limit=None):
     whichever alternative a turn had begun. Returns the steps and seconds
     it took, what was decided early, and what stayed undecided."""
     from fastchain import tune
-    from fastchain.tune import _tuner
+    from fastchain.tune import _steps, _tuner
     step_limit = STEP_KIND_STEPS if step_limit is None else step_limit
     start, steps, last_progress, decided, left = time.perf_counter(), 0, 0, -1, []
     while steps < (step_limit if set(left) & set(STEP_KINDS) else limit):
@@ -253,6 +253,8 @@ def settle_tuning(step, limit, seconds=None, step_limit=None):
         if now != decided:
             decided, last_progress = now, steps
         left = [k for k, s in summary.items() if s['decided'] < s['keys']]
+        if _steps.pending() and 'per_call_picks' not in left:
+            left.append('per_call_picks')       # due: it opens at the next quiet step
         if steps >= 8 and summary and not left:
             break
         if steps - last_progress >= STALLED and not set(left) & set(STEP_KINDS):
@@ -260,7 +262,7 @@ def settle_tuning(step, limit, seconds=None, step_limit=None):
     early = []
     for _ in range(len(STEP_KINDS) + 1):
         now_decided = _tuner.decide_now(STEP_KINDS)
-        if not now_decided:
+        if not now_decided and not _steps.pending():
             break
         early += now_decided
         step()          # a decision can open the next choice (the loader's depth)

@@ -222,9 +222,8 @@ def enable(**options):
         elif state.requested and state.active and state.note:
             warnings.warn('fastchain: {}: {}'.format(state.name, state.note),
                           FastchainWarning, stacklevel=2)
-    values = _effective()[0]
     for group in _options.groups():
-        for message in group.unused(_of(group, values), handle.explicit):
+        for message in group.unused(_of(group, _effective()[0]), handle.explicit):
             warnings.warn('fastchain: ' + message, FastchainWarning, stacklevel=2)
     _warn_set_up_before(handle)
     return handle

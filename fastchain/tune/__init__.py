@@ -6,7 +6,9 @@ schedule; Chainer's optimizer update or the fused one; a verified static
 schedule or define-by-run; how many of the default loader workers load),
 the autotuner times the alternatives on the first
 calls of each key and keeps the fastest, as cuDNN's autotune does for its
-algorithms. :func:`choices` lists what was picked and the times measured.
+algorithms; the per-call picks are then checked together over whole steps
+against fastchain's side (``_steps``). :func:`choices` lists what was picked
+and the times measured.
 """
 
 from fastchain.tune._tuner import choices, describe, forget, summary

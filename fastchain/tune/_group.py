@@ -98,6 +98,9 @@ class AutotuneGroup(Group):
             plan.config('autotune', autotune)
         plan.value(FLAG, lambda: _tuner.enabled, lambda v: setattr(_tuner, 'enabled', v),
                    values['autotune'] is not False)
+        if values['autotune'] is not False:
+            from chainer.optimizer import GradientMethod
+            plan.wrap(GradientMethod, 'update', 'autotune', _step_clock)
 
     def states(self, values, explicit):
         import chainer
@@ -114,6 +117,14 @@ class AutotuneGroup(Group):
         elif values['autotune'] is False:
             state.why = 'autotune=False'
         return [state]
+
+
+def _step_clock(next_, optimizer, *args, **kwargs):
+    """Each step starts at its optimizer's update: the per-call picks'
+    check over whole steps (:mod:`fastchain.tune._steps`) is timed there."""
+    from fastchain.tune import _steps
+    _steps.tick(optimizer)
+    return next_(optimizer, *args, **kwargs)
 
 
 def _save_quietly(path):

@@ -38,19 +38,27 @@ _choices = {}       # (kind, key) -> Choice
 # work on every call) keeps it with the generation it was read in.
 generation = 0
 _known = {}         # (kind, repr(key)) -> a choice read from a cache file (_cache.py)
+forgotten = 0       # bumped by forget() alone (generation also by _steps' verdicts)
+# Calls and turns that measured an undecided choice, so far: a step that adds
+# none ran decided choices only (the per-call picks' check waits for one).
+measuring = 0
+collecting = None   # a set while _steps collects the choices one step calls
 
 
 class Choice:
     """One key's alternatives, their times so far, and the pick."""
 
-    __slots__ = ('kind', 'key', 'names', 'times', 'calls', 'picked', 'label', 'cached')
+    __slots__ = ('kind', 'key', 'names', 'times', 'calls', 'picked', 'measured', 'label',
+                 'cached', 'trials')
 
-    def __init__(self, kind, key, names, label):
+    def __init__(self, kind, key, names, label, trials=None):
         self.kind, self.key, self.names, self.label = kind, key, tuple(names), label
         self.times = {n: [] for n in self.names}
         self.calls = 0
-        self.picked = None
+        self.picked = None      # what runs
+        self.measured = None    # what its own timings picked (_steps may overrule it)
         self.cached = False     # picked from a cache file, not measured in this process
+        self.trials = trials    # timed runs of each alternative (default TRIALS)
 
     def next(self):
         """(alternative to run now, whether to time it)."""
@@ -62,20 +70,22 @@ class Choice:
 
     def record(self, name, seconds):
         self.times[name].append(seconds)
-        if self.picked is None and all(len(t) >= TRIALS for t in self.times.values()):
+        trials = self.trials or TRIALS
+        if self.picked is None and all(len(t) >= trials for t in self.times.values()):
             # The first named (the default) wins a tie.
-            self.picked = min(self.names, key=lambda a: (statistics.median(self.times[a]),
-                                                          self.names.index(a)))
+            self.picked = self.measured = min(self.names, key=lambda a: (
+                statistics.median(self.times[a]), self.names.index(a)))
 
     def as_dict(self):
         return {'kind': self.kind, 'key': self.label, 'picked': self.picked,
+                'measured': self.measured,
                 'median_ms': {n: round(statistics.median(t) * 1e3, 4) if t else None
                               for n, t in self.times.items()},
                 'trials': {n: len(t) for n, t in self.times.items()},
                 'from_cache': self.cached}
 
 
-def choice(kind, key, names, label=None):
+def choice(kind, key, names, label=None, trials=None):
     """The Choice for (kind, key), made on first use (``label``: how the key
     reads in reports; a callable is called then)."""
     c = _choices.get((kind, key))
@@ -84,10 +94,11 @@ def choice(kind, key, names, label=None):
             c = _choices.get((kind, key))
             if c is None:
                 c = Choice(kind, key, names, label() if callable(label) else
-                           (label if label is not None else repr(key)))
+                           (label if label is not None else repr(key)), trials)
                 known = _known.get((kind, repr(key)))
                 if known is not None and tuple(known['names']) == c.names:
-                    c.picked, c.cached = known['picked'], True
+                    c.picked = c.measured = known['picked']
+                    c.cached = True
                     c.times = {n: [known['median_ms'][n] / 1e3] if known.get(
                         'median_ms', {}).get(n) is not None else [] for n in c.names}
                 _choices[(kind, key)] = c
@@ -133,7 +144,11 @@ def call(kind, key, alternatives, label=None):
         return _named(alternatives, force)()
     c = choice(kind, key, [a[0] for a in alternatives], label)
     if c.picked is not None:
+        if collecting is not None:
+            collecting.add(c)
         return _named(alternatives, c.picked)()
+    global measuring
+    measuring += 1
     name, timed = c.next()
     fn = _named(alternatives, name)
     if not timed:
@@ -168,13 +183,16 @@ class Turns:
     def reset(self):
         self.turn = None
 
-    def step(self, kind, key, names, label=None):
+    def step(self, kind, key, names, label=None, trials=None):
         """The alternative for the step that starts now (call at the start of
         each step)."""
         force = forced_name(kind, names)
         if force is not None:
             return force
-        c = choice(kind, key, names, label)
+        c = choice(kind, key, names, label, trials)
+        if c.picked is None and kind != 'per_call_picks':
+            global measuring
+            measuring += 1
         now = time.perf_counter()
         turn, retry = self.turn, False
         if turn is not None and turn[0] is c and c.picked is None:
@@ -193,7 +211,8 @@ class Turns:
         if retry:
             self.voided += 1
             if self.void_limit is not None and self.voided > self.void_limit:
-                c.picked = c.names[0]       # its steps never come in a row: keep the default
+                # its steps never come in a row: keep the default
+                c.picked = c.measured = c.names[0]
                 return c.picked
             name, timed = turn[1], True
         else:
@@ -234,7 +253,9 @@ def choices(kind=None):
 def summary():
     """{kind: {'keys', 'decided', 'from_cache' (decided keys read from a cache
     file), 'picked' {alternative: keys}, 'ms' {alternative: sum of medians over
-    the decided keys}}}: one line's worth per kind."""
+    the decided keys}, and 'overruled' (keys whose pick the check over whole
+    steps set back to the default) where there are}}: one line's worth per
+    kind."""
     out = {}
     with _lock:
         for c in _choices.values():
@@ -245,6 +266,8 @@ def summary():
                 continue
             s['decided'] += 1
             s['from_cache'] += c.cached
+            if c.measured is not None and c.measured != c.picked:
+                s['overruled'] = s.get('overruled', 0) + 1
             s['picked'][c.picked] = s['picked'].get(c.picked, 0) + 1
             for n, t in c.times.items():
                 if t:       # an alternative that could not run has no time
@@ -261,6 +284,9 @@ def describe(summary):
         line = '{}: {} of {} keys decided'.format(kind, s['decided'], s['keys'])
         if s.get('from_cache'):
             line += ' ({} from the autotune cache file)'.format(s['from_cache'])
+        if s.get('overruled'):
+            line += (' ({} picks overruled by the check over whole steps: the defaults '
+                     'ran faster there)'.format(s['overruled']))
         if s['decided']:
             line += ': {}; sum of medians: {}'.format(picked, ', '.join(
                 '{} {:.1f} ms'.format(n, ms) for n, ms in s['ms'].items()))
@@ -281,19 +307,28 @@ def decide_now(kinds=None):
             if c.picked is not None or (kinds is not None and c.kind not in kinds):
                 continue
             timed = [n for n in c.names if c.times[n]]
-            c.picked = min(timed, key=lambda a: (statistics.median(c.times[a]),
-                                                 c.names.index(a))) if timed else c.names[0]
+            c.picked = c.measured = min(timed, key=lambda a: (
+                statistics.median(c.times[a]), c.names.index(a))) if timed else c.names[0]
             decided_now.append({'kind': c.kind, 'key': c.label, 'picked': c.picked,
                                 'trials': {n: len(c.times[n]) for n in c.names}})
     return decided_now
 
 
-def forget(kind=None):
-    """Drop the choices made (of one kind), and those read from a cache
-    file, so they are measured again."""
+def bump():
+    """Call sites that keep a decided pick read it again (a pick changed)."""
     global generation
     with _lock:
         generation += 1
+
+
+def forget(kind=None):
+    """Drop the choices made (of one kind), and those read from a cache
+    file, so they are measured again."""
+    global generation, forgotten, collecting
+    with _lock:
+        generation += 1
+        forgotten += 1
+        collecting = None
         for k in [k for k in _choices if kind is None or k[0] == kind]:
             del _choices[k]
         for k in [k for k in _known if kind is None or k[0] == kind]:

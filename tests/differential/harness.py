@@ -119,8 +119,9 @@ def handles(layout, folder):
     _tuner.forced.update(FORCED.get(tuning, {}))
     from fastchain.kernels import _onednn
     _onednn.calls.clear()       # what this run's oneDNN kernels did (events)
-    trials = _tuner.TRIALS
-    _tuner.TRIALS = 1
+    from fastchain.tune import _steps
+    trials, step_trials = _tuner.TRIALS, _steps.TRIALS
+    _tuner.TRIALS = _steps.TRIALS = 1     # the check of the picks starts within the steps
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
@@ -135,7 +136,7 @@ def handles(layout, folder):
     finally:
         for h in reversed(made):
             h.disable()
-        _tuner.TRIALS = trials
+        _tuner.TRIALS, _steps.TRIALS = trials, step_trials
         _tuner.forced.clear()
         _tuner.forget()
 
@@ -258,7 +259,7 @@ def _tuner_events():
     if _onednn.enabled and _onednn.calls:
         event('onednn: ran')
     for kind in ('cpu_conv', 'cpu_conv_bound', 'fused_update', 'static_graph',
-                 'loader_workers', 'loader_prefetch'):
+                 'loader_workers', 'loader_prefetch', 'per_call_picks'):
         forced = _tuner.forced.get(kind) if _tuner.forced_calls.get(kind) else None
         picked = {c['picked'] for c in _tuner.choices(kind)} - {None}
         if forced or _tuner.choices(kind):

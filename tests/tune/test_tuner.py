@@ -16,7 +16,8 @@ import chainer.functions as F
 import chainer.links as L
 
 import fastchain
-from fastchain.tune import _tuner
+from fastchain.kernels import _bind
+from fastchain.tune import _steps, _tuner
 
 
 def test_each_alternative_warms_up_then_takes_turns_then_the_fastest_stays(tuner, monkeypatch):
@@ -317,9 +318,16 @@ def test_a_decided_call_site_runs_its_pick_without_asking_again(tuner, monkeypat
     after = {}
 
     def inspect(model, optimizer, x, t):
-        decided = {c['kind']: c['picked'] for c in _tuner.choices() if c['kind'] in kinds}
+        decided = {c['kind']: c['measured'] for c in _tuner.choices() if c['kind'] in kinds}
         assert decided == {'cpu_conv_bound': faster, 'fused_update': fused}
         assert all(c['picked'] is not None for c in _tuner.choices('cpu_conv_bound'))
+        after['steps'] = 4
+        for _ in range(40):     # the picks' check over whole steps, where they differ
+            if not _steps.pending():
+                break
+            optimizer.update(model, x, t)
+            after['steps'] += 1
+        assert not _steps.pending()
         # trained on: no call site asks the tuner again
         before = len(asked)
         for _ in range(3):
@@ -329,11 +337,82 @@ def test_a_decided_call_site_runs_its_pick_without_asking_again(tuner, monkeypat
         before = len(asked)
         optimizer.update(model, x, t)
         after['forgotten'] = set(asked[before:]) & set(kinds)
-    def four_more(model, optimizer, x, t):
-        for _ in range(4):
+    def as_many(model, optimizer, x, t):
+        for _ in range(after['steps']):
             optimizer.update(model, x, t)
-    plain = train(None, 16, steps_then=four_more)
     got = train({'static_graph': True, 'cpu_conv': True, 'fused_update': True}, 16,
                 steps_then=inspect)
-    assert after == {'decided': [], 'forgotten': set(kinds)}
+    plain = train(None, 16, steps_then=as_many)
+    assert {k: after[k] for k in ('decided', 'forgotten')} == {'decided': [],
+                                                               'forgotten': set(kinds)}
     assert_bitwise(plain, got)
+
+
+def _picks_costs(step_faster):
+    """Per call Chainer's kernels and update measure faster; over whole
+    steps ``step_faster`` ('picks' or 'defaults') does."""
+    other = {'picks': 'defaults', 'defaults': 'picks'}[step_faster]
+    return {('cpu_conv', 'chainer'): 0.5, ('cpu_conv', 'fastchain'): 1.0,
+            ('fused_update', 'chainer'): 0.5, ('fused_update', 'fused'): 1.0,
+            ('per_call_picks', step_faster): 1.0, ('per_call_picks', other): 2.0}
+
+
+@pytest.mark.parametrize('step_faster', ['picks', 'defaults'])
+def test_the_per_call_picks_are_checked_over_whole_steps(tuner, monkeypatch, step_faster):
+    """Picks faster alone but slower over whole steps give way to the
+    defaults (fastchain's kernels); picks faster over whole steps stay.
+    Bit for bit plain Chainer either way, while the two take turns too."""
+    monkeypatch.setattr(_steps, 'TRIALS', 2)
+    tuner.update(_picks_costs(step_faster))
+    ran = []
+    planner = _bind._convolution
+
+    def counting(*args):
+        ran.append(1)
+        return planner(*args)
+    monkeypatch.setattr(_bind, '_convolution', counting)
+    steps = 24
+    got = train({'cpu_conv': True, 'fused_update': True}, steps,
+                steps_then=lambda m, o, x, t: (ran.clear(), o.update(m, x, t)))
+    plain = train(None, steps, steps_then=lambda m, o, x, t: o.update(m, x, t))
+    assert_bitwise(plain, got)
+    [check] = _tuner.choices('per_call_picks')
+    assert check['picked'] == step_faster and check['trials'] == {'picks': 2, 'defaults': 2}
+    per_call = _tuner.choices('cpu_conv') + _tuner.choices('fused_update')
+    assert {c['measured'] for c in per_call} == {'chainer'}
+    expected = {'picks': 'chainer', 'defaults': None}[step_faster]
+    assert {c['picked'] for c in per_call} == (
+        {'chainer'} if step_faster == 'picks' else {'fastchain', 'fused'})
+    line = next(l for l in _tuner.describe(_tuner.summary()) if l.startswith('cpu_conv:'))
+    assert ('picks overruled by the check over whole steps' in line) == (
+        step_faster == 'defaults')
+    # the last step ran fastchain's convolutions exactly where the check said so
+    assert bool(ran) == (expected is None)
+    assert not _steps.pending()
+
+
+def test_picks_equal_to_the_defaults_are_not_checked(tuner):
+    tuner.update({('cpu_conv', 'fastchain'): 0.5, ('cpu_conv', 'chainer'): 1.0,
+                  ('fused_update', 'fused'): 0.5, ('fused_update', 'chainer'): 1.0})
+    train({'cpu_conv': True, 'fused_update': True}, 12)
+    assert _tuner.choices('cpu_conv') and _tuner.choices('per_call_picks') == []
+    assert not _steps.pending()
+
+
+def test_the_checks_verdict_is_kept_in_the_tune_cache(tuner, monkeypatch, tmp_path):
+    """The file keeps what ran: a second run with it measures nothing and
+    checks nothing, and runs the defaults the check kept."""
+    monkeypatch.setattr(_steps, 'TRIALS', 2)
+    tuner.update(_picks_costs('defaults'))
+    cache = str(tmp_path / 'tune.json')
+    train({'cpu_conv': True, 'fused_update': True, 'tune_cache': cache}, 24)
+    [first] = _tuner.choices('per_call_picks')
+    assert first['picked'] == 'defaults'
+    _tuner.forget()
+    ran = []
+    monkeypatch.setattr(_tuner.Choice, 'record', lambda self, name, s: ran.append(self.kind))
+    train({'cpu_conv': True, 'fused_update': True, 'tune_cache': cache}, 6)
+    assert ran == []                            # nothing measured: all from the file
+    assert _tuner.choices('per_call_picks') == [] and not _steps.pending()
+    conv = _tuner.choices('cpu_conv')
+    assert conv and {(c['picked'], c['from_cache']) for c in conv} == {('fastchain', True)}

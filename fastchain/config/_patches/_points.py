@@ -5,7 +5,7 @@ import weakref
 
 from fastchain.config._patches._common import MISSING as _MISSING, lock as _lock
 
-ORDER = ('nvtx', 'distributed', 'static_graph', 'fused_update', 'cpu_conv', 'onednn',
+ORDER = ('nvtx', 'autotune', 'distributed', 'static_graph', 'fused_update', 'cpu_conv', 'onednn',
          'cudnn', 'fp16', 'loader')
 _RANK = {name: i for i, name in enumerate(ORDER)}
 _class_points = {}                              # (owner, name) -> Point
