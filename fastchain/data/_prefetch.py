@@ -165,7 +165,9 @@ class DevicePrefetcher(iterator_module.Iterator):
                     batch.arrays = convert._call_converter(self._convert, batch,
                                                            self.device)
                 batch.event = done.event
-                if not self._put((batch, _state_of(it))):
+                # Chainer's reporter is per thread: what the iterator reported
+                # here is reported again where the batch is taken
+                if not self._put((batch, _state_of(it), _skipped_of(it))):
                     return
         except BaseException as e:      # hand it to the training loop
             self._put(e)
@@ -179,7 +181,7 @@ class DevicePrefetcher(iterator_module.Iterator):
         except StopIteration:
             return _END         # (and again at the next call)
         batch.arrays = convert._call_converter(self._convert, batch, self.device)
-        item = batch, _state_of(it)
+        item = batch, _state_of(it), None       # reported by the iterator, in this thread
         self._start()
         return item
 
@@ -208,8 +210,10 @@ class DevicePrefetcher(iterator_module.Iterator):
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
-        batch, state = item
+        batch, state, skipped = item
         self._copy_state(state)
+        if skipped is not None:
+            chainer.report({'skipped_examples': skipped})
         return batch
 
     next = __next__
@@ -266,6 +270,13 @@ class DevicePrefetcher(iterator_module.Iterator):
             self._stop_thread()
         if hasattr(self, 'iterator'):
             self.iterator.finalize()
+
+
+def _skipped_of(it):
+    """The examples ``it`` skipped so far, where it skips bad ones."""
+    if getattr(it, 'on_error', None) != 'skip':
+        return None
+    return len(it.skipped)
 
 
 def _state_of(it):

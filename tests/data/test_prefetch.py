@@ -51,6 +51,31 @@ def test_loader_errors_reach_the_training_loop(bad_root):
     it.finalize()
 
 
+@pytest.mark.parametrize('workers', [0, 2])
+def test_skipped_examples_are_reported_in_the_training_loops_thread(bad_root, workers):
+    """The prefetch thread fetches the batches; Chainer's reporter is per
+    thread, so the count must reach the training loop's reporter with them."""
+    d = data.ImageListDataset(os.path.join(bad_root, 'bad.txt'))
+    it = data.DevicePrefetcher(data.MultiprocessIterator(
+        d, 4, repeat=False, shuffle=False, n_workers=workers, on_error='skip'),
+        converter=lambda batch, device=None: len(batch))      # sizes differ: no stacking
+    reported = []
+    reporter = chainer.Reporter()
+    try:
+        while True:
+            observation = {}
+            with reporter.scope(observation):
+                try:
+                    it.next()
+                except StopIteration:
+                    break
+            reported.append(observation.get('skipped_examples'))
+    finally:
+        it.finalize()
+    assert None not in reported and reported[-1] == 4
+    assert reported == sorted(reported)         # a running count, per batch taken
+
+
 def test_no_repeat_stops_and_resets(images):
     it = data.DevicePrefetcher(data.MultiprocessIterator(
         images, 5, repeat=False, shuffle=False, n_workers=1))
