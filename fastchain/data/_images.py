@@ -175,17 +175,33 @@ class ImageListDataset(_ImageDataset):
 class ImageFolderDataset(_ImageDataset):
     """One sub-directory per class; labels follow the sorted directory names.
 
+    ``classes``: the class names of another split (``train.classes`` for the
+    validation folder), so that labels agree: each sub-directory must be one
+    of them, and a class may have no folder here. Without it, a validation
+    folder lacking one class would shift every label after it.
+
     Attributes:
         classes (list of str): the class names, index = label.
     """
 
-    def __init__(self, root, transform=None, extensions=IMAGE_EXTENSIONS):
+    def __init__(self, root, transform=None, extensions=IMAGE_EXTENSIONS, classes=None):
         extensions = (extensions,) if isinstance(extensions, str) else tuple(extensions)
         if not os.path.isdir(root):
             raise FileNotFoundError('no such dataset directory: {}'.format(root))
-        self.classes = sorted(d for d in os.listdir(root)
-                              if os.path.isdir(os.path.join(root, d)))
-        if not self.classes:
+        folders = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+        if classes is not None:
+            classes = list(classes)
+            unknown = sorted(set(folders) - set(classes))
+            if unknown:
+                raise ValueError('{}: class folder(s) {} are not among the {} classes given '
+                                 '(those of the training set: {}{}); labels would not agree. '
+                                 'Rename or remove them, or add them to the training set'
+                                 .format(root, ', '.join(unknown), len(classes),
+                                         ', '.join(classes[:5]),
+                                         ', ...' if len(classes) > 5 else ''))
+        self.classes = folders if classes is None else classes
+        self.missing = sorted(set(self.classes) - set(folders))    # classes with no folder
+        if not folders:
             loose = sum(1 for f in os.listdir(root) if f.lower().endswith(extensions))
             raise ValueError('{} has no class sub-directories{}. {}'.format(
                 root, ' (it holds {} image file(s) directly: move them into one '
@@ -193,6 +209,8 @@ class ImageFolderDataset(_ImageDataset):
                 _folder_layout(root, extensions)))
         entries, empty = [], []
         for label, name in enumerate(self.classes):
+            if name in self.missing:
+                continue
             folder = os.path.join(root, name)
             others = set()
             for dirpath, _, files in sorted(os.walk(folder)):
@@ -210,7 +228,7 @@ class ImageFolderDataset(_ImageDataset):
             raise ValueError(
                 '{}: {} of its {} class folders hold no images: {}. {}. Add images to '
                 'the empty class folder(s) or remove them: every sub-directory of {} '
-                'is a class.'.format(root, len(empty), len(self.classes),
+                'is a class.'.format(root, len(empty), len(folders),
                                      ', '.join(empty), _folder_layout(root, extensions),
                                      root))
         super().__init__(entries, transform)

@@ -119,7 +119,20 @@ def parse_args(argv=None):
     args, _ = p.parse_known_args(argv)
     if args.config:
         p.set_defaults(**read_config(p, args.config))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in POSITIVE + NON_NEGATIVE:
+        value = getattr(args, name)
+        if value is not None and not (value > 0 if name in POSITIVE else value >= 0):
+            p.error('--{} {}: expected a number {}'.format(
+                name.replace('_', '-'), value, 'above 0' if name in POSITIVE else '>= 0'))
+    if not args.label_smoothing < 1:
+        p.error('--label-smoothing {}: expected a number below 1'.format(args.label_smoothing))
+    return args
+
+
+POSITIVE = ('image_size', 'demo_per_class', 'batch_size', 'val_batch_size', 'width', 'epochs',
+            'iterations', 'lr', 'log_every', 'snapshot_every')
+NON_NEGATIVE = ('momentum', 'weight_decay', 'warmup_epochs', 'label_smoothing')
 
 
 def read_config(p, path):
@@ -248,7 +261,13 @@ def make_datasets(args):
         return train, val, n_classes
     if os.path.isdir(os.path.join(args.data, 'train')):
         train = data.ImageFolderDataset(os.path.join(args.data, 'train'), train_tf)
-        val = data.ImageFolderDataset(os.path.join(args.data, 'val'), val_tf)
+        # labelled with train's classes: a class missing from val/ shifts nothing
+        val = data.ImageFolderDataset(os.path.join(args.data, 'val'), val_tf,
+                                      classes=train.classes)
+        if val.missing:
+            print('--data {}: val/ has no folder for {} of the {} classes ({}); they are '
+                  'not validated'.format(args.data, len(val.missing), len(train.classes),
+                                         ', '.join(val.missing)))
         return train, val, len(train.classes)
     sys.exit("--data {}: expected 'demo', 'synthetic', a directory with train.txt and "
              "val.txt, or one with train/ and val/ class folders".format(args.data))
@@ -357,8 +376,10 @@ def speed_report(args, handle, meter, log, device, n_classes, world=1):
         else:
             status = 'off' + (' ({})'.format(s['why']) if s['why'] else '')
         lines.append('  {:18s} {}'.format(name, status))
-    lines.append('  {:18s} {}'.format('loader', 'active: {} worker processes + device '
-                                      'prefetch'.format(args.loaderjobs) if args.loaderjobs
+    lines.append('  {:18s} {}'.format('loader', 'active: {} worker process{} + device '
+                                      'prefetch'.format(args.loaderjobs, 'es' if
+                                                        args.loaderjobs > 1 else '')
+                                      if args.loaderjobs
                                       else 'off: loading in the main process'))
     for name in getattr(args, 'not_available', []):
         lines.append('  {:18s} not in this version of fastchain yet'.format(name))
@@ -420,7 +441,10 @@ def main(argv=None):
 
     if comm is not None and rank != 0 and args.data == 'demo':
         comm.barrier(what='waiting for rank 0 to make the demo data')
-    train, val, n_classes = make_datasets(args)
+    try:
+        train, val, n_classes = make_datasets(args)
+    except (ValueError, OSError) as e:      # a dataset folder or list that cannot be used
+        sys.exit('--data {}: {}'.format(args.data, e))
     if comm is not None:
         if rank == 0 and args.data == 'demo':
             comm.barrier(what='waiting for rank 0 to make the demo data')

@@ -65,6 +65,25 @@ def test_an_empty_class_folder_is_named_with_the_layout(tmp_path):
     assert d.classes == ['cat', 'dog', 'eel'] and [int(d[i][1]) for i in range(3)] == [0, 1, 2]
 
 
+def test_a_validation_folder_takes_the_training_sets_classes(tmp_path):
+    """val/ lacking a class keeps every other label; a class train/ does not
+    have is refused (labels would not agree)."""
+    train, val = str(tmp_path / 'train'), str(tmp_path / 'val')
+    for name in ('cat', 'dog', 'eel'):
+        _jpeg(os.path.join(train, name, 'a.jpg'))
+    for name in ('cat', 'eel'):
+        _jpeg(os.path.join(val, name, 'a.jpg'))
+    t = data.ImageFolderDataset(train)
+    assert [int(data.ImageFolderDataset(val)[i][1]) for i in range(2)] == [0, 1]  # shifted
+    v = data.ImageFolderDataset(val, classes=t.classes)
+    assert v.classes == t.classes and v.missing == ['dog']
+    assert [int(v[i][1]) for i in range(2)] == [0, 2]
+    _jpeg(os.path.join(val, 'fox', 'a.jpg'))
+    with pytest.raises(ValueError, match=r"val: class folder\(s\) fox are not among the 3 "
+                       r"classes given \(those of the training set: cat, dog, eel\)"):
+        data.ImageFolderDataset(val, classes=t.classes)
+
+
 def test_a_folder_with_no_images_at_all_names_every_class_folder(tmp_path):
     root = str(tmp_path)
     for name in ('a', 'b'):

@@ -127,6 +127,31 @@ def test_bad_data_path_and_bad_config(tmp_path):
     assert r.returncode == 2 and 'absent.yaml: No such file or directory' in r.stderr
 
 
+def _recipe_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('resnet50_train', RECIPE)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    return train
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--iterations', '0'], '--iterations 0: expected a number above 0'),
+    (['--epochs', '-1'], '--epochs -1.0: expected a number above 0'),
+    (['--log-every', '0'], '--log-every 0: expected a number above 0'),
+    (['--batch-size', '0'], '--batch-size 0: expected a number above 0'),
+    (['--width', '0'], '--width 0: expected a number above 0'),
+    (['--weight-decay', '-0.1'], '--weight-decay -0.1: expected a number >= 0'),
+    (['--label-smoothing', '1'], '--label-smoothing 1.0: expected a number below 1'),
+])
+def test_numbers_out_of_range_are_refused_by_name(argv, message, capsys):
+    """Before: --iterations 0 trained the default 90 epochs; --epochs 0 or
+    --log-every 0 ended in a ZeroDivisionError after the set-up."""
+    with pytest.raises(SystemExit) as e:
+        _recipe_module().parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def _image_folders(root, broken=None):
     """train/ and val/ with two classes of small JPEGs; ``broken``: a train
     file cut short."""
@@ -188,6 +213,24 @@ def test_a_dataset_without_validation_and_a_missing_snapshot_are_named(tmp_path)
     r = subprocess.run(cmd + ['--data', 'synthetic', '--resume', str(tmp_path / 'nope')],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and 'nope: no such snapshot file' in r.stderr, r.stderr[-1000:]
+
+
+def test_validation_folders_take_the_training_classes(tmp_path):
+    """val/ without a class is validated on the others, labelled as train/
+    labels them (before, every later label shifted); a class train/ lacks
+    is refused by name."""
+    _image_folders(tmp_path / 'ds')
+    import shutil
+    shutil.rmtree(tmp_path / 'ds' / 'val' / 'a')
+    cmd = [sys.executable, RECIPE, '--data', str(tmp_path / 'ds'), '--out', str(tmp_path / 'o'),
+           '--iterations', '1', '--no-snapshots'] + TINY
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'val/ has no folder for 1 of the 2 classes (a); they are not validated' in r.stdout
+    shutil.copytree(tmp_path / 'ds' / 'val' / 'b', tmp_path / 'ds' / 'val' / 'c')
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and 'class folder(s) c are not among the 2 classes' in r.stderr
+    assert 'Traceback' not in r.stderr
 
 
 def test_loaderjobs_0_keeps_the_loader_off_even_with_all(tmp_path):
