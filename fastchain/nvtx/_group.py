@@ -1,7 +1,9 @@
 """The NVTX group of ``fastchain.enable``."""
 
+import atexit
 import functools
 import os
+import sys
 
 from fastchain.backends import nvtx as nvtx_backend
 from fastchain.config import _patches
@@ -14,6 +16,14 @@ LINK_HOOKS = 'chainer link and function hooks (nvtx links)'
 def _timeline_path(value):
     if not isinstance(value, str) or not value:
         raise ValueError('expected the path of the trace JSON to write')
+    if os.path.isdir(value):
+        raise ValueError('{!r} is a folder; give a file path, e.g. {!r}'.format(
+            value, os.path.join(value, 'trace.json')))
+    if os.path.splitext(value)[1].lower() in ('.png', '.txt'):
+        raise ValueError('the chart and the summary are written beside the trace, as '
+                         '{}.png and .txt: give the trace its own name, e.g. {!r}'.format(
+                             os.path.splitext(value)[0],
+                             os.path.splitext(value)[0] + '.json'))
     folder = os.path.dirname(os.path.abspath(value))
     if not os.path.isdir(folder):
         raise ValueError('the folder {!r} does not exist (the trace is written there '
@@ -45,12 +55,33 @@ class NvtxGroup(Group):
             raise ValueError('fastchain.enable(timeline=...) records the NVTX ranges: '
                              'it cannot go with nvtx=False')
 
+    def unused(self, values, own):
+        if 'nvtx' in own and values['nvtx'] is False and values['timeline'] is not None:
+            return ['nvtx=False keeps the timeline {!r} of an earlier handle from recording '
+                    'anything while it is in force'.format(values['timeline'])]
+        return []
+
     def open(self, handle, values):
         if values['timeline'] is not None:
             from fastchain.nvtx._timeline import Timeline
             timeline = handle.resources['timeline'] = Timeline()
             path = values['timeline']
-            handle.on_disable(lambda: timeline.save(path), 'fastchain timeline -> ' + path)
+
+            def at_exit():      # a script that never disables its handle
+                if timeline.ranges:
+                    try:
+                        timeline.save(path)
+                        print('fastchain: the timeline was written at exit to {} (disable() '
+                              'its handle to write it earlier)'.format(path), file=sys.stderr)
+                    except Exception as e:
+                        print('fastchain: the timeline {} could not be written at exit: '
+                              '{}: {}'.format(path, type(e).__name__, e), file=sys.stderr)
+            atexit.register(at_exit)
+
+            def save():
+                atexit.unregister(at_exit)
+                timeline.save(path)
+            handle.on_disable(save, 'fastchain timeline -> ' + path)
         if values['nvtx'] == 'links':
             from fastchain.nvtx._hooks import LinkPaths
             handle.resources['link_paths'] = LinkPaths()

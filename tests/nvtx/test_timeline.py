@@ -62,6 +62,48 @@ def test_timeline_with_nvtx_false_is_refused():
         fastchain.enable(nvtx=False, timeline='x.json')
 
 
+def test_a_timeline_path_that_would_lose_the_trace_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="is a folder; give a file path, e.g. .*trace.json"):
+        fastchain.enable(timeline=str(tmp_path))
+    for name in ('t.png', 'T.TXT'):     # the chart and the summary's own names
+        with pytest.raises(ValueError, match=r'written beside the trace, as .*[tT]\.png and '
+                           r'\.txt: give the trace its own name, e.g. .*\.json'):
+            fastchain.enable(timeline=str(tmp_path / name))
+
+
+def test_a_later_nvtx_false_over_a_timeline_warns(tmp_path):
+    outer = fastchain.enable(timeline=str(tmp_path / 'x.json'), loader_workers=0)
+    try:
+        with pytest.warns(fastchain.FastchainWarning, match=r"nvtx=False keeps the timeline "
+                          r"'.*x.json' of an earlier handle from recording anything"):
+            inner = fastchain.enable(nvtx=False)
+        inner.disable()
+    finally:
+        outer.disable()
+
+
+def test_a_timeline_never_disabled_is_written_at_exit(tmp_path):
+    """A script that does not disable its handle still gets its trace (and
+    is told where it went), as the autotune cache is saved at exit."""
+    import subprocess
+    import sys
+    path = tmp_path / 'trace.json'
+    script = tmp_path / 'script.py'
+    script.write_text(
+        'import numpy, chainer, chainer.links as L, fastchain\n'
+        'fastchain.enable(timeline={!r}, loader_workers=0)\n'
+        'model = L.Classifier(L.Linear(4, 2))\n'
+        'opt = chainer.optimizers.SGD(0.1).setup(model)\n'
+        'x = numpy.ones((8, 4), numpy.float32); t = numpy.zeros(8, numpy.int32)\n'
+        'for _ in range(3):\n'
+        '    opt.update(model, x, t)\n'.format(str(path)))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'fastchain: the timeline was written at exit to {}'.format(path) in r.stderr
+    assert json.load(open(path))['traceEvents'] and (tmp_path / 'trace.txt').exists()
+
+
 def test_no_profiler_means_no_annotation_installed():
     from chainer.training.updaters import StandardUpdater
     before = StandardUpdater.__dict__['__init__']
