@@ -497,7 +497,16 @@ def main(argv=None):
         if not os.path.isfile(args.resume):
             sys.exit('--resume {}: no such snapshot file (they are {}/snapshot_iter_N)'.format(
                 args.resume, args.out))
-        chainer.serializers.load_npz(args.resume, trainer)     # every rank: same state
+        try:
+            chainer.serializers.load_npz(args.resume, trainer)     # every rank: same state
+        except (ValueError, KeyError) as e:
+            # a model of another shape, or the state of another number of processes
+            config = os.path.join(os.path.dirname(os.path.abspath(args.resume)), 'config.json')
+            sys.exit('--resume {}: the snapshot does not fit this run ({}: {}). Resume with '
+                     'the options and the number of processes of the run that wrote it{}'
+                     .format(args.resume, type(e).__name__, e,
+                             ' (its options are in {})'.format(config)
+                             if os.path.exists(config) else ''))
     if rank == 0:
         write_config(args, handle, world, 'at the start of training')
 

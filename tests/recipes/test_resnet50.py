@@ -60,6 +60,14 @@ def test_resume_continues_from_the_snapshot(tmp_path):
     log = log_of(tmp_path, 'resumed')
     assert [e['iteration'] for e in log] == [2, 4, 6, 8]    # the log resumes too
     assert log[-1]['epoch'] >= 1
+    # another model's snapshot: named, with where the original options are
+    cmd = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'), '--data', 'demo',
+           '--out', str(tmp_path / 'wider')] + TINY + ['--width', '16', '--iterations', '8',
+                                                       '--resume', str(snapshot)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-2000:]
+    assert '--resume {}: the snapshot does not fit this run'.format(snapshot) in r.stderr
+    assert 'its options are in {}'.format(tmp_path / 'out' / 'config.json') in r.stderr
 
 
 def test_list_format_directory_and_yaml_config(tmp_path):
