@@ -2,6 +2,7 @@
 
 import collections
 import functools
+import weakref
 
 from fastchain.config import _patches
 from fastchain.config._options import Group, State, boolean
@@ -40,12 +41,19 @@ def models():
     caches (an option's or ``fastchain.static_graph``'s); None if none."""
     from fastchain.static import _cache
     live = [c for c in list(_cache.LIVE) if c.ref() is not None]
-    if not live:
+    refused = list(_NOT_CACHED.items())
+    if not live and not refused:
         return None
     names = collections.Counter(c.name for c in live if c.state['fallback'] is None)
-    return {'cached': dict(sorted(names.items())),
-            'define_by_run': {c.name: c.state['fallback'] for c in live
-                              if c.state['fallback'] is not None}}
+    fell = {type(link).__name__: why for link, why in refused}
+    fell.update((c.name, c.state['fallback']) for c in live
+                if c.state['fallback'] is not None)
+    return {'cached': dict(sorted(names.items())), 'define_by_run': fell}
+
+
+# Models an optimizer was set up with that the cache cannot take (a single
+# link), with why: for the report, as long as they live.
+_NOT_CACHED = weakref.WeakKeyDictionary()
 
 
 def _setup_layer(changes, next_, optimizer, link):
@@ -59,7 +67,9 @@ def _setup_layer(changes, next_, optimizer, link):
     result = next_(optimizer, link)
     chain = link.predictor if isinstance(link, L.Classifier) else link
     if not isinstance(chain, chainer.Chain):
-        warnings.warn(not_a_chain(chain) + '; it trains define-by-run',
+        reason = not_a_chain(chain)
+        _NOT_CACHED[chain] = reason
+        warnings.warn(reason + '; it trains define-by-run',
                       StaticGraphFallback, stacklevel=_patches.user_stacklevel())
     elif not is_cached(chain) and 'forward' not in vars(chain):
         cache_static_graph(chain, changes=changes)

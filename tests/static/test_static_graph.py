@@ -183,7 +183,12 @@ def test_the_report_names_the_models_cached_and_those_that_fell_back():
         assert state['calls']['cached'] == {type(kept.predictor).__name__: 1}
         assert list(state['calls']['define_by_run']) == ['_Dropping']
         assert 'dropout' in state['calls']['define_by_run']['_Dropping'].lower()
-        del kept, dropping
+        single = L.Classifier(L.Linear(3, 2))
+        with pytest.warns(StaticGraphFallback):
+            chainer.optimizers.SGD(0.1).setup(single)      # a single link: not cached
+        assert 'Linear is a single link' in \
+            h.report()['static_graph']['calls']['define_by_run']['Linear']
+        del kept, dropping, single
         gc.collect()
         assert h.report()['static_graph']['calls'] is None        # caches left with them
 
