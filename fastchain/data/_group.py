@@ -82,6 +82,9 @@ class LoaderGroup(Group):
                        requested='prefetch_to_device' in explicit
                        and values['prefetch_to_device'] is True,
                        setting=values['prefetch_to_device'])
+        if prefetch and loader.active and not asked:
+            device.note = ('with the loader\'s workers: an updater that keeps its '
+                           'SerialIterator (a dataset in memory, see loader) is not prefetched')
         if (not prefetch and layer is not None) or asked_workers == 0:
             if workers == 0:
                 device.why = 'no loader workers to load ahead (loader_workers=0 is in force)'

@@ -309,6 +309,19 @@ def test_the_default_worker_count_is_this_processes_share_when_the_updater_is_bu
     assert _group._resolve({'loader_workers': 3, 'prefetch_to_device': None}) == (3, True)
 
 
+def test_default_device_prefetch_says_a_dataset_in_memory_is_not_prefetched():
+    with fastchain.enable() as handle:
+        updater = chainer.training.StandardUpdater(
+            chainer.iterators.SerialIterator(_arrays(), 4),
+            chainer.optimizers.SGD(0.1).setup(L.Classifier(L.Linear(3, 2))))
+        report = handle.report()['prefetch_to_device']
+    assert not isinstance(updater.get_iterator('main'), data.DevicePrefetcher)
+    updater.finalize()
+    assert report['active'] and 'keeps its SerialIterator' in report['note']
+    with fastchain.enable(prefetch_to_device=True) as handle:   # asked: no such caveat
+        assert handle.report()['prefetch_to_device']['note'] is None
+
+
 def test_asking_for_device_prefetch_uses_workers_for_a_dataset_in_memory_too():
     main, report = _main_iterator_under(_arrays(), prefetch_to_device=True)
     assert isinstance(main, data.DevicePrefetcher)
