@@ -41,8 +41,10 @@ def scatter_dataset(dataset, comm, shuffle=False, seed=None, root=0):
                          .format(n, comm.size))
     dropped = n - per_rank * comm.size
     if dropped and comm.rank == root:
+        from fastchain.config._enable import FastchainWarning
         warnings.warn('scatter_dataset: {} of {} examples are left out so that the {} '
-                      'shards have equal size'.format(dropped, n, comm.size))
+                      'shards have equal size'.format(dropped, n, comm.size), FastchainWarning,
+                      stacklevel=2)
     if shuffle:
         seed = numpy.random.randint(2 ** 31) if seed is None else seed
         seed = comm.bcast_obj(seed, root=root, what='scatter_dataset (seed)')

@@ -294,7 +294,8 @@ class Learner:
     def _warn_once(self, key, message):
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, stacklevel=_patches.user_stacklevel())
+            from fastchain.config._enable import FastchainWarning
+            warnings.warn(message, FastchainWarning, stacklevel=_patches.user_stacklevel())
 
 
 _PARTIAL_SAVE = (

@@ -16,6 +16,7 @@ import weakref
 import numpy
 
 from fastchain.config import _patches
+from fastchain.config._enable import FastchainWarning
 
 SERIAL_KEY = 'fastchain_loss_scaler'
 SERIAL_MASTERS = 'fastchain_fp32_masters'
@@ -92,7 +93,7 @@ def attach(optimizer, scaler, changes, fp32_update=True):
             # A snapshot written without fastchain's fp16 (or before it kept
             # the masters): keep what is here for what it lacks.
             warnings.warn('fastchain: the snapshot has no ' + ' and no '.join(missing),
-                          stacklevel=_patches.user_stacklevel())
+                          FastchainWarning, stacklevel=_patches.user_stacklevel())
         opt._loss_scale = scaler.scale
 
     for name, fn in (('check_nan_in_grads', check_nan_in_grads),
@@ -132,7 +133,7 @@ def _backward_scales(optimizer, params, step):
             '(loss.backward() without loss_scale), so small fp16 gradients can vanish. '
             'Use optimizer.update(lossfun, *inputs), or '
             'loss.backward(loss_scale=optimizer._loss_scale)'.format(type(optimizer).__name__),
-            stacklevel=_patches.user_stacklevel())
+            FastchainWarning, stacklevel=_patches.user_stacklevel())
     return scales
 
 
@@ -237,7 +238,7 @@ def check_model_dtype(link):
             'fastchain: fp16 is enabled but {} has no float16 parameters, so it '
             'trains in {}. Build the model after fastchain.enable(fp16=True).'
             .format(type(link).__name__, ', '.join(sorted(d.name for d in dtypes))),
-            stacklevel=_patches.user_stacklevel())
+            FastchainWarning, stacklevel=_patches.user_stacklevel())
 
 
 def _report(values, observer):

@@ -48,6 +48,7 @@ import chainer
 import numpy
 
 from fastchain.config import _patches
+from fastchain.config._enable import FastchainWarning
 from fastchain.static import _fixes, _functions, _keys, _reads, _reasons, _verify
 from fastchain.tune import _tuner
 
@@ -57,7 +58,7 @@ _CHAINER_ATTRIBUTES = ('schedule_manager', 'static_schedule', '_out_vars_unflatt
 LIVE = weakref.WeakSet()    # every cache whose chain lives (for handle.report())
 
 
-class StaticGraphFallback(UserWarning):
+class StaticGraphFallback(FastchainWarning):
     """A chain marked static runs define-by-run instead, for the reason given."""
 
 

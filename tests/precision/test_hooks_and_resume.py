@@ -218,7 +218,7 @@ def test_a_scripts_own_loop_is_unscaled_by_the_scale_its_backward_used(cached):
         def scaled(loss):
             loss.backward(loss_scale=opt._loss_scale)
         scaled.scaled = True
-        with pytest.warns(UserWarning, match='not loss-scaled'):
+        with pytest.warns(fastchain.FastchainWarning, match='not loss-scaled'):
             moved, expected = _sgd_step_moves_by_lr_times_grad(model, opt, plain)
         numpy.testing.assert_allclose(moved, expected, rtol=0.01, atol=1e-3)
         moved, expected = _sgd_step_moves_by_lr_times_grad(model, opt, scaled)
