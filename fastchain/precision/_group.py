@@ -16,6 +16,12 @@ def _loss_scale(value):
     if value == 'dynamic' or value is False:
         return value
     if isinstance(value, dict):
+        import inspect
+        known = list(inspect.signature(DynamicLossScaler).parameters)
+        unknown = sorted(set(value) - set(known), key=str)
+        if unknown:
+            raise ValueError('DynamicLossScaler has no argument {}; its arguments are {}'
+                             .format(', '.join(map(repr, unknown)), ', '.join(known)))
         DynamicLossScaler(**value)      # validates now, not at the first step
         return dict(value)
     raise ValueError("expected 'dynamic', False, or a dict of "

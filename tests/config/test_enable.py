@@ -241,6 +241,13 @@ def test_bad_value_is_a_value_error(kwargs):
     assert not fastchain.active_handles()
 
 
+def test_a_loss_scaler_argument_that_does_not_exist_lists_those_that_do():
+    with pytest.raises(ValueError, match=r"DynamicLossScaler has no argument 'scale'; its "
+                       r"arguments are init_scale, growth_factor, backoff_factor, "
+                       r"growth_interval, min_scale, max_scale"):
+        fastchain.enable(fp16=True, loss_scale={'scale': 1024})
+
+
 def test_a_failing_group_undoes_what_was_already_applied(monkeypatch):
     before = snapshot()
 
