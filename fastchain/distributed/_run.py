@@ -2,11 +2,14 @@
 
 A thin convenience over MPI's own launcher (no process management of its
 own): it finds the ``mpiexec`` installed with fastchain's ``mpi`` extra (or
-on PATH) and runs ``mpiexec -n N [--hostfile F] <this python> script.py args``.
+on PATH) and runs ``mpiexec -n N [--hostfile F] <this python> script.py args``
+(``fastchain-run -n N python script.py`` runs the interpreter named, and
+``-m MODULE`` a module).
 """
 
 import argparse
 import os
+import re
 import sys
 
 
@@ -16,9 +19,30 @@ def main(argv=None):
     p.add_argument('-n', '--np', type=int, required=True, help='number of processes')
     p.add_argument('--hostfile', help='hosts to spread the processes over (mpiexec -f)')
     p.add_argument('--dry-run', action='store_true', help='print the command only')
-    p.add_argument('script')
+    p.add_argument('script', help='the training script (or: python script.py, or -m MODULE)')
     p.add_argument('args', nargs=argparse.REMAINDER)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    module, rest = None, []
+    i = 0
+    while i < len(argv):    # fastchain-run's own options, up to the script or -m
+        if argv[i] in ('-n', '--np', '--hostfile'):
+            i += 2
+        elif argv[i].startswith('-') and argv[i] != '-m':
+            i += 1          # --dry-run, -h, --np=3, -n3
+        else:
+            break
+    if i < len(argv) and argv[i] == '-m':
+        if i + 1 == len(argv):
+            p.error('-m needs a module name')
+        module, rest = argv[i + 1], argv[i + 2:]
+        argv = argv[:i] + ['-']         # '-' holds the script's place
     args = p.parse_args(argv)
+    if module is not None:
+        command = [sys.executable, '-m', module] + rest
+    elif re.fullmatch(r'python[0-9.]*', os.path.basename(args.script)):
+        command = [args.script] + args.args     # the interpreter named: as given
+    else:
+        command = [sys.executable, args.script] + args.args
     from fastchain.backends import mpi as mpi_backend
     mpiexec = mpi_backend.mpiexec_path()
     if mpiexec is None:
@@ -28,7 +52,7 @@ def main(argv=None):
     cmd = [mpiexec, '-n', str(args.np)]
     if args.hostfile:
         cmd += ['-f', args.hostfile]
-    cmd += [sys.executable, args.script] + args.args
+    cmd += command
     if args.dry_run:
         print(' '.join(cmd))
         return 0

@@ -192,6 +192,15 @@ def test_fastchain_run_is_mpiexec():
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [mpi.mpiexec_path(), '-n', '3', sys.executable, 'train.py',
                                 '--epochs', '2']
+    # 'python script.py' (as mpiexec takes it) and a module are understood too
+    for given, expected in ((['python3', 'train.py', '-x'], ['python3', 'train.py', '-x']),
+                            (['-m', 'pkg.train', '--lr', '1'],
+                             [sys.executable, '-m', 'pkg.train', '--lr', '1'])):
+        r = subprocess.run([os.path.join(os.path.dirname(sys.executable), 'fastchain-run'),
+                            '-n', '2', '--dry-run'] + given,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == [mpi.mpiexec_path(), '-n', '2'] + expected
 
 
 @pytest.mark.gpu
