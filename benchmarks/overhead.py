@@ -66,8 +66,8 @@ VARIANTS = {'chainer_dynamic': (False, False, False), 'chainer_static': (True, F
 # always replays): what autotune's machinery costs a step, everything else equal
 UNTUNED = {'dynamic_untuned': (False, True, True), 'static_untuned': (True, True, True)}
 WARM_UP = 3     # steps: the cached models build their schedules
-MAX_TUNING_STEPS = 60   # then until autotune decided (the static cache: ~10 more steps,
-                        # the per-call picks' check over whole steps ~14)
+MAX_TUNING_STEPS = 90   # then until autotune decided (the static cache: ~10 more steps,
+                        # the per-call picks' check over whole steps ~34)
 
 
 def make(static, cpu_conv, fused, batch, size, width, device, autotune=True):
@@ -192,6 +192,14 @@ def main(argv=None):
                                autotune=name not in UNTUNED)
                     for name in specs}
         names = list(variants)
+        # what autotune decided while the variants warmed up (cumulative over
+        # the settings so far): picks per kind, and the checks of the per-call
+        # picks over whole steps with their step times
+        from fastchain.tune import _steps, _tuner
+        config.setdefault('autotune', {})[setting] = {
+            'summary': _tuner.summary(), 'check_pending': _steps.pending(),
+            'per_call_picks': [{k: c[k] for k in ('key', 'picked', 'median_ms', 'trials')}
+                               for c in _tuner.choices('per_call_picks')]}
 
         def timed_step(name):
             step, kernels = variants[name]

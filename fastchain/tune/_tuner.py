@@ -49,9 +49,9 @@ class Choice:
     """One key's alternatives, their times so far, and the pick."""
 
     __slots__ = ('kind', 'key', 'names', 'times', 'calls', 'picked', 'measured', 'label',
-                 'cached', 'trials')
+                 'cached', 'trials', 'paired')
 
-    def __init__(self, kind, key, names, label, trials=None):
+    def __init__(self, kind, key, names, label, trials=None, paired=False):
         self.kind, self.key, self.names, self.label = kind, key, tuple(names), label
         self.times = {n: [] for n in self.names}
         self.calls = 0
@@ -59,6 +59,9 @@ class Choice:
         self.measured = None    # what its own timings picked (_steps may overrule it)
         self.cached = False     # picked from a cache file, not measured in this process
         self.trials = trials    # timed runs of each alternative (default TRIALS)
+        # two alternatives timed in alternation: decided by the median of the
+        # ratios of their i-th times (a drift of the machine cancels)
+        self.paired = paired
 
     def next(self):
         """(alternative to run now, whether to time it)."""
@@ -73,8 +76,14 @@ class Choice:
         trials = self.trials or TRIALS
         if self.picked is None and all(len(t) >= trials for t in self.times.values()):
             # The first named (the default) wins a tie.
-            self.picked = self.measured = min(self.names, key=lambda a: (
-                statistics.median(self.times[a]), self.names.index(a)))
+            if self.paired:
+                first, second = self.names
+                ratio = statistics.median(a / b for a, b in zip(self.times[second],
+                                                                 self.times[first]))
+                self.picked = self.measured = second if ratio < 1 else first
+            else:
+                self.picked = self.measured = min(self.names, key=lambda a: (
+                    statistics.median(self.times[a]), self.names.index(a)))
 
     def as_dict(self):
         return {'kind': self.kind, 'key': self.label, 'picked': self.picked,
@@ -85,7 +94,7 @@ class Choice:
                 'from_cache': self.cached}
 
 
-def choice(kind, key, names, label=None, trials=None):
+def choice(kind, key, names, label=None, trials=None, paired=False):
     """The Choice for (kind, key), made on first use (``label``: how the key
     reads in reports; a callable is called then)."""
     c = _choices.get((kind, key))
@@ -94,7 +103,7 @@ def choice(kind, key, names, label=None, trials=None):
             c = _choices.get((kind, key))
             if c is None:
                 c = Choice(kind, key, names, label() if callable(label) else
-                           (label if label is not None else repr(key)), trials)
+                           (label if label is not None else repr(key)), trials, paired)
                 known = _known.get((kind, repr(key)))
                 if known is not None and tuple(known['names']) == c.names:
                     c.picked = c.measured = known['picked']
@@ -183,13 +192,13 @@ class Turns:
     def reset(self):
         self.turn = None
 
-    def step(self, kind, key, names, label=None, trials=None):
+    def step(self, kind, key, names, label=None, trials=None, paired=False):
         """The alternative for the step that starts now (call at the start of
         each step)."""
         force = forced_name(kind, names)
         if force is not None:
             return force
-        c = choice(kind, key, names, label, trials)
+        c = choice(kind, key, names, label, trials, paired)
         if c.picked is None and kind != 'per_call_picks':
             global measuring
             measuring += 1

@@ -299,14 +299,18 @@ def test_decide_now_takes_the_fastest_timed_so_far_or_the_default(tuner, monkeyp
     assert _tuner.decide_now(('k',)) == []              # nothing left to decide
 
 
+@pytest.mark.parametrize('cached', [True, False])
 @pytest.mark.parametrize('faster', ['fastchain', 'chainer'])
-def test_a_decided_call_site_runs_its_pick_without_asking_again(tuner, monkeypatch, faster):
-    """Once a bound convolution's or the fused update's key is decided, the
-    call site runs the pick directly (a cached step makes ~300 such calls);
-    forget() makes it measure again. Bit for bit plain Chainer throughout."""
+def test_a_decided_call_site_runs_its_pick_without_asking_again(tuner, monkeypatch, faster,
+                                                                cached):
+    """Once a convolution's (bound in a cached schedule, or define-by-run)
+    or the fused update's key is decided, the call site runs the pick
+    directly (a step makes ~300 such calls); forget() makes it measure
+    again. Bit for bit plain Chainer throughout."""
+    conv = 'cpu_conv_bound' if cached else 'cpu_conv'
     slower = {'fastchain': 'chainer', 'chainer': 'fastchain'}[faster]
     fused = 'fused' if faster == 'fastchain' else 'chainer'
-    tuner.update({('cpu_conv_bound', faster): 0.5, ('cpu_conv_bound', slower): 1.0,
+    tuner.update({(conv, faster): 0.5, (conv, slower): 1.0,
                   ('fused_update', fused): 0.5,
                   ('fused_update', {'fused': 'chainer', 'chainer': 'fused'}[fused]): 1.0,
                   'cached': 0.5, 'define-by-run': 1.0})
@@ -314,13 +318,13 @@ def test_a_decided_call_site_runs_its_pick_without_asking_again(tuner, monkeypat
     call = _tuner.call
     monkeypatch.setattr(_tuner, 'call', lambda kind, *a, **k: asked.append(kind) or
                         call(kind, *a, **k))
-    kinds = ('cpu_conv_bound', 'fused_update')
+    kinds = (conv, 'fused_update')
     after = {}
 
     def inspect(model, optimizer, x, t):
         decided = {c['kind']: c['measured'] for c in _tuner.choices() if c['kind'] in kinds}
-        assert decided == {'cpu_conv_bound': faster, 'fused_update': fused}
-        assert all(c['picked'] is not None for c in _tuner.choices('cpu_conv_bound'))
+        assert decided == {conv: faster, 'fused_update': fused}
+        assert all(c['picked'] is not None for c in _tuner.choices(conv))
         after['steps'] = 4
         for _ in range(40):     # the picks' check over whole steps, where they differ
             if not _steps.pending():
@@ -337,10 +341,11 @@ def test_a_decided_call_site_runs_its_pick_without_asking_again(tuner, monkeypat
         before = len(asked)
         optimizer.update(model, x, t)
         after['forgotten'] = set(asked[before:]) & set(kinds)
+
     def as_many(model, optimizer, x, t):
         for _ in range(after['steps']):
             optimizer.update(model, x, t)
-    got = train({'static_graph': True, 'cpu_conv': True, 'fused_update': True}, 16,
+    got = train({'static_graph': cached, 'cpu_conv': True, 'fused_update': True}, 16,
                 steps_then=inspect)
     plain = train(None, 16, steps_then=as_many)
     assert {k: after[k] for k in ('decided', 'forgotten')} == {'decided': [],
@@ -416,3 +421,20 @@ def test_the_checks_verdict_is_kept_in_the_tune_cache(tuner, monkeypatch, tmp_pa
     assert _tuner.choices('per_call_picks') == [] and not _steps.pending()
     conv = _tuner.choices('cpu_conv')
     assert conv and {(c['picked'], c['from_cache']) for c in conv} == {('fastchain', True)}
+
+
+def test_a_paired_choice_decides_by_the_ratios_of_neighbouring_times(monkeypatch):
+    """The machine slowing down under one alternative's turns would mislead
+    the medians of the times; the median of the i-th times' ratios is not."""
+    monkeypatch.setattr(_tuner, 'TRIALS', 3)
+    for paired, expected in ((True, 'p'), (False, 'd')):
+        c = _tuner.Choice('k', 1, ('d', 'p'), 'k', paired=paired)
+        for d, p in ((100, 99), (100, 297), (300, 297)):
+            c.record('d', d)
+            c.record('p', p)
+        assert c.picked == expected
+    tie = _tuner.Choice('k', 1, ('d', 'p'), 'k', paired=True)
+    for _ in range(3):
+        tie.record('d', 5.0)
+        tie.record('p', 5.0)
+    assert tie.picked == 'd'        # the first named wins a tie
