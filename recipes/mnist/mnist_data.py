@@ -72,6 +72,12 @@ def read(spec='digits'):
 
 def _read_npz(path):
     import zipfile
+    if os.path.isfile(path):
+        with open(path, 'rb') as f:
+            head = f.read(6)
+        if not head.startswith((b'PK', b'\x93NUMPY')):     # neither an .npz nor an .npy
+            raise DataError('{}: not an .npz file (an .npz is a zip archive of arrays). {}'
+                            .format(path, HOW_TO_GET_MNIST))
     try:
         f = numpy.load(path)
         if not isinstance(f, numpy.lib.npyio.NpzFile):

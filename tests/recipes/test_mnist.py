@@ -166,6 +166,7 @@ def test_mnists_own_files_are_read_and_converted(tmp_path, gz):
     ('truncated', 'the file is truncated or corrupt'),
     ('bad_npz', 'not a readable .npz file'),
     ('npy', 'not a readable .npz file (one array, not an archive of four)'),
+    ('script', 'not an .npz file (an .npz is a zip archive of arrays)'),
 ])
 def test_data_that_cannot_be_read_is_named_with_the_fix(tmp_path, case, expected):
     spec = str(tmp_path / 'nowhere') if case == 'missing' else str(tmp_path)
@@ -178,6 +179,9 @@ def test_data_that_cannot_be_read_is_named_with_the_fix(tmp_path, case, expected
     if case == 'npy':
         numpy.save(tmp_path / 'm.npy', numpy.zeros(3))
         spec = str(tmp_path / 'm.npy')
+    if case == 'script':        # numpy's own words were about pickled data
+        (tmp_path / 'train.py').write_text('print(1)\n')
+        spec = str(tmp_path / 'train.py')
     if case in ('corrupt', 'truncated'):
         write_idx(tmp_path, gz=False)
         name = tmp_path / 'train-images-idx3-ubyte'
