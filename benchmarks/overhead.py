@@ -205,6 +205,7 @@ def main(argv=None):
             step, kernels = variants[name]
             with kernels():
                 return _common.timed(step)[0]     # step() synchronises a GPU itself
+        moved = _tuner.generation, _tuner.measuring
         for r in range(rounds[setting]):
             for name in (names if r % 2 == 0 else names[::-1]):
                 rows.add('{}@{}'.format(name, setting), 1.0 / timed_step(name))
@@ -213,6 +214,10 @@ def main(argv=None):
                     '{} {:.1f} ms'.format(n.split('@')[0], 1e3 / numpy.median(v))
                     for n, v in rows.windows.items() if n.endswith('@' + setting)),
                     flush=True)
+        # autotune at rest while timed: no pick changed (generation), nothing measured
+        config['autotune'][setting]['during_rounds'] = {
+            'generation_bumps': _tuner.generation - moved[0],
+            'measuring_calls': _tuner.measuring - moved[1]}
         if setting == 'overhead_bound':
             # Both cached variants: what is left, and the two update kernels'
             # own times from the same run.
