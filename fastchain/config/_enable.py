@@ -24,16 +24,13 @@ import threading
 import warnings
 
 from fastchain.config import _options, _patches
+from fastchain.config._warning import FastchainWarning  # noqa: F401  (re-exported)
 
 _lock = threading.RLock()
 _handles = []           # enabled, oldest first
 _applied_wraps = {}     # (owner, name, layer) -> point
 _applied_values = set()
 _in_force = {}          # feature -> handle owning what it does to objects
-
-
-class FastchainWarning(UserWarning):
-    """An option was asked for but cannot take effect here."""
 
 
 class Plan:

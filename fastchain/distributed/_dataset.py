@@ -41,7 +41,7 @@ def scatter_dataset(dataset, comm, shuffle=False, seed=None, root=0):
                          .format(n, comm.size))
     dropped = n - per_rank * comm.size
     if dropped and comm.rank == root:
-        from fastchain.config._enable import FastchainWarning
+        from fastchain.config._warning import FastchainWarning
         warnings.warn('scatter_dataset: {} of {} examples are left out so that the {} '
                       'shards have equal size'.format(dropped, n, comm.size), FastchainWarning,
                       stacklevel=2)

@@ -294,7 +294,7 @@ class Learner:
     def _warn_once(self, key, message):
         if key not in self._warned:
             self._warned.add(key)
-            from fastchain.config._enable import FastchainWarning
+            from fastchain.config._warning import FastchainWarning
             warnings.warn(message, FastchainWarning, stacklevel=_patches.user_stacklevel())
 
 

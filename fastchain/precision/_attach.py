@@ -16,7 +16,7 @@ import weakref
 import numpy
 
 from fastchain.config import _patches
-from fastchain.config._enable import FastchainWarning
+from fastchain.config._warning import FastchainWarning
 
 SERIAL_KEY = 'fastchain_loss_scaler'
 SERIAL_MASTERS = 'fastchain_fp32_masters'

@@ -48,7 +48,7 @@ import chainer
 import numpy
 
 from fastchain.config import _patches
-from fastchain.config._enable import FastchainWarning
+from fastchain.config._warning import FastchainWarning
 from fastchain.static import _fixes, _functions, _keys, _reads, _reasons, _verify
 from fastchain.tune import _tuner
 

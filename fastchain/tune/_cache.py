@@ -60,7 +60,7 @@ def _read(path):
         return data
     except (OSError, ValueError) as e:
         from fastchain.config import _patches
-        from fastchain.config._enable import FastchainWarning
+        from fastchain.config._warning import FastchainWarning
         message = ('fastchain: the autotune cache {} could not be used ({}); autotune '
                    'measures again and the file will be rewritten'.format(path, e))
         if message not in _warned:      # once: not again when it is rewritten

@@ -96,11 +96,13 @@ class AutotuneGroup(Group):
             autotune = True                       # default: on where it works
         if autotune is not None:
             plan.config('autotune', autotune)
-        plan.value(FLAG, lambda: _tuner.enabled, lambda v: setattr(_tuner, 'enabled', v),
+        plan.value(FLAG, lambda: _tuner.enabled, _tuner.set_enabled,
                    values['autotune'] is not False)
         if values['autotune'] is not False:
             from chainer.optimizer import GradientMethod
+            from chainer.training.extensions import Evaluator
             plan.wrap(GradientMethod, 'update', 'autotune', _step_clock)
+            plan.wrap(Evaluator, 'evaluate', 'autotune', _evaluation)
 
     def states(self, values, explicit):
         import chainer
@@ -125,6 +127,14 @@ def _step_clock(next_, optimizer, *args, **kwargs):
     from fastchain.tune import _steps
     _steps.tick(optimizer)
     return next_(optimizer, *args, **kwargs)
+
+
+def _evaluation(next_, evaluator, *args, **kwargs):
+    """An evaluation between two steps: the check over whole steps does not
+    time the period that holds it."""
+    from fastchain.tune import _tuner
+    _tuner.evaluated()
+    return next_(evaluator, *args, **kwargs)
 
 
 def _save_quietly(path):

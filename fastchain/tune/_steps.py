@@ -29,7 +29,8 @@ KIND = 'per_call_picks'
 NAMES = ('defaults', 'picks')      # the defaults win a tie: the picks must show a gain
 KINDS = ('cpu_conv', 'cpu_conv_bound', 'fused_update')     # the per-call choices checked
 TRIALS = 15         # timed steps of each side: the gains are a few percent of a step
-VOID_LIMIT = 32     # voided turns before the picks are kept unchecked
+VOID_LIMIT = 32     # voided turns of one check before it keeps the defaults
+IDLE_LIMIT = 16     # other optimizers' updates without one of the clock's: given up
 
 
 class _Check:
@@ -37,12 +38,13 @@ class _Check:
         self.forgotten = _tuner.forgotten
         self.owner = None       # weakref to the optimizer whose updates are the clock
         self.phase = None       # None, 'collect' (one step's choices), 'turns'
-        self.seen = None        # _tuner.measuring at the owner's last update
+        self.seen = None        # (measuring, evaluations) at the owner's last update
+        self.idle = 0           # other optimizers' updates since the owner's last
         self.choices = ()       # the per-call choices checked together
         self.key = None
         self.label = None
-        self.turns = _tuner.Turns(void_limit=VOID_LIMIT)
-        self.done = set()       # per-call choices checked, or not called by a step
+        self.turns = None
+        self.done = set()       # per-call choices checked (or being checked)
         self.scanned = None     # _tuner.measuring when the choices were last scanned
 
 
@@ -52,32 +54,35 @@ _check = _Check()
 def tick(optimizer):
     """At the start of each ``optimizer.update()`` while autotune is on."""
     global _check
-    if not _tuner.enabled or _tuner.forced:
-        return
     check = _check
     if check.forgotten != _tuner.forgotten:
         check = _check = _Check()               # forget(): measure everything again
-    owner = None if check.owner is None else check.owner()
-    if owner is None and check.phase is not None:
-        check.phase, check.seen = None, None     # its optimizer is gone
-        _tuner.collecting = None
-        _apply(check.choices, 'picks')
-    if owner is not None and owner is not optimizer:
+    if not _tuner.enabled or _tuner.forced:
+        check.seen = None                       # the next period is not a quiet one
         return
-    quiet = check.seen == _tuner.measuring
-    check.seen = _tuner.measuring
+    owner = None if check.owner is None else check.owner()
+    if check.phase is not None and owner is None:
+        _end(check, abandon=True)               # its optimizer is gone
+    elif owner is not None and owner is not optimizer:
+        check.idle += 1
+        if check.idle <= IDLE_LIMIT:
+            return
+        _end(check, abandon=True)               # its optimizer stopped updating
+    check.idle = 0
+    now = _tuner.measuring, _tuner.evaluations
+    quiet, check.seen = check.seen == now, now
     if check.phase == 'turns':
         if not quiet:
-            check.turns.void()
+            check.turns.void()      # something measured, or an evaluation ran
         _apply(check.choices, check.turns.step(KIND, check.key, NAMES, check.label,
                                                trials=TRIALS, paired=True))
         if _tuner.pick(KIND, check.key) is not None:
-            check.phase, check.owner = None, None
+            _end(check)
         return
     if check.phase == 'collect':
         called, _tuner.collecting = _tuner.collecting, None
         if not quiet:
-            check.phase, check.owner = None, None
+            _end(check)
             return
         _open(check, optimizer, called)
         return
@@ -90,10 +95,12 @@ def tick(optimizer):
 
 
 def pending():
-    """Whether a check is open, or picks wait for one (a benchmark steps
-    until neither, as it does until every choice is decided)."""
+    """Whether a check is open, or due (picks decided since the last look):
+    a benchmark steps until neither, as it does until every choice is
+    decided."""
     check = _check if _check.forgotten == _tuner.forgotten else _Check()
-    return check.phase is not None or _unchecked(check)
+    return check.phase is not None or (check.scanned != _tuner.measuring
+                                       and _unchecked(check))
 
 
 def _unchecked(check, scan=False):
@@ -104,24 +111,44 @@ def _unchecked(check, scan=False):
 
 
 def _open(check, optimizer, called):
-    decided = [c for c in list(_tuner._choices.values())
-               if c.kind in KINDS and c.measured is not None]
-    check.done.update(decided)          # checked now, or not part of a step
+    # The picks this step calls that no check has taken yet (one shared with
+    # a model checked before keeps that check's verdict); a decided choice
+    # the step does not call (an evaluation's key) waits for a step that does.
     picks = sorted((c for c in called if c.kind in KINDS and c.measured is not None
-                    and c.measured != c.names[0]), key=lambda c: (c.kind, repr(c.key)))
+                    and c.measured != c.names[0] and c not in check.done),
+                   key=lambda c: (c.kind, repr(c.key)))
     if not picks:
-        check.phase, check.owner = None, None
+        _end(check)
         return
+    check.done.update(picks)
     digest = hashlib.sha1(repr([(c.kind, repr(c.key), c.measured) for c in picks])
                           .encode()).hexdigest()[:16]
     check.choices, check.key = tuple(picks), ('step', digest, len(picks))
     check.label = '{} per-call picks against their defaults, over whole steps of {}'.format(
         len(picks), type(optimizer.target).__name__)
     check.phase = 'turns'
+    check.turns = _tuner.Turns(void_limit=VOID_LIMIT)
+    _tuner.checking.update(picks)       # a cache file saved meanwhile keeps their picks
     _apply(check.choices, check.turns.step(KIND, check.key, NAMES, check.label,
                                            trials=TRIALS, paired=True))
     if _tuner.pick(KIND, check.key) is not None:        # known from a cache file
-        check.phase, check.owner = None, None
+        _end(check)
+
+
+def _end(check, abandon=False):
+    """Close the check; ``abandon``: without a verdict (its clock stopped):
+    its choices run their picks again and wait for another check."""
+    if check.phase == 'collect':
+        _tuner.collecting = None
+    if abandon and check.phase == 'turns':
+        _apply(check.choices, 'picks')
+        check.done.difference_update(check.choices)
+        check.scanned = None        # looked for again at the next quiet step
+        with _tuner._lock:      # undecided, it would hold a benchmark's tuning open
+            _tuner._choices.pop((KIND, check.key), None)
+    _tuner.checking.difference_update(check.choices)
+    check.phase = check.owner = check.key = check.turns = None
+    check.choices, check.seen, check.idle = (), None, 0
 
 
 def _apply(choices, name):

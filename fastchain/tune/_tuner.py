@@ -43,6 +43,8 @@ forgotten = 0       # bumped by forget() alone (generation also by _steps' verdi
 # none ran decided choices only (the per-call picks' check waits for one).
 measuring = 0
 collecting = None   # a set while _steps collects the choices one step calls
+checking = set()    # choices _steps is checking: their picks flip, the cache keeps them
+evaluations = 0     # Chainer Evaluator runs so far (a step period holding one is not timed)
 
 
 class Choice:
@@ -132,10 +134,12 @@ def pick(kind, key):
 
 def decided():
     """The decided choices, as a cache file keeps them:
-    ``{(kind, repr(key)): {'names', 'picked', 'median_ms', 'label'}}``."""
+    ``{(kind, repr(key)): {'names', 'picked', 'median_ms', 'label'}}`` (what
+    runs; a choice whose check over whole steps is still open: its pick)."""
     with _lock:
         return {(c.kind, repr(c.key)): {
-            'names': list(c.names), 'picked': c.picked, 'label': c.label,
+            'names': list(c.names), 'label': c.label,
+            'picked': c.measured if c in checking else c.picked,
             'median_ms': {n: round(statistics.median(t) * 1e3, 4) if t else None
                           for n, t in c.times.items()}}
             for c in _choices.values() if c.picked is not None}
@@ -316,11 +320,33 @@ def decide_now(kinds=None):
             if c.picked is not None or (kinds is not None and c.kind not in kinds):
                 continue
             timed = [n for n in c.names if c.times[n]]
-            c.picked = c.measured = min(timed, key=lambda a: (
-                statistics.median(c.times[a]), c.names.index(a))) if timed else c.names[0]
+            if c.paired and len(timed) == 2:
+                first, second = c.names
+                c.picked = c.measured = second if statistics.median(
+                    a / b for a, b in zip(c.times[second], c.times[first])) < 1 else first
+            elif c.paired:
+                c.picked = c.measured = c.names[0]     # no pair timed: the default
+            else:
+                c.picked = c.measured = min(timed, key=lambda a: (
+                    statistics.median(c.times[a]), c.names.index(a))) if timed else c.names[0]
             decided_now.append({'kind': c.kind, 'key': c.label, 'picked': c.picked,
                                 'trials': {n: len(c.times[n]) for n in c.names}})
     return decided_now
+
+
+def set_enabled(value):
+    """``enable(autotune=...)``'s switch; a step period across a switch is
+    not a quiet one (``measuring`` moves)."""
+    global enabled, measuring
+    if bool(value) != bool(enabled):
+        measuring += 1
+    enabled = value
+
+
+def evaluated():
+    """An Evaluator ran (a step period holding it is not timed)."""
+    global evaluations
+    evaluations += 1
 
 
 def bump():
@@ -338,6 +364,7 @@ def forget(kind=None):
         generation += 1
         forgotten += 1
         collecting = None
+        checking.clear()
         for k in [k for k in _choices if kind is None or k[0] == kind]:
             del _choices[k]
         for k in [k for k in _known if kind is None or k[0] == kind]:

@@ -476,6 +476,9 @@ def main(argv=None):
 
     iters_per_epoch = math.ceil(len(train) / args.batch_size)     # train: this shard
     total = args.iterations or int(args.epochs * iters_per_epoch)
+    if total < 1:
+        sys.exit('--epochs {}: less than one of the {} iterations an epoch has; give more '
+                 'epochs, or --iterations'.format(args.epochs, iters_per_epoch))
     trainer = training.Trainer(updater, (total, 'iteration'), out=args.out)
     schedule = lr_at(args, base_lr, iters_per_epoch, total)
 

@@ -241,6 +241,14 @@ def test_validation_folders_take_the_training_classes(tmp_path):
     assert 'Traceback' not in r.stderr
 
 
+def test_epochs_that_come_to_no_iteration_are_refused(tmp_path):
+    r = subprocess.run([sys.executable, RECIPE, '--data', 'synthetic', '--epochs', '0.001',
+                        '--out', str(tmp_path / 'o')] + TINY, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-1000:]
+    assert '--epochs 0.001: less than one of the 8 iterations an epoch has' in r.stderr
+
+
 def test_loaderjobs_0_keeps_the_loader_off_even_with_all(tmp_path):
     result = run(tmp_path, '--data', 'synthetic', '--iterations', '2', '--all',
                  '--loaderjobs', '0', '--no-snapshots')

@@ -438,3 +438,129 @@ def test_a_paired_choice_decides_by_the_ratios_of_neighbouring_times(monkeypatch
         tie.record('d', 5.0)
         tie.record('p', 5.0)
     assert tie.picked == 'd'        # the first named wins a tie
+
+
+def _model_and_data(seed=0):
+    numpy.random.seed(seed)
+    model = convnet()
+    rng = numpy.random.RandomState(seed)
+    x = rng.randn(4, 3, 12, 12).astype(numpy.float32)
+    t = rng.randint(0, 5, 4).astype(numpy.int32)
+    model(x, t)
+    model.cleargrads()
+    optimizer = chainer.optimizers.MomentumSGD(0.05).setup(model)
+    return model, optimizer, x, t
+
+
+def _until_turns(model, optimizer, x, t, limit=40):
+    for _ in range(limit):
+        optimizer.update(model, x, t)
+        if _steps._check.phase == 'turns':
+            return
+    raise AssertionError('no check opened')
+
+
+def test_a_check_whose_clock_stops_or_goes_is_given_up_and_comes_back(tuner, monkeypatch):
+    """An optimizer that stops updating (another trains on) or is collected
+    mid-check: its choices run their picks again, the unfinished check is
+    dropped (nothing left undecided), and a later check takes them."""
+    import gc
+    monkeypatch.setattr(_steps, 'TRIALS', 4)
+    tuner.update(_picks_costs('defaults'))
+    with warnings.catch_warnings(), fastchain.enable(cpu_conv=True, fused_update=True,
+                                                     loader_workers=0):
+        warnings.simplefilter('ignore')
+        first = _model_and_data()
+        _until_turns(*first)
+        checked = _steps._check.choices
+        assert checked and _tuner.choices('per_call_picks')[0]['picked'] is None
+        second = _model_and_data(1)             # trains on; the first stays alive
+        for _ in range(_steps.IDLE_LIMIT + 1):
+            second[1].update(second[0], *second[2:])
+        assert _steps._check.phase in (None, 'collect')
+        assert all(c.picked == c.measured for c in checked)     # their picks again
+        assert _tuner.choices('per_call_picks') == []           # not left undecided
+        for _ in range(40):                     # the second model's steps check them
+            second[1].update(second[0], *second[2:])
+            if not _steps.pending():
+                break
+        [check] = _tuner.choices('per_call_picks')
+        assert check['picked'] == 'defaults'
+        assert all(c.picked == c.names[0] for c in checked)
+        # collected mid-check: the same
+        _tuner.forget()
+        third = _model_and_data(2)
+        _until_turns(*third)
+        checked = _steps._check.choices
+        del third
+        gc.collect()
+        fourth = _model_and_data(3)
+        fourth[1].update(fourth[0], *fourth[2:])
+        assert all(c.picked == c.measured for c in checked)
+        assert _tuner.choices('per_call_picks') == []
+
+
+def test_an_evaluation_or_autotune_switched_off_voids_the_turn_it_falls_in(tuner, monkeypatch):
+    monkeypatch.setattr(_steps, 'TRIALS', 2)
+    tuner.update(_picks_costs('defaults'))
+    with warnings.catch_warnings(), fastchain.enable(cpu_conv=True, fused_update=True,
+                                                     loader_workers=0):
+        warnings.simplefilter('ignore')
+        model, optimizer, x, t = _model_and_data()
+        _until_turns(model, optimizer, x, t)
+        optimizer.update(model, x, t)           # the first turn starts, untimed
+        from chainer.training.extensions import Evaluator
+        data = chainer.datasets.TupleDataset(x, t)
+        reporter = chainer.Reporter()
+        reporter.add_observer('main', model)
+        for _ in range(6):
+            with reporter.scope({}):
+                Evaluator(chainer.iterators.SerialIterator(data, 4, repeat=False,
+                                                           shuffle=False), model).evaluate()
+            optimizer.update(model, x, t)
+        [check] = _tuner.choices('per_call_picks')
+        assert check['trials'] == {'defaults': 0, 'picks': 0}   # every period voided
+        with fastchain.enable(autotune=False):
+            optimizer.update(model, x, t)
+        optimizer.update(model, x, t)           # the period across the switch
+        [check] = _tuner.choices('per_call_picks')
+        assert check['trials'] == {'defaults': 0, 'picks': 0}
+
+
+def test_a_cache_saved_mid_check_keeps_the_picks_and_a_shared_key_keeps_its_verdict(
+        tuner, monkeypatch, tmp_path):
+    monkeypatch.setattr(_steps, 'TRIALS', 3)
+    tuner.update(_picks_costs('defaults'))
+    from fastchain.tune import _cache
+    with warnings.catch_warnings(), fastchain.enable(cpu_conv=True, fused_update=True,
+                                                     loader_workers=0):
+        warnings.simplefilter('ignore')
+        model, optimizer, x, t = _model_and_data()
+        _until_turns(model, optimizer, x, t)
+        for _ in range(3):                      # the defaults' turn or the picks'
+            optimizer.update(model, x, t)
+        path = str(tmp_path / 'tune.json')
+        _cache.save(path)
+        import json
+        stored = json.load(open(path))
+        (machine,) = stored['machines'].values()
+        assert {c['picked'] for c in machine['choices']['cpu_conv'].values()} == {'chainer'}
+        for _ in range(40):
+            if not _steps.pending():
+                break
+            optimizer.update(model, x, t)
+        # another model of the same shapes: its keys are the first's, checked
+        other = _model_and_data(1)
+        for _ in range(12):
+            other[1].update(other[0], *other[2:])
+        assert len(_tuner.choices('per_call_picks')) == 1 and not _steps.pending()
+
+
+def test_decide_now_decides_a_paired_choice_by_its_pairs_or_the_default(tuner):
+    c = _tuner.choice('per_call_picks', 'k', ('defaults', 'picks'), paired=True)
+    c.times['defaults'] += [1.0, 3.0, 5.0]
+    c.times['picks'] += [0.9, 3.3, 4.5]         # medians: picks 3.3 > 3.0; pairs: 0.9 a side
+    assert _tuner.decide_now(['per_call_picks'])[0]['picked'] == 'picks'
+    d = _tuner.choice('per_call_picks', 'j', ('defaults', 'picks'), paired=True)
+    d.times['picks'] += [0.1]                   # no pair: the default
+    assert _tuner.decide_now(['per_call_picks'])[0]['picked'] == 'defaults'

@@ -22,8 +22,10 @@ nvtx          observes: its ranges must cover all the work inside them (the
               backward), and it annotates optimizers and updaters after every
               other layer has set them up
 autotune      a clock: on ``GradientMethod.update`` it marks where each step
-              starts, for the check of the per-call picks over whole steps
-              (``fastchain/tune/_steps.py``); it changes nothing it wraps
+              starts, on ``Evaluator.evaluate`` that an evaluation came
+              between two steps, for the check of the per-call picks over
+              whole steps (``fastchain/tune/_steps.py``); it changes nothing
+              it wraps
 distributed   averages gradients after backward and before the overflow
               check, so every later step sees what all ranks see
 static_graph  caches a model's forward once the optimizer is set up, on the
@@ -50,7 +52,8 @@ The points (see DEVELOPERS.md for the map of one training step):
 point                                      layers
 =========================================  ==========================================
 ``GradientMethod.setup``                   nvtx, static_graph, fused_update, fp16
-``GradientMethod.update``                  autotune
+``GradientMethod.update``,                 autotune
+``Evaluator.evaluate``
 ``chainer.dataset.convert._call_converter``  nvtx, fp16
 ``StandardUpdater.__init__``               nvtx, loader
 ``chainer.Variable.backward``              fp16
