@@ -155,7 +155,10 @@ def _copy(x, inputs):
 
 class Snapshot:
     """What a call may change, to put back: every link's persistent values,
-    every parameter's gradient and NumPy's global random state."""
+    every parameter's gradient, NumPy's global random state, and which
+    parameters were not made yet (``L.Linear(None, n)``: a call that makes
+    one draws from that random state, so putting the state back unmakes it,
+    and the define-by-run call that follows makes it as plain Chainer does)."""
 
     def __init__(self, chain, grads=True):
         self.persistents = []
@@ -169,10 +172,15 @@ class Snapshot:
             self.grads = [(name, p, p.grad_var, None if p.grad is None else p.grad.copy())
                           for name, p in chain.namedparams() if p.array is not None]
         self.random = numpy.random.get_state()
+        self.unmade = [p for _, p in chain.namedparams() if p.array is None]
 
     def restore(self):
         self.restore_persistents()
         numpy.random.set_state(self.random)
+        for p in self.unmade:
+            if p.array is not None:
+                p._set_array(None, layout_check=False)
+                p._set_grad(None, layout_check=False)
         if self.grads is not None:
             for _, p, grad_var, _ in self.grads:
                 p.grad_var = grad_var

@@ -394,6 +394,38 @@ def test_parameters_made_on_the_first_call_are_made_as_define_by_run_makes_them(
     assert_same(ordinary, cached)
 
 
+class LazyHeadOnADataBranch(chainer.Chain):
+    """The data decides which head runs; the lazy one first runs in the step
+    that the cache tries to record, which then refuses the model (it reads a
+    value), rewinding NumPy's generator: the head it made must be unmade."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.lazy = L.Linear(None, 5)
+            self.other = L.Linear(6, 5)
+
+    def forward(self, x):
+        return self.other(x) if float(getattr(x, "array", x).mean()) > 0 else self.lazy(x)
+
+
+def test_a_parameter_made_by_a_step_the_cache_gives_up_is_made_again_as_plain_chainer_does():
+    """Found by the differential suite at full size: the generator ended
+    where plain Chainer's had not (the head's draws undone, the head kept)."""
+    from tests.helpers import side_by_side
+    numpy.random.seed(0)
+    ordinary = LazyHeadOnADataBranch()
+    numpy.random.seed(0)
+    cached = LazyHeadOnADataBranch()
+    cache_static_graph(cached)
+    rng = numpy.random.RandomState(5)
+    batches = [((rng.randn(4, 6) + (1 if i == 0 else -1)).astype(numpy.float32),
+                rng.randint(0, 5, 4).astype(numpy.int32)) for i in range(3)]
+    caught = side_by_side(ordinary, cached, batches)
+    assert caught and 'reads' in caught[0]          # given up: not static
+    assert cached.lazy.W.array is not None
+
+
 class TwoLazyHeads(chainer.Chain):
     """One head per input width, each of a size left to Chainer: the second
     is made only when the second width first comes, under another key."""
