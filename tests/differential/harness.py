@@ -16,7 +16,10 @@ fastchain claims (README, "What is the same training"):
   value of the same kind (weights, gradients, statistics, optimizer state) with
   Chainer's fp16 training without loss scaling, while
   fastchain scales the loss by FP16_HOOKS_SCALE (its hooks see unscaled
-  gradients in fp32; Chainer's, in fp16).
+  gradients in fp32; Chainer's, in fp16); gradients also within
+  FP16_UNDERFLOW absolute: unscaled, Chainer's fp16 gradients below 2**-14
+  are subnormal and a sum of ~150 of them is off by ~1e-5 (a model whose
+  largest gradient is 3.6e-4 showed 1.2e-5), which the scaled run is not.
 """
 
 import contextlib
@@ -43,6 +46,7 @@ SEED = 1234
 FP16_SCALE = 8.0                # the static scale both fp16 runs use
 FP16_HOOKS_SCALE = 1024.0       # fastchain's scale with hooks (Chainer: none)
 FP16_ULPS = 8 * 2.0 ** -10      # fp16 with hooks: 8 units of fp16's 2**-10
+FP16_UNDERFLOW = 2.0 ** -15     # fp16 with hooks, gradients: the unscaled reference's underflow
 
 
 class Skipped(Exception):
@@ -317,9 +321,12 @@ def compare(expected, got, atol_scale=None):
             elif atol_scale is None or not isinstance(a, numpy.ndarray):
                 numpy.testing.assert_array_equal(b, a, err_msg=where)
             else:
+                floor = FP16_UNDERFLOW if (atol_scale == FP16_ULPS and _kind(key) in (
+                    'grad', 'backward grad')) else 0.0
                 numpy.testing.assert_allclose(
                     numpy.asarray(b, numpy.float64), numpy.asarray(a, numpy.float64),
-                    rtol=0, atol=atol_scale * largest.get(_kind(key), 0.0), err_msg=where)
+                    rtol=0, atol=atol_scale * largest.get(_kind(key), 0.0) + floor,
+                    err_msg=where)
 
 
 class NotInMemory(chainer.dataset.DatasetMixin):
