@@ -173,9 +173,8 @@ def test_convolutions_and_the_update_pick_per_key_and_train_as_chainer(tuner, fa
     assert len(update) >= 4 and {c['picked'] for c in update} == {fused}
 
 
-def test_after_the_pick_only_the_picked_kernel_runs(tuner, monkeypatch):
-    from fastchain.kernels import _bind
-    tuner.update(fastchain=1.0, chainer=0.5)
+def _count_plans(monkeypatch):
+    """A list that grows by one each time fastchain plans a convolution."""
     planned = []
     planner = _bind._convolution
 
@@ -183,6 +182,12 @@ def test_after_the_pick_only_the_picked_kernel_runs(tuner, monkeypatch):
         planned.append(1)
         return planner(*args)
     monkeypatch.setattr(_bind, '_convolution', counting)
+    return planned
+
+
+def test_after_the_pick_only_the_picked_kernel_runs(tuner, monkeypatch):
+    tuner.update(fastchain=1.0, chainer=0.5)
+    planned = _count_plans(monkeypatch)
     train({'cpu_conv': True}, 8)
     forward = [c for c in _tuner.choices('cpu_conv') if c['key'].startswith('forward')]
     assert forward and all(c['picked'] == 'chainer' for c in forward)
@@ -369,13 +374,7 @@ def test_the_per_call_picks_are_checked_over_whole_steps(tuner, monkeypatch, ste
     Bit for bit plain Chainer either way, while the two take turns too."""
     monkeypatch.setattr(_steps, 'TRIALS', 2)
     tuner.update(_picks_costs(step_faster))
-    ran = []
-    planner = _bind._convolution
-
-    def counting(*args):
-        ran.append(1)
-        return planner(*args)
-    monkeypatch.setattr(_bind, '_convolution', counting)
+    ran = _count_plans(monkeypatch)
     steps = 24
     got = train({'cpu_conv': True, 'fused_update': True}, steps,
                 steps_then=lambda m, o, x, t: (ran.clear(), o.update(m, x, t)))
