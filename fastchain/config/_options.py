@@ -3,6 +3,8 @@
 import abc
 import dataclasses
 import importlib
+import os
+import tempfile
 
 # Each accelerator group lives in its own module and exposes ``GROUP``.
 # Imported on the first enable()/report(), never at ``import fastchain``.
@@ -15,6 +17,27 @@ GROUP_MODULES = (
     'fastchain.kernels._group',
     'fastchain.nvtx._group',
 )
+
+
+def unwritable(path):
+    """Why the file ``path`` could not be written where it is (a new file
+    refused in its folder, or the file itself refused), or None. Tries it:
+    ``os.access`` answers as if every permission held for root, whom /proc,
+    /sys and read-only mounts still refuse."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, probe = tempfile.mkstemp(prefix='.fastchain-probe-', dir=folder)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    os.remove(probe)
+    if os.path.exists(path):
+        try:
+            with open(path, 'a'):
+                pass
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 class Option:

@@ -7,7 +7,7 @@ import sys
 
 from fastchain.backends import nvtx as nvtx_backend
 from fastchain.config import _patches
-from fastchain.config._options import Group, Option, State
+from fastchain.config._options import Group, Option, State, unwritable
 
 TIMELINE = 'fastchain timeline (annotator().timeline)'
 LINK_HOOKS = 'chainer link and function hooks (nvtx links)'
@@ -28,10 +28,10 @@ def _timeline_path(value):
     if not os.path.isdir(folder):
         raise ValueError('the folder {!r} does not exist (the trace is written there '
                          'on disable(): create it first)'.format(folder))
-    if not os.access(folder, os.W_OK) or (os.path.exists(value)
-                                          and not os.access(value, os.W_OK)):
-        raise ValueError('{!r} cannot be written (permissions): choose another path'
-                         .format(value))
+    why = unwritable(value)
+    if why is not None:
+        raise ValueError('{!r} cannot be written ({}): choose another path'
+                         .format(value, why))
     return value
 
 

@@ -13,7 +13,7 @@ import atexit
 import os
 
 from fastchain.backends import cuda
-from fastchain.config._options import Group, Option, State, boolean
+from fastchain.config._options import Group, Option, State, boolean, unwritable
 
 FLAG = 'fastchain.tune._tuner.enabled'
 _saved_at_exit = set()      # cache files written again when the process ends
@@ -32,11 +32,11 @@ def _path(value):
                          'disable() and at exit): create it first or choose another path'
                          .format(folder, '' if not os.path.exists(folder) else
                                  ' as a folder (it is a file)'))
-    if not os.access(folder, os.W_OK) or (os.path.exists(path)
-                                          and not os.access(path, os.W_OK)):
-        raise ValueError('{!r} cannot be written (permissions): it is rewritten at '
-                         'disable() and at exit; choose another path (a read-only cache: '
-                         'copy it to a writable one)'.format(path))
+    why = unwritable(path)
+    if why is not None:
+        raise ValueError('{!r} cannot be written ({}): it is rewritten at disable() and '
+                         'at exit; choose another path (a read-only cache: copy it to a '
+                         'writable one)'.format(path, why))
     return path
 
 

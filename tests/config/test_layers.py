@@ -153,6 +153,8 @@ def test_an_option_asked_for_but_kept_out_by_another_handle_warns_with_the_fix()
 def test_a_timeline_path_that_cannot_be_written_fails_at_enable(tmp_path):
     with pytest.raises(ValueError, match='timeline.*does not exist'):
         fastchain.enable(timeline=str(tmp_path / 'missing' / 'x.json'))
+    with pytest.raises(ValueError, match=r"'/proc/trace.json' cannot be written \(.*\)"):
+        fastchain.enable(timeline='/proc/trace.json')     # refused to root too
     assert not fastchain.active_handles()
 
 

@@ -4,6 +4,7 @@ same bits; another machine's picks, changed alternatives and a corrupt
 file are measured around, the last with a warning naming it."""
 
 import json
+import os
 import warnings
 
 import numpy
@@ -100,6 +101,26 @@ def test_the_option_wants_a_file_path(tmp_path):
     with pytest.raises(ValueError, match='does not exist as a folder \\(it is a file\\)'):
         fastchain.enable(tune_cache=str(tmp_path / 'a_file' / 'autotune.json'))
     assert not missing.parent.exists()
+
+
+def test_a_folder_that_refuses_new_files_fails_at_enable_even_for_root(tmp_path):
+    # /proc refuses a new file to every user, root included (os.access, which
+    # the check used before, says root may write anywhere): the cache would
+    # have failed at disable(), after the training.
+    with pytest.raises(ValueError, match=r"'/proc/autotune.json' cannot be written "
+                       r"\(.*\): .*choose another path"):
+        fastchain.enable(tune_cache='/proc/autotune.json')
+    assert not fastchain.active_handles()
+    if os.geteuid() != 0:       # a read-only folder refuses only non-root users
+        folder = tmp_path / 'ro'
+        folder.mkdir()
+        folder.chmod(0o500)
+        with pytest.raises(ValueError, match='Permission denied'):
+            fastchain.enable(tune_cache=str(folder / 'autotune.json'))
+        folder.chmod(0o700)
+    path = tmp_path / 'ok.json'
+    fastchain.enable(tune_cache=str(path)).disable()
+    assert path.exists() and sorted(os.listdir(tmp_path)) == ['ok.json']   # no probe left
 
 
 class Net(chainer.Chain):
