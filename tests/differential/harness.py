@@ -10,19 +10,14 @@ fastchain claims (README, "What is the same training"):
   enable/disable order, across a snapshot and resume, with autotune
   measuring (its alternatives taking turns) or forced to either side of
   every choice it makes;
-- with fp16 and no optimizer hooks, bitwise equality with Chainer's own fp16
-  training at the same (static) loss scale and fp32 master weights;
-- with fp16 and optimizer hooks, agreement within FP16_ULPS of the largest
-  value of the same kind (weights, gradients, statistics, optimizer state) with
-  Chainer's fp16 training without loss scaling, while
-  fastchain scales the loss by FP16_HOOKS_SCALE (its hooks see unscaled
-  gradients in fp32; Chainer's, in fp16), k + 1 times that at step k (the
-  runs round differently at every step, and the difference compounds through
-  the weights: a 10-convolution model at step 3 differed by 3% of one
-  gradient's largest value); gradients also within
-  FP16_UNDERFLOW absolute: unscaled, Chainer's fp16 gradients below 2**-14
-  are subnormal and a sum of ~150 of them is off by ~1e-5 (a model whose
-  largest gradient is 3.6e-4 showed 1.2e-5), which the scaled run is not.
+- with fp16, bitwise equality with Chainer's own fp16 training (mixed16,
+  fp32 master weights) at the loss scale fastchain's scaler used at each step
+  (from FP16_SCALE, or FP16_HOOKS_SCALE with optimizer hooks, kept or grown
+  every ``growth_interval`` steps); with hooks, the reference script unscales
+  the gradients into fp32 before the hooks run (unscale_before_hooks): what
+  fastchain does for every fp16 script, so that the hooks see true gradients
+  (under Chainer's own loss scaling, GradientClipping would clip the scaled
+  ones; WeightDecay scales its rate to match, in fp16).
 """
 
 import contextlib
@@ -47,9 +42,7 @@ from tests.differential.models import batches, build, make_optimizer
 
 SEED = 1234
 FP16_SCALE = 8.0                # the static scale both fp16 runs use
-FP16_HOOKS_SCALE = 1024.0       # fastchain's scale with hooks (Chainer: none)
-FP16_ULPS = 8 * 2.0 ** -10      # fp16 with hooks: 8 units of fp16's 2**-10
-FP16_UNDERFLOW = 2.0 ** -15     # fp16 with hooks, gradients: the unscaled reference's underflow
+FP16_HOOKS_SCALE = 1024.0       # the static scale both use with optimizer hooks
 
 
 class Skipped(Exception):
@@ -57,29 +50,63 @@ class Skipped(Exception):
     the two runs legitimately part; the example says nothing."""
 
 
-def capture_gradients(optimizer, step, scale=None):
+def capture_gradients(optimizer, step):
     """Copy every gradient as backward left it (the first
-    ``reallocate_cleared_grads`` of an update), into ``step['grads']``,
-    divided by ``scale`` if given (a loss-scaled run compared with an unscaled
-    one): a user's own instance patch, put over fastchain's layers."""
+    ``reallocate_cleared_grads`` of an update; loss-scaled if backward was) into
+    ``step['grads']``: a user's own instance patch, put over fastchain's
+    layers."""
     inner = optimizer.reallocate_cleared_grads
-
-    def copy(g):
-        return g.copy() if scale is None else g.astype(numpy.float64) / scale
 
     def reallocate_cleared_grads():
         if step.get('grads') is None:
-            step['grads'] = {name: None if p.grad is None else copy(p.grad)
+            step['grads'] = {name: None if p.grad is None else p.grad.copy()
                              for name, p in optimizer.target.namedparams()}
         return inner()
     optimizer.reallocate_cleared_grads = reallocate_cleared_grads
 
 
-def state(model, optimizer, loss, grads, after_grads=True):
+def unscale_before_hooks(optimizer):
+    """The reference for fp16 with optimizer hooks: a plain Chainer script
+    that unscales its gradients before the hooks (as PyTorch's
+    ``GradScaler.unscale_`` before clipping), with the arithmetic Chainer's
+    UpdateRule would apply later (an fp16 gradient: ``astype(float32)``, then
+    ``/= scale``; an fp32 one: ``/= scale`` in place), by the scale the
+    script's backward was seeded with (``optimizer._loss_scale``; set to None
+    for a plain ``backward()``), every gradient alike (one the backward did
+    not reach too: Chainer's ``reallocate_cleared_grads`` gave it zeros), and
+    gives the fp16 parameters their own gradients back after the update.
+    Instance patches of Chainer's own template methods."""
+    check, update_loss_scale = optimizer.check_nan_in_grads, optimizer.update_loss_scale
+    kept = []
+
+    def unscaling_check():
+        scale = optimizer._loss_scale
+        for param in optimizer.target.params():
+            param._loss_scale = None        # the rule must not divide again
+            if param.grad is None or scale is None:
+                continue
+            if param.grad.dtype == numpy.float16:
+                unscaled = param.grad.astype(numpy.float32)
+                unscaled /= scale
+                kept.append((param, param.grad))
+                param._set_grad_without_check(unscaled)
+            else:
+                param.grad /= scale
+        return check()
+
+    def giving_back():
+        for param, grad in kept:
+            param._set_grad_without_check(grad)
+        kept.clear()
+        return update_loss_scale()
+    optimizer.check_nan_in_grads = unscaling_check
+    optimizer.update_loss_scale = giving_back
+
+
+def state(model, optimizer, loss, grads):
     """Everything compared after a step, as {key: array or number}:
-    ``grads`` as backward left them; ``after_grads``: also each parameter's
-    ``.grad`` after the update (fp16 with hooks: not comparable, Chainer's
-    hooks changed its fp16 gradients in place, fastchain's an fp32 copy)."""
+    ``grads`` as backward left them, and each parameter's ``.grad`` after
+    the update."""
     # NumPy's global generator: where it stands decides later draws (a
     # script's shuffling, dropout's masks)
     key, position = numpy.random.get_state()[1:3]
@@ -89,8 +116,7 @@ def state(model, optimizer, loss, grads, after_grads=True):
         s['W' + name] = None if p.array is None else p.array.copy()  # not made yet
         if grads is not None:
             s['backward grad' + name] = grads[name]
-        if after_grads:
-            s['grad' + name] = None if p.grad is None else p.grad.copy()
+        s['grad' + name] = None if p.grad is None else p.grad.copy()
         rule = p.update_rule
         if rule is None:
             continue
@@ -161,7 +187,7 @@ ONEDNN_TOLERANCE = 1e-4     # onednn: of the largest value of the same kind (mea
 
 
 def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
-        loop='update'):
+        loop='update', growth_interval=10 ** 9, scales=None):
     """Train ``steps`` steps; returns the list of states after each.
 
     ``loop``: ``'update'`` (``optimizer.update(lossfun, ...)``), ``'own'``
@@ -171,14 +197,18 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
 
     ``layout``: None for plain Chainer, else (options of the first handle,
     options of the second, the step before which the second is disabled or
-    None); fp16, if asked for, is in the first handle.
+    None); fp16, if asked for, is in the first handle, its loss scaler
+    doubling the scale every ``growth_interval`` steps (10**9: never).
+
+    ``scales`` (fp16): the loss scale of each step's backward: a fastchain run
+    appends to the list, plain Chainer's run follows it.
     """
     scale = FP16_HOOKS_SCALE if (fp16 and hooks) else FP16_SCALE
     dtype = numpy.float16 if fp16 else numpy.float32
     data = batches(spec, steps, seed=7, dtype=dtype)
     if layout is not None and fp16:
         first = dict(layout[0], fp16=True,
-                     loss_scale={'init_scale': scale, 'growth_interval': 10 ** 9})
+                     loss_scale={'init_scale': scale, 'growth_interval': growth_interval})
         layout = (first,) + tuple(layout[1:])
     plain_fp16 = fp16 and layout is None
 
@@ -191,8 +221,9 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
             optimizer.add_hook(hook)
         if plain_fp16:
             optimizer.use_fp32_update()
-            if not hooks:
-                optimizer.set_loss_scale(scale)     # Chainer's static scaling
+            optimizer.set_loss_scale(scale)     # Chainer's static scaling
+            if hooks:
+                unscale_before_hooks(optimizer)
         return model, optimizer
 
     trace = []
@@ -205,18 +236,20 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
             warnings.simplefilter('ignore')     # fallbacks, fp16 on a CPU
             model, optimizer = make(SEED)
             step = {}
-            scaled = fp16 and hooks and layout is not None and loop != 'own_unscaled'
-            unscale = scale if scaled else None     # what the gradients carry
-            capture_gradients(optimizer, step, unscale)
+            capture_gradients(optimizer, step)
             numpy.random.seed(SEED + 1)         # dropout's masks
             for i, batch in enumerate(data):
                 if made and i == disable_at:
                     made[1].disable()
                 if i == resume_at:
                     model, optimizer = resume(model, optimizer, make)
-                    capture_gradients(optimizer, step, unscale)
+                    capture_gradients(optimizer, step)
                 losses = []
                 step['grads'] = None
+                if plain_fp16 and scales is not None:
+                    optimizer._loss_scale = scales[i]      # fastchain's scaler's
+                elif fp16 and scales is not None:
+                    scales.append(optimizer._loss_scale)
 
                 def lossfun(*arrays):
                     # The image as a Variable: Chainer 7.8.1's deconvolution
@@ -230,14 +263,15 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
                     optimizer.update(lossfun, *batch)
                 else:
                     model.cleargrads()
-                    scale = optimizer._loss_scale if loop == 'own' else None
-                    lossfun(*batch).backward(loss_scale=scale)
+                    if loop == 'own_unscaled' and plain_fp16:
+                        optimizer._loss_scale = None    # what the script seeds: nothing
+                    lossfun(*batch).backward(loss_scale=optimizer._loss_scale
+                                             if loop == 'own' else None)
                     optimizer.update()
                 scaler = scaler_of(optimizer)
                 if scaler is not None and scaler.skipped_steps:
                     raise Skipped()
-                trace.append(state(model, optimizer, losses[-1], step['grads'],
-                                   after_grads=not (fp16 and hooks)))
+                trace.append(state(model, optimizer, losses[-1], step['grads']))
             if layout is not None:
                 _events(model, optimizer)
     return trace
@@ -324,16 +358,9 @@ def compare(expected, got, atol_scale=None):
             elif atol_scale is None or not isinstance(a, numpy.ndarray):
                 numpy.testing.assert_array_equal(b, a, err_msg=where)
             else:
-                fp16 = atol_scale == FP16_ULPS
-                floor = FP16_UNDERFLOW if fp16 and _kind(key) in ('grad', 'backward grad') \
-                    else 0.0
-                # fp16 with hooks: the two runs round differently at every step and
-                # the difference compounds through the weights: k + 1 units at step k
-                growth = step + 1 if fp16 else 1
                 numpy.testing.assert_allclose(
                     numpy.asarray(b, numpy.float64), numpy.asarray(a, numpy.float64),
-                    rtol=0, atol=atol_scale * largest.get(_kind(key), 0.0) * growth + floor,
-                    err_msg=where)
+                    rtol=0, atol=atol_scale * largest.get(_kind(key), 0.0), err_msg=where)
 
 
 class NotInMemory(chainer.dataset.DatasetMixin):

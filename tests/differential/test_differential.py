@@ -11,7 +11,7 @@ seed to repeat a failure with (``make test-differential SEED=...``).
 import os
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, event, given, settings, strategies as st
 
 from tests.differential import harness
 from tests.differential.models import HOOKS, OPTIMIZERS, SGD_FAMILY, model_specs
@@ -48,23 +48,38 @@ def test_fastchain_trains_as_plain_chainer(data):
     spec = data.draw(model_specs(), 'model')
     fp16 = data.draw(st.booleans(), 'fp16')
     hooks = data.draw(HOOKS, 'hooks')
-    # fp16 with hooks is compared within a tolerance with an unscaled run:
-    # meaningful for updates proportional to the gradient, not for Adam, whose
-    # per-element normalisation turns rounding noise in a near-zero gradient
-    # into a full step (Adam is compared bitwise in every other case).
-    optimizer = data.draw(SGD_FAMILY if (fp16 and hooks) else OPTIMIZERS, 'optimizer')
+    optimizer = data.draw(OPTIMIZERS, 'optimizer')
     # up to 6: the static cache's choice starts after its build and 2 verified replays
     steps = data.draw(st.integers(2, 6), 'steps')
     layout = data.draw(layouts(steps), 'layout')
     resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
     loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
-    expected = harness.run(spec, optimizer, hooks, steps, fp16=fp16, loop=loop)
+    # fp16: the loss scale kept, or doubled every 1 or 3 steps (plain Chainer
+    # follows the scale fastchain's scaler used at each step)
+    growth_interval = data.draw(st.sampled_from([10 ** 9, 1, 3]), 'growth_interval') \
+        if fp16 else 10 ** 9
+    scales = []
     try:
         got = harness.run(spec, optimizer, hooks, steps, layout=layout, fp16=fp16,
-                          resume_at=resume_at, loop=loop)
+                          resume_at=resume_at, loop=loop, growth_interval=growth_interval,
+                          scales=scales)
     except harness.Skipped:
         assume(False)
-    harness.compare(expected, got, harness.FP16_ULPS if (fp16 and hooks) else None)
+    except KeyError as e:
+        # A snapshot Chainer itself cannot load (a rule's state is made on its
+        # parameter's first update: a lazy head a data branch has not reached
+        # yet has none saved, and loading asks for it): plain Chainer must
+        # fail on it the same way; the example then says nothing more.
+        with pytest.raises(KeyError) as plain:
+            harness.run(spec, optimizer, hooks, steps, fp16=fp16, resume_at=resume_at,
+                        loop=loop, scales=scales)
+        assert str(plain.value) == str(e)
+        assume(False)
+    if len(set(scales)) > 1:
+        event('fp16: the loss scale grew')
+    expected = harness.run(spec, optimizer, hooks, steps, fp16=fp16, loop=loop,
+                           scales=scales)
+    harness.compare(expected, got)
 
 
 @settings(max_examples=max(1, EXAMPLES // 3), deadline=None, print_blob=True,
@@ -108,7 +123,7 @@ def test_onednn_trains_within_its_stated_tolerance_of_plain_chainer(data):
     hooks = data.draw(HOOKS, 'hooks')
     # Not Adam: its per-element normalisation turns rounding noise in a
     # gradient that is zero in exact arithmetic (a convolution's bias before
-    # BatchNormalization) into a full step (as for fp16 with hooks above).
+    # BatchNormalization) into a full step.
     optimizer = data.draw(SGD_FAMILY, 'optimizer')
     steps = data.draw(st.integers(2, 6), 'steps')
     first, second, disable_at = data.draw(layouts(steps), 'layout')
