@@ -42,3 +42,23 @@ def mpi_status():
         return Status(False, version=mpi4py.__version__,
                       why='no mpiexec found', fix=MPI_EXTRA, detail=detail)
     return Status(True, version=mpi4py.__version__, detail=detail)
+
+
+# Where launchers put a process's rank and the job's size: MPICH's and Intel
+# MPI's hydra (PMI_*), Open MPI (OMPI_COMM_WORLD_*), PMIx launchers, Slurm.
+_RANK_VARIABLES = (('PMI_RANK', 'PMI_SIZE'),
+                   ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE'),
+                   ('PMIX_RANK', 'PMIX_SIZE'),
+                   ('SLURM_PROCID', 'SLURM_NTASKS'))
+
+
+def launch_rank():
+    """(rank, size) of this process as its launcher set them in the
+    environment, readable before (and without) initialising MPI; (None,
+    None) when not started by a launcher fastchain knows."""
+    for rank, size in _RANK_VARIABLES:
+        try:
+            return int(os.environ[rank]), int(os.environ[size])
+        except (KeyError, ValueError):
+            continue
+    return None, None

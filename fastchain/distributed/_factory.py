@@ -11,8 +11,8 @@ name         arrays                            use it for
 ===========  ================================  ===================================
 
 Processes are started by MPI (``mpiexec -n N python train.py``, or
-``fastchain-run -n N train.py``). Every collective waits at most ``timeout``
-seconds (``FASTCHAIN_COLLECTIVE_TIMEOUT``, default 300; see ``_base``):
+``fastchain-run -n N train.py``). The set-up and every collective wait at
+most ``timeout`` seconds (``FASTCHAIN_COLLECTIVE_TIMEOUT``, default 300; see ``_base``):
 past that, the process says which rank and which operation did not
 complete, and aborts the whole job rather than hang; a rank that ends its
 process (``sys.exit()``) while the others wait for it ends the job within
@@ -44,24 +44,27 @@ def create_communicator(name='auto', mpi_comm=None, timeout=None):
     if name not in NAMES:
         raise ValueError('communicator name must be one of {}, got {!r}'.format(
             ', '.join(repr(n) for n in NAMES), name))
-    timeout = _base.default_timeout() if timeout is None else float(timeout)
+    timeout = _base.check_timeout(timeout)
     from fastchain.backends import mpi as mpi_backend
-    status = mpi_backend.mpi_status()
-    if not status.available:
-        raise RuntimeError('fastchain.distributed needs MPI: {}. Fix: {}'.format(
-            status.why, status.fix))
-    from mpi4py import MPI
-    _allocator.settle()         # after MPI's initialisation (see _allocator)
-    mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    if name == 'auto':
-        from fastchain.backends import cuda
-        name = 'nccl' if cuda.available() else 'mpi'
-    if name == 'mpi':
-        from fastchain.distributed._mpi import MpiCommunicator
-        comm = MpiCommunicator(mpi_comm, timeout)
-    else:
-        from fastchain.distributed._nccl import NcclCommunicator
-        comm = NcclCommunicator(mpi_comm, timeout)
+    with _base.setup_deadline(timeout) as setup:
+        # Importing mpi4py.MPI initialises MPI, which waits for every rank.
+        status = mpi_backend.mpi_status()
+        if not status.available:
+            raise RuntimeError('fastchain.distributed needs MPI: {}. Fix: {}'.format(
+                status.why, status.fix))
+        from mpi4py import MPI
+        _allocator.settle()         # after MPI's initialisation (see _allocator)
+        mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        setup['initialised'](mpi_comm)
+        if name == 'auto':
+            from fastchain.backends import cuda
+            name = 'nccl' if cuda.available() else 'mpi'
+        if name == 'mpi':
+            from fastchain.distributed._mpi import MpiCommunicator
+            comm = MpiCommunicator(mpi_comm, timeout)
+        else:
+            from fastchain.distributed._nccl import NcclCommunicator
+            comm = NcclCommunicator(mpi_comm, timeout)
     _faults.hold(comm)
     if comm.size > 1:
         _threads.apply(comm.rank, _node.own_cores(), comm.node_cores)

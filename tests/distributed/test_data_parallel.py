@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from fastchain import distributed
 from fastchain.backends import mpi
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'dp_script.py')
@@ -83,6 +84,42 @@ def test_a_rank_that_exits_ends_every_rank_in_seconds(how, tmp_path):
         assert r.stderr.count('rank 1 stops on purpose') == 1
     assert 'did not complete within' not in r.stderr
     assert r.seconds < 30
+
+
+EARLY = '''
+import sys
+from fastchain import distributed
+from fastchain.backends import mpi
+rank, size = mpi.launch_rank()
+if rank == 1:
+    if sys.argv[1] == 'after_mpi':
+        from mpi4py import MPI
+    if sys.argv[1] == 'exit':
+        sys.exit(0)
+    raise ValueError('rank 1 fails before its communicator')
+from fastchain import distributed
+distributed.create_communicator('mpi', timeout=5)
+print('rank 0 went on', flush=True)
+'''
+
+
+@pytest.mark.parametrize('how', ['before_mpi', 'after_mpi', 'exit'])
+def test_a_rank_that_ends_before_its_communicator_ends_the_job(how):
+    # MPI's initialisation (before_mpi, exit) and the node split (after_mpi)
+    # wait for every rank: rank 0 would wait there for ever.
+    start = time.monotonic()
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, '-c', EARLY, how],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and 'went on' not in r.stdout
+    assert ("rank 0 of 2: the communicator's set-up did not complete within 5 s: not every "
+            "rank reached create_communicator()") in r.stderr, r.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_a_timeout_that_is_not_a_positive_number_is_refused():
+    for bad in (float('nan'), 0, -5, 'soon'):
+        with pytest.raises(ValueError, match='timeout=.* is not a positive number of seconds'):
+            distributed.create_communicator('mpi', timeout=bad)
 
 
 FINALIZES = '''
