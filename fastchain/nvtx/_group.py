@@ -35,6 +35,19 @@ def _timeline_path(value):
     return value
 
 
+def rank_path(path):
+    """Where this process writes the timeline ``path``: a data-parallel rank
+    other than 0 writes beside rank 0's (``trace.json`` -> ``trace.rank1.json``;
+    the ranks of a job would otherwise all write the same files, and the last
+    one's would be all that is left)."""
+    from fastchain.backends.mpi import launch_rank
+    rank, size = launch_rank()
+    if rank is None or size < 2 or rank == 0:
+        return path
+    base, ext = os.path.splitext(path)
+    return '{}.rank{}{}'.format(base, rank, ext)
+
+
 class NvtxGroup(Group):
     name = 'nvtx'
     options = (
@@ -65,7 +78,7 @@ class NvtxGroup(Group):
         if values['timeline'] is not None:
             from fastchain.nvtx._timeline import Timeline
             timeline = handle.resources['timeline'] = Timeline()
-            path = values['timeline']
+            path = rank_path(values['timeline'])
 
             def at_exit():      # a script that never disables its handle
                 if timeline.ranges:

@@ -279,3 +279,49 @@ def test_an_evaluation_every_fourth_step_is_listed_once_with_each_time():
     assert not result['diagnosis'].startswith('extension-bound')
     assert _summary.one_off_lines(result) == [
         'extension validation: 3 times, 150.0 ms in all (steps 4, 8, 12: 50.0, 50.0, 50.0 ms)']
+
+
+RANKS_SCRIPT = '''
+import sys, warnings
+import numpy, chainer
+import chainer.links as L
+import fastchain
+from fastchain import distributed
+with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    handle = fastchain.enable(timeline=sys.argv[1], loader_workers=0)
+comm = distributed.create_communicator('mpi')
+x = numpy.random.RandomState(comm.rank).randn(16, 4).astype(numpy.float32)
+model = L.Classifier(L.Linear(4, 2))
+opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm).setup(model)
+it = chainer.iterators.SerialIterator(
+    chainer.datasets.TupleDataset(x, (x[:, 0] > 0).astype(numpy.int32)), 4)
+updater = chainer.training.StandardUpdater(it, opt)
+for _ in range(3):
+    updater.update()
+handle.disable()
+comm.finalize()
+'''
+
+
+@pytest.mark.mpi
+def test_each_rank_of_a_data_parallel_job_writes_its_own_timeline(tmp_path):
+    # Every rank used to write the one path given: the last one's was all
+    # that was left.
+    import subprocess
+    import sys
+    from fastchain.backends import mpi
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, '-c', RANKS_SCRIPT,
+                        str(tmp_path / 'trace.json')], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ['trace.json', 'trace.png', 'trace.rank1.json', 'trace.rank1.png',
+                     'trace.rank1.txt', 'trace.txt'] or names == [
+        'trace.json', 'trace.rank1.json', 'trace.rank1.txt', 'trace.txt'], names
+    pids = []
+    for name in ('trace.json', 'trace.rank1.json'):
+        events = json.load(open(tmp_path / name))['traceEvents']
+        assert any(e.get('name') == 'update' for e in events), name
+        pids.append({e['pid'] for e in events if 'pid' in e})
+    assert not pids[0] & pids[1]        # two processes' own events
