@@ -35,7 +35,7 @@ def parser():
         epilog='\n\n'.join(__doc__.split('\n\n')[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('-o', '--output', default='fastchain_timeline', metavar='PATH',
-                   help='path without extension for the .json, .png and .txt '
+                   help='path for the .json, .png and .txt (an extension given is dropped) '
                         '(default: %(default)s)')
     p.add_argument('command', nargs=argparse.REMAINDER, metavar='script.py [script args ...]',
                    help='the training script and its arguments')
@@ -52,6 +52,15 @@ def parse(argv):
     if not os.path.isfile(command[0]):
         p.error('{}: no such script'.format(command[0]))
     args.command = command
+    root, ext = os.path.splitext(args.output)
+    if ext.lower() in ('.json', '.png', '.txt'):
+        args.output = root      # -o prof/t.json: prof/t.json, not prof/t.json.json
+    folder = os.path.dirname(os.path.abspath(args.output))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        p.error('-o {}: cannot create the folder {} ({})'.format(
+            args.output, folder, e.strerror or e))
     return args
 
 
@@ -80,7 +89,6 @@ def run_script(command):
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else argv)
     import fastchain
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     trace = args.output + '.json'
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', fastchain.FastchainWarning)

@@ -279,3 +279,19 @@ def test_timeline_of_a_lazily_shaped_data_parallel_script_is_balanced(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'never closed' not in out.stdout, out.stdout
     assert 'fastchain step breakdown (7 steps, 1 warm-up left out)' in out.stdout
+
+
+def test_timeline_tool_takes_an_output_with_an_extension_and_refuses_an_unusable_one(tmp_path):
+    script = tmp_path / 'noop.py'
+    script.write_text('print("ran")\n')
+    tool = [sys.executable, os.path.join(PROFILING, 'timeline.py')]
+    out = subprocess.run(tool + ['-o', str(tmp_path / 'prof' / 't.json'), str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / 'prof' / 't.json').exists()          # not t.json.json
+    assert not (tmp_path / 'prof' / 't.json.json').exists()
+    out = subprocess.run(tool + ['-o', '/proc/nope/x', str(script)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and 'ran' not in out.stdout
+    assert "-o /proc/nope/x: cannot create the folder /proc/nope" in out.stderr, out.stderr
+    assert 'Traceback' not in out.stderr
