@@ -72,7 +72,9 @@ class Learner:
         self.steps = 0
         self.batch_size = None      # this rank's, when update() is given no inputs
         self.started = False        # warm start over (the learner's own phase)
-        self.stats = {'steps': 0, 'exchanges': 0, 'bytes_sent': 0, 'comm_seconds': 0.0}
+        # this process's counts (a resumed run: since its resume)
+        self.stats = {'steps': 0, 'samples_since_start': 0, 'exchanges': 0, 'bytes_sent': 0,
+                      'comm_seconds': 0.0}
         self.params = []
         self.names = {}
         self._gathered = None       # (steps, [each rank's local state]) for a snapshot
@@ -156,6 +158,7 @@ class Learner:
                 'rank'.format(self.name))
         self.steps += 1
         self.stats['steps'] += 1
+        self.stats['samples_since_start'] += (batch or 0) * self.comm.size
         self.samples += (batch or 0) * self.comm.size
         self._local_step(batch or 0)
 
@@ -175,17 +178,20 @@ class Learner:
         self.stats['comm_seconds'] += time.perf_counter() - start
 
     def report(self):
-        """Counts so far: steps, samples, exchanges, bytes this rank sent
-        (ring algorithms), seconds the host spent in the exchanges
+        """Counts: ``samples`` (over all ranks, the whole training's: restored
+        from a snapshot, as the warm start and the blocks follow it) and this
+        process's (a resumed run: since its resume): ``steps``,
+        ``samples_since_start``, exchanges, bytes this rank sent (ring
+        algorithms), seconds the host spent in the exchanges
         (``comm_seconds``: on NCCL an allreduce the host only launches counts
         its launch; its time on the device is the timeline's allreduce
-        device track), and their per-step and per-sample means."""
+        device track), and the bytes' per-step and per-sample means."""
         out = dict(self.stats, learner=self.describe(), samples=self.samples,
                    warm_start_over=self.started)
         steps = max(self.stats['steps'], 1)
         out['bytes_per_step'] = self.stats['bytes_sent'] / steps
         out['bytes_per_sample'] = self.stats['bytes_sent'] / max(
-            self.samples / max(self.comm.size, 1), 1)
+            self.stats['samples_since_start'] / max(self.comm.size, 1), 1)
         return out
 
     def describe(self):

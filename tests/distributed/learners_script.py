@@ -263,6 +263,13 @@ def resume(lazy=False):
         numpy.testing.assert_array_equal(value, straight[name], err_msg=name)
     learner = distributed.learner_of(opt2)
     assert (learner.steps, learner.samples, learner.started) == (9, 9 * BATCH * size, True)
+    # The bytes are this process's, and so is what they are divided by (they
+    # were divided by the whole training's samples: 9 steps', not 4).
+    report = learner.report()
+    assert (report['steps'], report['samples_since_start'], report['samples']) == (
+        4, 4 * BATCH * size, 9 * BATCH * size), report
+    assert report['bytes_sent'] > 0 and report['bytes_per_sample'] == \
+        report['bytes_sent'] / (4 * BATCH), report
     done(mid_block=not identical_everywhere(model2) if LEARNER != '1bit' else None)
 
 
