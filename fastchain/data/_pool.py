@@ -31,6 +31,16 @@ class LoadedBatch(list):
     stacked = None
 
 
+_live = weakref.WeakSet()       # pools, for shutdown_all()
+
+
+def shutdown_all():
+    """Stop every pool's workers and free its shared memory now: for a
+    process about to be ended by MPI_Abort, which runs no exit handler."""
+    for pool in list(_live):
+        pool._finalizer()
+
+
 class WorkerPool:
     """Worker processes that keep ``slots`` planned batches loading ahead.
 
@@ -94,6 +104,7 @@ class WorkerPool:
             self.result_conns.append(result_r)
         self._finalizer = weakref.finalize(
             self, _shutdown, self.workers, self.task_conns, self.result_conns, self.shm)
+        _live.add(self)
 
     def seek(self, epoch, position):
         """Forget the batches in flight (after waiting for them: a worker may

@@ -12,6 +12,7 @@ disappears.
 import errno
 import os
 import signal
+import time
 import traceback
 
 import numpy
@@ -111,27 +112,52 @@ def describe_error(error):
 
 def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if shm_name is not None:
+        # Out of the main process's process group: what kills that group
+        # (mpiexec ending an aborted job's ranks) leaves this worker the
+        # moment it needs to free the slots' memory, which a killed main
+        # process cannot (it notices within POLL_SECONDS, see below).
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass
     shm = None
     if shm_name is not None:
         from multiprocessing import shared_memory
         # Attaching registers the name with the resource tracker the main
         # process shares with us (a set: no-op); the main process unlinks it.
         shm = shared_memory.SharedMemory(name=shm_name)
+    orphaned = False
     try:
         while True:
             if not task_conn.poll(POLL_SECONDS):
                 if os.getppid() != parent_pid:
-                    return      # the main process is gone
+                    orphaned = True     # the main process is gone
+                    return
                 continue
             task = task_conn.recv()
             if task is None:
                 return
             result_conn.send(_load(dataset, task, shm, layout))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        # A killed parent's pipes close before this process is given another
+        # parent: wait for that a moment.
+        deadline = time.monotonic() + 1.0
+        while os.getppid() == parent_pid and time.monotonic() < deadline:
+            time.sleep(0.01)
+        orphaned = os.getppid() != parent_pid
         return
     finally:
         if shm is not None:
             shm.close()
+            if orphaned:
+                # The main process was killed (SIGKILL, an MPI job's peers
+                # ended by mpiexec) and cannot unlink the slots' memory: the
+                # first worker to notice does, or it stays in /dev/shm.
+                try:
+                    shm.unlink()
+                except FileNotFoundError:
+                    pass
 
 
 def _load(dataset, task, shm, layout):

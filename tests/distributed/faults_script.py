@@ -108,6 +108,25 @@ def ctrl_c(in_allreduce):
         it.next()
 
 
+def raise_with_loader():
+    """Both ranks load batches; rank 1 then raises. Its excepthook aborts the
+    job (MPI_Abort runs no exit handler) and mpiexec kills rank 0: neither
+    rank's loader may leave its workers or shared memory behind."""
+    comm = distributed.create_communicator('mpi')
+    x = numpy.random.RandomState(0).rand(64, 3, 8, 8).astype(numpy.float32)
+    t = numpy.arange(64, dtype=numpy.int32) % 3
+    it = data.MultiprocessIterator(list(zip(x, t)), 4, n_workers=2)
+    buf = numpy.zeros(4, numpy.float32)
+    it.next()
+    ready()
+    comm.barrier()
+    if comm.rank == 1:
+        raise ValueError('rank 1 fails with its loader running')
+    while True:
+        it.next()
+        comm.allreduce(buf, 'allreduce')
+
+
 def ready():
     # One write: mpiexec merges the ranks' output, and print() may write
     # its pieces apart (unbuffered, as under PYTHONUNBUFFERED).
@@ -125,4 +144,4 @@ def mapped(prefix):
 
 
 {'hooks': hooks, 'ctrl_c_in_python': lambda: ctrl_c(False),
- 'ctrl_c_in_allreduce': lambda: ctrl_c(True)}[SCENARIO]()
+ 'ctrl_c_in_allreduce': lambda: ctrl_c(True), 'raise_with_loader': raise_with_loader}[SCENARIO]()

@@ -129,3 +129,30 @@ def test_ctrl_c_ends_every_rank_quietly_and_frees_the_loaders_memory(scenario, t
         for path in mpich:
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_an_aborted_job_leaves_no_loader_workers_or_shared_memory(tmp_path):
+    # The rank that raises aborts the job (MPI_Abort: no exit handler runs)
+    # and mpiexec kills the other one: both loaders' /dev/shm segments were
+    # left behind, one per failure.
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, SCRIPT,
+                        'raise_with_loader', str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    ready = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith('ready ')]
+    mpich = sorted({s for *_, shm in ready for s in shm.split(',') if s})
+    try:
+        assert r.returncode != 0 and len(ready) == 2, r.stdout + r.stderr[-4000:]
+        assert 'rank 1 fails with its loader running' in r.stderr
+        pids = [int(p) for pid, workers, _, _ in ready for p in [pid] + workers.split(',')]
+        loader = [s for _, _, shm, _ in ready for s in shm.split(',')]
+        assert len(pids) == 6 and len(loader) == 2, ready
+        deadline = time.monotonic() + 10      # a killed rank's workers notice within 1 s
+        while time.monotonic() < deadline and (
+                [p for p in pids if _alive(p)] or [s for s in loader if os.path.exists(s)]):
+            time.sleep(0.1)
+        assert [p for p in pids if _alive(p)] == []
+        assert [s for s in loader if os.path.exists(s)] == []
+    finally:
+        for path in mpich:          # an aborted job cannot finalise MPI
+            if os.path.exists(path):
+                os.unlink(path)
