@@ -208,7 +208,7 @@ class CommunicatorBase(abc.ABC):
         self.finalized = True
         self._finalize_core()
         if self._departures is not None:
-            self._departures.close()
+            self._departures.announce(_departures.FINALIZED)
         self.mpi_comm = _Finalized()
         _faults.release(self)
 
@@ -350,11 +350,19 @@ class CommunicatorBase(abc.ABC):
         if self._departures is None:
             return
         left = self._departures.overdue(waiting_since)
-        if left is not None and (peer is None or left == peer):
-            message = ('fastchain: rank {} of {}: rank {} has ended its process (sys.exit() '
-                       'or the end of its script) while this rank waits for it in {}. '
-                       "Aborting the job; rank {}'s own output says why it ended.".format(
-                           self.rank, self.size, left, what, left))
+        if left is not None and (peer is None or left[0] == peer):
+            rank, how = left
+            if how == _departures.FINALIZED:
+                why = ('has finalized its communicator (comm.finalize(), or the end of its '
+                       'with block) while this rank waits for it in {}: the ranks ran '
+                       'different numbers of collectives (steps, epochs, evaluations). '
+                       'Aborting the job.'.format(what))
+            else:
+                why = ('has ended its process (sys.exit() or the end of its script) while '
+                       "this rank waits for it in {}. Aborting the job; rank {}'s own output "
+                       'says why it ended.'.format(what, rank))
+            message = 'fastchain: rank {} of {}: rank {} {}'.format(self.rank, self.size,
+                                                                   rank, why)
             print(message, file=sys.stderr, flush=True)
             self.abort(1)
             raise RuntimeError(message)     # reached only if abort returned

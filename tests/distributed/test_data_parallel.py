@@ -145,7 +145,21 @@ print('done', comm.rank, flush=True)
 '''
 
 
-@pytest.mark.parametrize('script, n', [(FINALIZES, 2), (POINT_TO_POINT, 3)])
+TWO_ROUNDS = '''
+import time
+import numpy
+from fastchain import distributed
+for round in range(3):
+    with distributed.create_communicator('mpi', timeout=60) as comm:
+        comm.allreduce(numpy.ones(2, 'f'), 'step')
+        if comm.rank == 0:
+            time.sleep(2.5)     # rank 1 waits past the grace in the next collective
+        comm.allreduce(numpy.ones(2, 'f'), 'after a slow rank 0')
+print('done', comm.rank, flush=True)
+'''
+
+
+@pytest.mark.parametrize('script, n', [(FINALIZES, 2), (POINT_TO_POINT, 3), (TWO_ROUNDS, 2)])
 def test_a_rank_that_ends_normally_never_aborts_the_others(script, n):
     # A script that finalises MPI itself; and, with 3 ranks, rank 0 ending
     # while ranks 1 and 2 still talk to each other (not waiting for rank 0).
@@ -155,6 +169,31 @@ def test_a_rank_that_ends_normally_never_aborts_the_others(script, n):
     # Every rank got to its end (mpiexec may interleave the ranks' lines).
     assert r.stdout.count('done') == n, r.stdout
     assert 'has ended its process' not in r.stderr and 'finalizing' not in r.stderr
+
+
+LEAVES_EARLY = '''
+import time
+import numpy
+from fastchain import distributed
+with distributed.create_communicator('mpi', timeout=60) as comm:
+    for step in range(2 if comm.rank == 1 else 5):
+        comm.allreduce(numpy.ones(2, 'f'), 'allreduce of step {}'.format(step))
+time.sleep(30)      # rank 1 lives on: it has not exited
+'''
+
+
+def test_a_rank_that_finalizes_while_the_others_train_ends_the_job_in_seconds():
+    # Rank 1's with block ended after 2 steps, rank 0's after 5: rank 0 waited
+    # for the 60 s timeout, and its message blamed a crash.
+    start = time.monotonic()
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, '-c', LEAVES_EARLY],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert ('rank 0 of 2: rank 1 has finalized its communicator (comm.finalize(), or the end '
+            'of its with block) while this rank waits for it in allreduce of step 2') \
+        in r.stderr, r.stderr
+    assert 'did not complete within' not in r.stderr
+    assert time.monotonic() - start < 25
 
 
 THREADS = '''
