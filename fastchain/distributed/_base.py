@@ -401,3 +401,6 @@ class CommunicatorBase(abc.ABC):
         sys.stderr.flush()
         time.sleep(0.5)
         self.mpi_comm.Abort(code)
+        # MPI_Abort returned (a new-user trial saw it return when a side
+        # thread called it): never go on, into a second traceback.
+        os._exit(code)

@@ -3,6 +3,7 @@
 import pytest
 
 from fastchain import distributed
+from tests.helpers import OneRank
 
 
 def test_an_unknown_name_is_refused():
@@ -16,3 +17,10 @@ def test_a_bad_collective_timeout_names_the_variable_and_the_fix(value, monkeypa
     with pytest.raises(ValueError, match='FASTCHAIN_COLLECTIVE_TIMEOUT=.* is not a positive '
                                          'number of seconds. Fix: .*=900'):
         distributed.create_communicator('mpi')
+
+
+def test_scatter_dataset_refuses_a_root_that_is_not_a_rank():
+    # It failed with a bare IndexError from the list of who has data.
+    for root in (1, -1, '0'):
+        with pytest.raises(ValueError, match=r"root=.* is not a rank of this job \(0 to 0\)"):
+            distributed.scatter_dataset(list(range(8)), OneRank(), root=root)
