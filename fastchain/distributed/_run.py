@@ -36,7 +36,12 @@ def main(argv=None):
             p.error('-m needs a module name')
         module, rest = argv[i + 1], argv[i + 2:]
         argv = argv[:i] + ['-']         # '-' holds the script's place
+    if i == len(argv) and not ({'-h', '--help'} & set(argv)):
+        p.error('give the training script to run: fastchain-run -n N script.py [args ...]')
     args = p.parse_args(argv)
+    if args.hostfile and not os.path.isfile(args.hostfile):
+        p.error('--hostfile {}: no such file (one host per line, optionally host:slots)'
+                .format(args.hostfile))
     if module is not None:
         command = [sys.executable, '-m', module] + rest
     elif re.fullmatch(r'python[0-9.]*', os.path.basename(args.script)):

@@ -277,6 +277,13 @@ def test_fastchain_run_is_mpiexec():
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == [mpi.mpiexec_path(), '-n', '2'] + expected
+    # usage errors name what is missing (status 2), before mpiexec sees them
+    for given, message in ((['-n', '2'], 'give the training script to run'),
+                           (['-n', '2', '--hostfile', '/no/hosts', 'train.py'],
+                            '--hostfile /no/hosts: no such file')):
+        r = subprocess.run([os.path.join(os.path.dirname(sys.executable), 'fastchain-run')]
+                           + given, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
 @pytest.mark.gpu
