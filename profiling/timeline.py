@@ -99,8 +99,10 @@ def main(argv=None):
         # Writes the trace, chart and summary, even when the script failed.
         handle.disable()
         if sys.exc_info()[0] is not None:
+            saved = getattr(handle.resources['timeline'], 'saved', None) or {}
             print('timeline.py: the script failed; the timeline up to the failure was '
-                  'written to {0}.json and {0}.txt'.format(args.output), file=sys.stderr)
+                  'written to {} and {}'.format(saved.get('json', trace), saved.get('txt')),
+                  file=sys.stderr)
     saved = handle.resources['timeline'].saved
     with open(saved['txt']) as f:
         print(f.read())

@@ -31,14 +31,21 @@ class LoadedBatch(list):
     stacked = None
 
 
-_live = weakref.WeakSet()       # pools, for shutdown_all()
+_live = weakref.WeakSet()       # pools, for unlink_all()
 
 
-def shutdown_all():
-    """Stop every pool's workers and free its shared memory now: for a
-    process about to be ended by MPI_Abort, which runs no exit handler."""
+def unlink_all():
+    """Remove every pool's shared memory from /dev/shm now, for a process
+    about to be ended by MPI_Abort, which runs no exit handler. Only the
+    names: the mappings stay valid (the main thread may be reading a batch
+    while a watchdog thread aborts), and the workers, orphaned, exit."""
+    import _posixshmem
     for pool in list(_live):
-        pool._finalizer()
+        if pool.shm is not None:
+            try:
+                _posixshmem.shm_unlink(pool.shm._name)
+            except FileNotFoundError:
+                pass
 
 
 class WorkerPool:
@@ -97,6 +104,13 @@ class WorkerPool:
                                   self.shm.name if self.shm else None,
                                   self.layout, parent))
             p.start()
+            if self.shm is not None and _workers.launched_by_mpi():
+                # The worker does so too (whichever runs first; see
+                # _workers.worker_main): its own process group from here on.
+                try:
+                    os.setpgid(p.pid, p.pid)
+                except OSError:
+                    pass
             task_r.close()
             result_w.close()
             self.workers.append(p)

@@ -6,9 +6,12 @@ example's arrays into its slot of the shared memory, and sends back one small
 message: the non-array fields, any example that did not fit the slot layout,
 and the errors (index, type, message). It ignores SIGINT (the main process
 handles Ctrl-C and shuts it down) and exits on its own if the main process
-disappears.
+disappears, unlinking the shared memory the killed process could not (under
+an MPI launcher, in a process group of its own, so that mpiexec killing a
+rank's group leaves it that moment).
 """
 
+import _posixshmem
 import errno
 import os
 import signal
@@ -112,11 +115,12 @@ def describe_error(error):
 
 def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if shm_name is not None:
-        # Out of the main process's process group: what kills that group
-        # (mpiexec ending an aborted job's ranks) leaves this worker the
-        # moment it needs to free the slots' memory, which a killed main
-        # process cannot (it notices within POLL_SECONDS, see below).
+    if shm_name is not None and launched_by_mpi():
+        # mpiexec ends an aborted job's ranks by killing their process groups
+        # (SIGKILL): out of it, this worker outlives a killed main process by
+        # the moment it needs to free the slots' memory, which that process
+        # cannot (below). Only there: elsewhere the group is the user's to
+        # stop (Ctrl-Z) or to signal as one (the benchmarks' SIGSTOP).
         try:
             os.setpgid(0, 0)
         except OSError:
@@ -131,7 +135,7 @@ def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
     try:
         while True:
             if not task_conn.poll(POLL_SECONDS):
-                if os.getppid() != parent_pid:
+                if not _alive(parent_pid):
                     orphaned = True     # the main process is gone
                     return
                 continue
@@ -140,24 +144,44 @@ def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
                 return
             result_conn.send(_load(dataset, task, shm, layout))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
-        # A killed parent's pipes close before this process is given another
-        # parent: wait for that a moment.
+        # A killed main process's pipes close a moment before it is gone.
         deadline = time.monotonic() + 1.0
-        while os.getppid() == parent_pid and time.monotonic() < deadline:
+        while _alive(parent_pid) and time.monotonic() < deadline:
             time.sleep(0.01)
-        orphaned = os.getppid() != parent_pid
+        orphaned = not _alive(parent_pid)
         return
     finally:
         if shm is not None:
             shm.close()
             if orphaned:
-                # The main process was killed (SIGKILL, an MPI job's peers
-                # ended by mpiexec) and cannot unlink the slots' memory: the
-                # first worker to notice does, or it stays in /dev/shm.
+                # The main process was killed (SIGKILL: the OOM killer, an MPI
+                # job's other ranks ended by mpiexec) and cannot unlink the
+                # slots' memory: the first worker to notice does. Not through
+                # SharedMemory.unlink(), which tells a resource tracker that
+                # may have died with the main process's group (and then
+                # prints a traceback of its own).
                 try:
-                    shm.unlink()
+                    _posixshmem.shm_unlink(shm._name)
                 except FileNotFoundError:
                     pass
+
+
+def _alive(pid):
+    """Whether process ``pid`` (the main process) still exists. Not
+    ``getppid()``: under the forkserver start method a worker's parent is the
+    forkserver."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def launched_by_mpi():
+    from fastchain.backends.mpi import launch_rank
+    return launch_rank()[0] is not None
 
 
 def _load(dataset, task, shm, layout):

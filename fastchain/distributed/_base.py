@@ -20,12 +20,10 @@ or the end of its ``with`` block::
 """
 
 import abc
-import contextlib
 import math
 import os
 import pickle
 import sys
-import threading
 import time
 
 import numpy
@@ -64,87 +62,6 @@ def check_timeout(timeout):
                          'longest a collective may take, e.g. timeout=900 (default: {} or '
                          '300)'.format(timeout, TIMEOUT_VARIABLE))
     return value
-
-
-@contextlib.contextmanager
-def setup_deadline(timeout):
-    """Bound the communicator's set-up by the collective timeout: MPI's
-    initialisation and the node split block until every rank takes part, so
-    a rank that failed or ended before ``create_communicator()`` would leave
-    the others there for ever. Past ``timeout`` seconds this process says so
-    and the job ends. Yields a dict: call ``'initialised'(comm)`` once MPI is
-    initialised, with the MPI communicator.
-
-    Two watchers: MPI's initialisation (the import of ``mpi4py.MPI``) holds
-    the GIL, so a forked process watches it (it kills this one, which mpiexec
-    then sees end); after it, a thread (mpi4py lets go of the GIL in the
-    blocking calls), which calls MPI_Abort.
-    """
-    from fastchain.backends import mpi
-    rank, size = mpi.launch_rank()
-    who = 'this process' if rank is None else 'rank {} of {}'.format(rank, size)
-    message = ("fastchain: {}: the communicator's set-up did not complete within {:g} s: "
-               "not every rank reached create_communicator() (one failed or ended before "
-               "it, or is still busy: see the other ranks' output). Aborting the job (raise "
-               "{} if set-up is this slow).\n".format(who, timeout, TIMEOUT_VARIABLE))
-    state = {'comm': None, 'done': threading.Event()}
-    watcher = _fork_watcher(timeout, message) if 'mpi4py.MPI' not in sys.modules else None
-
-    def initialised(comm):
-        state['comm'] = comm
-        if watcher is not None:
-            watcher()
-
-    def expire():
-        if state['done'].wait(timeout):
-            return
-        if watcher is not None and state['comm'] is None:
-            return      # the forked watcher's part
-        sys.stderr.write(message)
-        sys.stderr.flush()
-        time.sleep(0.5)         # let mpiexec forward the message (see abort)
-        state['comm'].Abort(1)
-        os._exit(1)
-
-    state['initialised'] = initialised
-    threading.Thread(target=expire, name='fastchain-setup-deadline', daemon=True).start()
-    try:
-        yield state
-    finally:
-        state['done'].set()
-        if watcher is not None:
-            watcher()
-
-
-def _fork_watcher(timeout, message):
-    """A child process that kills this one unless the returned function is
-    called within ``timeout`` seconds (it closes a pipe the child waits on).
-    The child makes only system calls: locks another thread held at the fork
-    stay held in it."""
-    import select
-    import signal
-    read, write = os.pipe()
-    parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:                                    # the watcher
-        try:
-            os.close(write)
-            ready, _, _ = select.select([read], [], [], timeout)
-            if not ready:
-                os.write(2, message.encode())
-                time.sleep(0.5)
-                os.kill(parent, signal.SIGKILL)
-        finally:
-            os._exit(0)
-    os.close(read)
-    closed = []
-
-    def release():
-        if not closed:
-            closed.append(True)
-            os.close(write)
-            os.waitpid(pid, 0)
-    return release
 
 
 class CollectiveTimeout(RuntimeError):
@@ -195,7 +112,9 @@ class CommunicatorBase(abc.ABC):
     # -- lifetime ------------------------------------------------------------
 
     def finalize(self):
-        """Give back what this communicator holds (idempotent).
+        """Give back what this communicator holds (idempotent), and tell the
+        peers (a peer then waiting in a collective for this rank ends the job
+        in seconds, naming it; see ``_departures``).
 
         The excepthooks and the signal wakeup fd go back when the last
         communicator holding them is finalised (each only if it is still
@@ -349,8 +268,8 @@ class CommunicatorBase(abc.ABC):
         point-to-point wait."""
         if self._departures is None:
             return
-        left = self._departures.overdue(waiting_since)
-        if left is not None and (peer is None or left[0] == peer):
+        left = self._departures.overdue(waiting_since, peer)
+        if left is not None:
             rank, how = left
             if how == _departures.FINALIZED:
                 why = ('has finalized its communicator (comm.finalize(), or the end of its '
@@ -389,12 +308,12 @@ class CommunicatorBase(abc.ABC):
         pipes, and what is still in them when the job is killed is lost
         (measured: the error message was missing about one run in four).
         """
-        # MPI_Abort runs no exit handler: the loaders' workers and shared
-        # memory (/dev/shm) go first, as at a normal exit.
+        # MPI_Abort runs no exit handler: the loaders' shared memory leaves
+        # /dev/shm first (their workers, orphaned, exit by themselves).
         pools = sys.modules.get('fastchain.data._pool')
         if pools is not None:
             try:
-                pools.shutdown_all()
+                pools.unlink_all()
             except Exception:       # the abort must happen whatever this meets
                 pass
         sys.stdout.flush()

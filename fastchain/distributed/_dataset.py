@@ -1,5 +1,6 @@
 """Each rank's share of a dataset: disjoint and of equal size."""
 
+import operator
 import warnings
 
 import numpy
@@ -21,9 +22,14 @@ def scatter_dataset(dataset, comm, shuffle=False, seed=None, root=0):
     of iterations per epoch; the ``len % size`` examples left over are
     dropped (with a warning).
     """
-    if not (isinstance(root, int) and 0 <= root < comm.size):
+    try:
+        rank = operator.index(root)
+    except TypeError:
+        rank = -1
+    if not 0 <= rank < comm.size:
         raise ValueError('scatter_dataset: root={!r} is not a rank of this job (0 to {}): '
                          'give the rank that has the dataset'.format(root, comm.size - 1))
+    root = rank
     have = comm.allgather_obj(dataset is not None, what='scatter_dataset (who has data)')
     if not have[root]:
         raise ValueError('scatter_dataset: rank {} (the root) has no dataset'.format(root))

@@ -48,34 +48,43 @@ class Departures:
         _serial = self._serial + 1
         self._lock = threading.Lock()
         self._closed = False
-        self.left = None        # (rank, when this process learnt it, EXITED or FINALIZED)
+        self.left = {}          # rank -> (when this process learnt it, EXITED or FINALIZED)
 
     def check(self):
-        """``(rank, noticed_at, how)`` of a peer that has ended its process or
-        finalised its communicator, or None.
+        """``{rank: (noticed_at, how)}`` of the peers that have ended their
+        process or finalised their communicator (empty if none).
 
-        Probes for the message rather than keeping a receive posted: nothing
-        is left pending if the script finalises MPI itself.
+        Probes for the messages rather than keeping a receive posted: nothing
+        is left pending if the script finalises MPI itself. Never raises: a
+        message it cannot read is dropped.
         """
         from mpi4py import MPI
         with self._lock:
-            if self.left is None and not self._closed and not MPI.Is_finalized():
-                status = MPI.Status()
-                while self.left is None and self._comm.Iprobe(
-                        source=MPI.ANY_SOURCE, tag=TAG, status=status):
+            if self._closed or MPI.Is_finalized():
+                return self.left
+            try:
+                while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG):
+                    # Any message of the tag (not the probed source's: on a
+                    # context MPI reused, a stale message may name a rank this
+                    # communicator does not have)
                     buf = numpy.zeros(3, numpy.int64)
-                    self._comm.Recv(buf, source=status.Get_source(), tag=TAG)
-                    if int(buf[2]) == self._serial:
-                        self.left = (int(buf[0]), time.monotonic(), int(buf[1]))
+                    self._comm.Recv(buf, source=MPI.ANY_SOURCE, tag=TAG)
+                    rank, how, serial = (int(v) for v in buf)
+                    if serial == self._serial and 0 <= rank < self._size \
+                            and rank not in self.left:
+                        self.left[rank] = (time.monotonic(), how)
+            except MPI.Exception:
+                pass
             return self.left
 
-    def overdue(self, waiting_since):
-        """``(rank, how)`` of the rank that left, if it left and this wait has
-        gone on ``GRACE`` seconds since both it began and this process learnt
-        it; else None."""
-        left = self.check()
-        if left is not None and time.monotonic() - max(left[1], waiting_since) > GRACE:
-            return left[0], left[2]
+    def overdue(self, waiting_since, peer=None):
+        """``(rank, how)`` of a rank that left (``peer`` only, if given), if
+        this wait has gone on ``GRACE`` seconds since both it began and this
+        process learnt it; else None."""
+        now = time.monotonic()
+        for rank, (noticed, how) in sorted(self.check().items()):
+            if (peer is None or rank == peer) and now - max(noticed, waiting_since) > GRACE:
+                return rank, how
         return None
 
     def announce(self, how=EXITED):

@@ -22,7 +22,7 @@ gets its share of the node's cores for BLAS/OpenMP threads (see
 """
 
 from fastchain import _node
-from fastchain.distributed import _allocator, _base, _faults, _threads
+from fastchain.distributed import _allocator, _base, _faults, _setup, _threads
 
 NAMES = ('auto', 'mpi', 'nccl')
 
@@ -38,15 +38,16 @@ def create_communicator(name='auto', mpi_comm=None, timeout=None):
     Args:
         name (str): ``'auto'``, ``'mpi'`` or ``'nccl'`` (see the table above).
         mpi_comm: an mpi4py communicator.
-        timeout (float): seconds a collective may take before the job is
-            aborted (default: ``FASTCHAIN_COLLECTIVE_TIMEOUT`` or 300).
+        timeout (float): seconds the set-up or a collective may take before
+            the job is aborted (default: ``FASTCHAIN_COLLECTIVE_TIMEOUT`` or
+            300; ``inf``: no deadline).
     """
     if name not in NAMES:
         raise ValueError('communicator name must be one of {}, got {!r}'.format(
             ', '.join(repr(n) for n in NAMES), name))
     timeout = _base.check_timeout(timeout)
     from fastchain.backends import mpi as mpi_backend
-    with _base.setup_deadline(timeout) as setup:
+    with _setup.setup_deadline(timeout) as setup:
         # Importing mpi4py.MPI initialises MPI, which waits for every rank.
         status = mpi_backend.mpi_status()
         if not status.available:

@@ -121,7 +121,7 @@ class _Watchdog:
                 # rank's exit handlers run before mpiexec, seeing the peer's
                 # end, cleans up the ranks still running (with SIGKILL).
                 departures = self.comm._departures
-                gone = departures is not None and departures.check() is not None
+                gone = departures is not None and bool(departures.check())
                 if gone or now - interrupted > INTERRUPT_GRACE:
                     _faults.leave_blocked(self.comm, what)
             elif self.current is current:       # still in the same call

@@ -469,3 +469,45 @@ def test_rng_and_order_arguments():
     assert it.rng == 'global' and sorted(it.next()) == [1, 2, 3]
     it = data.MultiprocessIterator([1, 2, 3], 3, n_workers=0, rng='global', shuffle=False)
     assert it.next() == [1, 2, 3]
+
+
+def _group_of_workers(env, monkeypatch, start_method=None):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    x = numpy.arange(64, dtype=numpy.float32).reshape(16, 4)
+    it = data.MultiprocessIterator(list(x), 4, n_workers=2, start_method=start_method)
+    try:
+        it.next()
+        pids = [p.pid for p in it._pool.workers]
+        return [os.getpgid(p) for p in pids], it
+    except Exception:
+        it.finalize()
+        raise
+
+
+def test_loader_workers_stay_in_the_main_process_group_unless_launched_by_mpi(monkeypatch):
+    # Outside MPI, the group is the user's (Ctrl-Z, or the benchmarks'
+    # SIGSTOP of a rung's group, stops the workers too); under an MPI launcher
+    # they leave it, so that mpiexec killing a rank's group leaves them the
+    # moment to free the shared memory.
+    for name in ('PMI_RANK', 'OMPI_COMM_WORLD_RANK', 'PMIX_RANK', 'SLURM_PROCID'):
+        monkeypatch.delenv(name, raising=False)
+    groups, it = _group_of_workers({}, monkeypatch)
+    it.finalize()
+    assert groups == [os.getpgid(0)] * 2
+    groups, it = _group_of_workers({'PMI_RANK': '0', 'PMI_SIZE': '1'}, monkeypatch)
+    it.finalize()
+    assert os.getpgid(0) not in groups
+
+
+def test_forkserver_workers_outlive_an_idle_second(monkeypatch):
+    # A forkserver worker's parent is the forkserver: taken for the main
+    # process being gone, every worker quit after a second without a task.
+    groups, it = _group_of_workers({}, monkeypatch, start_method='forkserver')
+    try:
+        pids = [p.pid for p in it._pool.workers]
+        time.sleep(2.5)
+        assert all(p.is_alive() for p in it._pool.workers), pids
+        it.next()
+    finally:
+        it.finalize()

@@ -116,6 +116,21 @@ def test_a_rank_that_ends_before_its_communicator_ends_the_job(how):
     assert time.monotonic() - start < 30
 
 
+def test_an_infinite_timeout_means_no_deadline():
+    # FASTCHAIN_COLLECTIVE_TIMEOUT=inf: the set-up's deadline thread raised
+    # OverflowError (and aborted the job).
+    script = ('import numpy\nfrom fastchain import distributed\n'
+              'with distributed.create_communicator("mpi") as comm:\n'
+              '    assert comm.timeout == float("inf")\n'
+              '    comm.allreduce(numpy.ones(2, "f"), "step")\n'
+              'print("done", flush=True)\n')
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, '-c', script],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, FASTCHAIN_COLLECTIVE_TIMEOUT='inf'))
+    assert r.returncode == 0 and r.stdout.count('done') == 2, r.stderr[-3000:]
+    assert 'Traceback' not in r.stderr, r.stderr[-3000:]
+
+
 def test_a_timeout_that_is_not_a_positive_number_is_refused():
     for bad in (float('nan'), 0, -5, 'soon'):
         with pytest.raises(ValueError, match='timeout=.* is not a positive number of seconds'):
@@ -159,7 +174,28 @@ print('done', comm.rank, flush=True)
 '''
 
 
-@pytest.mark.parametrize('script, n', [(FINALIZES, 2), (POINT_TO_POINT, 3), (TWO_ROUNDS, 2)])
+SUB_COMMUNICATOR = '''
+import time
+import numpy
+from mpi4py import MPI
+from fastchain import distributed
+world = MPI.COMM_WORLD
+pair = world.Split(0 if world.rank < 2 else 1, world.rank)     # ranks 0 and 1
+with distributed.create_communicator('mpi', timeout=60) as comm:     # all 3
+    comm.allreduce(numpy.ones(2, 'f'), 'step')
+# each rank's finalize message is still queued at its peers, on a context MPI
+# may give the pair's communicator, where rank 2 does not exist
+if world.rank < 2:
+    with distributed.create_communicator('mpi', mpi_comm=pair, timeout=60) as sub:
+        if sub.rank == 0:
+            time.sleep(2.5)     # rank 1 waits (and listens) in the next collective
+        sub.allreduce(numpy.ones(2, 'f'), 'pair step')
+print('done', world.rank, flush=True)
+'''
+
+
+@pytest.mark.parametrize('script, n', [(FINALIZES, 2), (POINT_TO_POINT, 3), (TWO_ROUNDS, 2),
+                                       (SUB_COMMUNICATOR, 3)])
 def test_a_rank_that_ends_normally_never_aborts_the_others(script, n):
     # A script that finalises MPI itself; and, with 3 ranks, rank 0 ending
     # while ranks 1 and 2 still talk to each other (not waiting for rank 0).

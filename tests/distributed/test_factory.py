@@ -1,5 +1,6 @@
 """create_communicator's checks, made before MPI is touched."""
 
+import numpy
 import pytest
 
 from fastchain import distributed
@@ -21,6 +22,6 @@ def test_a_bad_collective_timeout_names_the_variable_and_the_fix(value, monkeypa
 
 def test_scatter_dataset_refuses_a_root_that_is_not_a_rank():
     # It failed with a bare IndexError from the list of who has data.
-    for root in (1, -1, '0'):
+    for root in (1, -1, '0', numpy.int64(3)):
         with pytest.raises(ValueError, match=r"root=.* is not a rank of this job \(0 to 0\)"):
             distributed.scatter_dataset(list(range(8)), OneRank(), root=root)
