@@ -99,7 +99,7 @@ def main(argv=None):
         # Writes the trace, chart and summary, even when the script failed.
         handle.disable()
         if sys.exc_info()[0] is not None:
-            saved = getattr(handle.resources['timeline'], 'saved', None) or {}
+            saved = handle.resources['timeline'].saved or {}
             print('timeline.py: the script failed; the timeline up to the failure was '
                   'written to {} and {}'.format(saved.get('json', trace), saved.get('txt')),
                   file=sys.stderr)

@@ -39,13 +39,9 @@ def unlink_all():
     about to be ended by MPI_Abort, which runs no exit handler. Only the
     names: the mappings stay valid (the main thread may be reading a batch
     while a watchdog thread aborts), and the workers, orphaned, exit."""
-    import _posixshmem
     for pool in list(_live):
         if pool.shm is not None:
-            try:
-                _posixshmem.shm_unlink(pool.shm._name)
-            except FileNotFoundError:
-                pass
+            _workers.unlink_name(pool.shm)
 
 
 class WorkerPool:
@@ -95,6 +91,7 @@ class WorkerPool:
         self.active = n_workers     # workers batches are sent to (autotune may lower it)
         self.depth = slots          # batches sent ahead at most (autotune may lower it)
         parent = os.getpid()
+        own_groups = self.shm is not None and _workers.launched_by_mpi()
         for w in range(n_workers):
             task_r, task_w = ctx.Pipe(duplex=False)
             result_r, result_w = ctx.Pipe(duplex=False)
@@ -104,7 +101,7 @@ class WorkerPool:
                                   self.shm.name if self.shm else None,
                                   self.layout, parent))
             p.start()
-            if self.shm is not None and _workers.launched_by_mpi():
+            if own_groups:
                 # The worker does so too (whichever runs first; see
                 # _workers.worker_main): its own process group from here on.
                 try:

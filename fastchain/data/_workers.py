@@ -160,10 +160,7 @@ def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
                 # SharedMemory.unlink(), which tells a resource tracker that
                 # may have died with the main process's group (and then
                 # prints a traceback of its own).
-                try:
-                    _posixshmem.shm_unlink(shm._name)
-                except FileNotFoundError:
-                    pass
+                unlink_name(shm)
 
 
 def _alive(pid):
@@ -177,6 +174,16 @@ def _alive(pid):
     except PermissionError:
         return True
     return True
+
+
+def unlink_name(shm):
+    """Remove the shared-memory block ``shm`` from /dev/shm (if still there),
+    without SharedMemory.unlink()'s word to the resource tracker: for a
+    process about to be killed, or whose main process was."""
+    try:
+        _posixshmem.shm_unlink(shm._name)
+    except FileNotFoundError:
+        pass
 
 
 def launched_by_mpi():

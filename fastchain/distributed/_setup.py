@@ -17,12 +17,10 @@ from fastchain.distributed._base import TIMEOUT_VARIABLE
 
 @contextlib.contextmanager
 def setup_deadline(timeout):
-    """Bound the communicator's set-up by the collective timeout: MPI's
-    initialisation and the node split block until every rank takes part, so
-    a rank that failed or ended before ``create_communicator()`` would leave
-    the others there for ever. Past ``timeout`` seconds this process says so
-    and the job ends. Yields a dict: call ``'initialised'(comm)`` once MPI is
-    initialised, with the MPI communicator.
+    """Past ``timeout`` seconds of the set-up inside this block, this
+    process says so and the job ends (see the module docstring). Yields a
+    dict: call ``'initialised'(comm)`` once MPI is initialised, with the MPI
+    communicator.
 
     Two watchers: MPI's initialisation (the import of ``mpi4py.MPI``) holds
     the GIL, so a forked process watches it (it kills this one, which mpiexec

@@ -26,6 +26,18 @@ def pair(make):
     return ordinary, cached, undo
 
 
+def lazy_pair(make):
+    """The same lazily shaped model twice, each made from NumPy's generator
+    seeded alike (its parameters are drawn at the first call, so not copied):
+    one ordinary, one cached."""
+    numpy.random.seed(0)
+    ordinary = make()
+    numpy.random.seed(0)
+    cached = make()
+    cache_static_graph(cached)
+    return ordinary, cached
+
+
 def step(model, x, t):
     model.cleargrads()
     loss = F.softmax_cross_entropy(model(x), t)
@@ -376,11 +388,7 @@ def test_parameters_made_on_the_first_call_are_made_as_define_by_run_makes_them(
     records, with the unused layer still unmade: the same bits and the same
     generator state as plain Chainer, and no fallback."""
     from tests.helpers import assert_same, side_by_side
-    numpy.random.seed(0)
-    ordinary = LazyMLP()
-    numpy.random.seed(0)
-    cached = LazyMLP()
-    cache_static_graph(cached)
+    ordinary, cached = lazy_pair(LazyMLP)
     rng = numpy.random.RandomState(3)
     batches = [(rng.randn(4, 6).astype(numpy.float32), rng.randint(0, 5, 4).astype(numpy.int32))
                for _ in range(6)]
@@ -413,11 +421,7 @@ def test_a_parameter_made_by_a_step_the_cache_gives_up_is_made_again_as_plain_ch
     """Found by the differential suite at full size: the generator ended
     where plain Chainer's had not (the head's draws undone, the head kept)."""
     from tests.helpers import side_by_side
-    numpy.random.seed(0)
-    ordinary = LazyHeadOnADataBranch()
-    numpy.random.seed(0)
-    cached = LazyHeadOnADataBranch()
-    cache_static_graph(cached)
+    ordinary, cached = lazy_pair(LazyHeadOnADataBranch)
     rng = numpy.random.RandomState(5)
     batches = [((rng.randn(4, 6) + (1 if i == 0 else -1)).astype(numpy.float32),
                 rng.randint(0, 5, 4).astype(numpy.int32)) for i in range(3)]
@@ -442,11 +446,7 @@ class TwoLazyHeads(chainer.Chain):
 
 def test_a_parameter_first_made_under_a_later_key_is_made_as_define_by_run_makes_it():
     from tests.helpers import side_by_side
-    numpy.random.seed(0)
-    ordinary = TwoLazyHeads()
-    numpy.random.seed(0)
-    cached = TwoLazyHeads()
-    cache_static_graph(cached)
+    ordinary, cached = lazy_pair(TwoLazyHeads)
     rng = numpy.random.RandomState(4)
     batches = [(rng.randn(4, 6 if i < 5 else 9).astype(numpy.float32),
                 rng.randint(0, 5, 4).astype(numpy.int32)) for i in range(9)]
