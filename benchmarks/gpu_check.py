@@ -95,6 +95,7 @@ def plan(args):
                   os.path.join(ROOT, 'tests', 'distributed')], {}, 300),
         'ladder': ([py, os.path.join(HERE, 'ladder.py'), '--device', device, '--batch',
                     str(args.ladder_batch or args.batch), '--crop', str(args.image_size)]
+                   + (['--rungs', args.ladder_rungs] if args.ladder_rungs else [])
                    + bench_common,
                    {}, 600 if quick else 1800),
         'overhead': ([py, os.path.join(HERE, 'overhead.py'), '--device', device]
@@ -103,7 +104,28 @@ def plan(args):
         'nvtx_cost': ([py, os.path.join(HERE, 'nvtx_cost.py'), '--device', device]
                       + bench_common, {}, 600),
     }
-    return {name: steps[name] for name in args.steps}
+    return {name: steps[name][:2] + (args.limits.get(name, steps[name][2]),)
+            for name in args.steps}
+
+
+def limits_arg(text):
+    """``STEP=SECONDS,...`` -> {step: seconds}."""
+    limits = {}
+    for item in (i for i in text.split(',') if i.strip()):
+        name, _, seconds = item.partition('=')
+        name = name.strip()
+        if name not in STEPS:
+            raise argparse.ArgumentTypeError('unknown step {!r} in {!r}; choose from {}'.format(
+                name, item, ', '.join(STEPS)))
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        limits[name] = int(value) if value.is_integer() else value
+        if not value > 0 or value == float('inf'):
+            raise argparse.ArgumentTypeError('{!r}: give a step=seconds pair, seconds a '
+                                             'positive number (e.g. gpu_tests=150)'.format(item))
+    return limits
 
 
 def gpu_test_files():
@@ -281,6 +303,12 @@ def main(argv=None):
     p.add_argument('--ladder-batch', default=None,
                    help="the ladder's batch if not --batch's: a number, or max (the largest "
                         "that fits, probed; written as ladder-bN beside the talk's batch)")
+    p.add_argument('--ladder-rungs', default=None, metavar='LIST',
+                   help="the ladder's rungs to time, baseline among them (its --rungs; "
+                        'default: all that can run)')
+    p.add_argument('--limits', type=limits_arg, default={}, metavar='STEP=SECONDS,...',
+                   help="a step's own time limit instead of its default (the deadline still "
+                        'bounds it), e.g. gpu_tests=150,resnet_fp16=90')
     p.add_argument('--image-size', type=int, default=224,
                    help="the recipe's and the ladder's crop (the talk's: 224)")
     p.add_argument('--pack', metavar='TAR_GZ',
@@ -339,9 +367,9 @@ def main(argv=None):
                     env = dict(env, NVTX_INJECTION64_PATH=tool)
                 if left is not None:
                     seconds = int(min(seconds, left))
-                    if name in TIME_LIMITED:
-                        # ends its measurements itself, a margin before the kill
-                        cmd = cmd + ['--time-limit', str(max(seconds - STEP_MARGIN, 1))]
+                if name in TIME_LIMITED:
+                    # ends its measurements itself, a margin before the kill
+                    cmd = cmd + ['--time-limit', str(max(seconds - STEP_MARGIN, 1))]
                 print('gpu_check: {} ...'.format(name), flush=True)
                 tick = (lambda: pack(args.results, args.pack)) if args.pack else None
                 result = run_step(name, cmd, env, seconds, args.results, tick=tick)

@@ -354,12 +354,44 @@ def parse(argv):
                         'start no window (round) that would end after it; the report names '
                         'what was cut (the one command of a GPU node passes what its '
                         'deadline leaves)')
+    p.add_argument('--rungs', type=rung_list, default=None, metavar='LIST',
+                   help='comma-separated rungs to time, baseline among them (default: every '
+                        'rung that can run here; from: {}); the others are listed as left '
+                        'out. The "all" rung still runs the tuning pass when a tuned rung is '
+                        'timed'.format(', '.join(ALL_ROWS)))
     p.add_argument('--serve', metavar='RUNG', help=argparse.SUPPRESS)
     p.add_argument('--tune-cache', help=argparse.SUPPRESS)
     p.add_argument('--tune-seconds', type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.started = time.monotonic()
     return args
+
+
+ALL_ROWS = RUNGS + ('torch', 'baseline_again')
+
+
+def rung_list(text):
+    names = [n.strip() for n in text.split(',') if n.strip()]
+    unknown = [n for n in names if n not in ALL_ROWS]
+    if unknown:
+        raise argparse.ArgumentTypeError('unknown rung(s) {}; choose from {}'.format(
+            ', '.join(unknown), ', '.join(ALL_ROWS)))
+    if 'baseline' not in names:
+        raise argparse.ArgumentTypeError('baseline must be among them: every ratio is to it '
+                                         '(e.g. baseline,{})'.format(','.join(names)))
+    return names
+
+
+def timed_rungs(args, builders, rows):
+    """The rungs of ``builders`` to time (``--rungs``, or all of them);
+    those left out are listed in ``rows`` with the reason."""
+    chosen = getattr(args, 'rungs', None)
+    if chosen is None:
+        return list(builders)
+    for name in builders:
+        if name not in chosen:
+            rows.skip(name, 'left out of this run (--rungs)')
+    return [n for n in builders if n in chosen]
 
 
 def batch_arg(text):
@@ -593,21 +625,24 @@ def main(argv=None):
     setup = Setup(args)
     rows = _common.Rows('iterations/s')
     builders = setup.rungs(rows)
+    timed = timed_rungs(args, builders, rows)
     if args.interleave == 'turns':
-        measured = run_turns(args, setup, list(builders), rows, argv)
+        measured = run_turns(args, setup, timed, rows, argv, builders)
     else:
         measured = run_windows(args, builders, rows, setup, on_window=lambda m: report(
-            args, setup, rows, m, final=False))     # what a run cut off keeps
+            args, setup, rows, m, final=False), timed=timed)    # what a run cut off keeps
     report(args, setup, rows, measured)
 
 
-def run_turns(args, setup, names, rows, argv):
+def run_turns(args, setup, names, rows, argv, builders=()):
     """Every rung in a process of its own, taking turns (:mod:`_turns`); the
     tuning rung ("all") is built first and its choices are what the other
     tuned rungs start from (a cache file)."""
     import tempfile
     n_rounds = args.windows or (8 if args.quick else 40)
     order = sorted(names, key=lambda n: n != 'all')      # the tuning rung first
+    if 'all' not in names and any(tuned(n) for n in names) and 'all' in builders:
+        order.insert(0, 'all')      # built for its choices only, not timed
     ready, byes = {}, {}
     with tempfile.TemporaryDirectory(prefix='ladder-') as tmp, \
             _turns.Coordinator() as coordinator:
@@ -621,6 +656,8 @@ def run_turns(args, setup, names, rows, argv):
             ready[name] = rung.reply(BUILD_TIMEOUT)['ready']
             rung.stop()
             print('built {}: {}'.format(name, ready[name]), flush=True)
+            if name not in names:
+                byes[name] = rung.close()       # its choices are in the cache file
         rungs = {n: coordinator.rungs[n] for n in names}        # the rungs' own order
 
         def record(name, seconds):
@@ -636,7 +673,7 @@ def run_turns(args, setup, names, rows, argv):
             return not next_fits(args, last)         # True ends the rounds
 
         _turns.rounds(rungs, n_rounds, TURN_SETTLE, TURN_STEPS, record, on_round=progress)
-        byes = {name: rung.close() for name, rung in rungs.items()}
+        byes.update({name: rung.close() for name, rung in rungs.items()})
     summary = (byes.get('all') or {}).get('bye')
     return {'interleave': 'turns', 'rounds': done['rounds'], 'rounds_planned': n_rounds,
             'turn': {'settle_steps': TURN_SETTLE, 'timed_steps': TURN_STEPS},
@@ -645,13 +682,15 @@ def run_turns(args, setup, names, rows, argv):
             'autotune_choices': summary}
 
 
-def run_windows(args, builders, rows, setup=None, on_window=None):
+def run_windows(args, builders, rows, setup=None, on_window=None, timed=None):
     """Rungs rebuilt in this process, one window each, window by window;
     the clock is read with the device synchronised (``setup.sync``), and a
     closed rung's memory is given back before the next is built. On a GPU a
     rung with loader workers warms up past what they load ahead
     (``warmup_steps``) and windows time more steps. ``on_window(measured)``
-    after each rung (the partial report: a run cut off keeps it)."""
+    after each rung (the partial report: a run cut off keeps it). ``timed``:
+    the rungs of ``builders`` to time (default: all); "all" runs the tuning
+    pass even when left out of them, if a tuned rung is among them."""
     import gc
     from fastchain import tune
     sync = setup.sync if setup is not None else (lambda: None)
@@ -666,9 +705,11 @@ def run_windows(args, builders, rows, setup=None, on_window=None):
     # structure): make them before any window is timed, so no rung's windows
     # pay for the measurements: on the "all" rung, and on a GPU also on the
     # autotune rung, whose fp32 keys the fp16 "all" rung never meets.
+    names = list(builders) if timed is None else list(timed)
     tuning = {}
     for name in ('all', 'autotune') if gpu else ('all',):
-        if name not in builders:
+        if name not in builders or not any(tuned(n) for n in names) or (
+                name == 'autotune' and name not in names):
             continue
         try:
             tuning[name] = tune_first(builders[name], TUNING_STEPS, tuning_seconds(args))
@@ -681,7 +722,6 @@ def run_windows(args, builders, rows, setup=None, on_window=None):
             gc.collect()
         release()
     warmup = {}
-    names = list(builders)
     ran, last, out_of_room, cut = 0, 0.0, {}, False
 
     def measured():

@@ -187,3 +187,48 @@ def test_unpacking_keeps_a_result_over_a_later_skip(tmp_path):
                            'nccl': {'status': 'ok'}})
     merged = gpu_check.unpack([first, second], str(tmp_path / 'out'))
     assert merged['steps'] == {'ladder': {'status': 'ok'}, 'nccl': {'status': 'ok'}}
+
+
+def test_a_step_limit_replaces_its_default_and_the_ladder_gets_its_rungs(tmp_path):
+    import argparse
+    gpu_check = load_script()
+    args = argparse.Namespace(
+        results=str(tmp_path), quick=True, device='@cupy:0', image_size=224, batch=32,
+        ladder_batch=None, ladder_rungs='baseline,autotune,all,torch',
+        steps=['gpu_tests', 'ladder', 'doctor'],
+        limits=gpu_check.limits_arg('gpu_tests=150, ladder=200.5'))
+    planned = gpu_check.plan(args)
+    assert list(planned) == ['gpu_tests', 'ladder', 'doctor']
+    assert planned['gpu_tests'][2] == 150 and planned['ladder'][2] == 200.5
+    assert planned['doctor'][2] == 120                  # its default
+    argv = planned['ladder'][0]
+    assert argv[argv.index('--rungs') + 1] == 'baseline,autotune,all,torch'
+
+
+@pytest.mark.parametrize('text, message', [
+    ('gpu_test=150', "unknown step 'gpu_test'"),
+    ('gpu_tests=soon', 'a positive number'),
+    ('gpu_tests=0', 'a positive number'),
+    ('gpu_tests=inf', 'a positive number'),
+])
+def test_a_wrong_step_limit_is_refused_naming_it(text, message):
+    r = subprocess.run([sys.executable, SCRIPT, '--limits', text], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_a_time_limited_step_ends_itself_before_its_own_limit_without_a_deadline(
+        tmp_path, monkeypatch):
+    gpu_check = load_script()
+    seen = {}
+
+    def fake_run_step(name, argv, env, seconds, out, tick=None, every=60):
+        seen[name] = (argv, seconds)
+        return {'status': 'ok', 'seconds': 0.0, 'figures': {}, 'log': ''}
+
+    monkeypatch.setattr(gpu_check, 'run_step', fake_run_step)
+    assert gpu_check.main(['--device', '@numpy', '--steps', 'ladder', '--limits',
+                           'ladder=300', '--results', str(tmp_path)]) == 0
+    argv, seconds = seen['ladder']
+    assert seconds == 300
+    assert argv[argv.index('--time-limit') + 1] == str(300 - gpu_check.STEP_MARGIN)

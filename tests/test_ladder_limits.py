@@ -232,3 +232,47 @@ def test_a_rung_out_of_memory_after_measured_windows_keeps_them_and_is_noted():
     assert len(rows.windows['big']) == 1 and len(rows.windows['baseline']) == 3
     assert rows.unavailable == []               # measured once: not listed as never run
     assert measured['out_of_memory'] == {'big': 'window 2: out of memory allocating 2 GiB'}
+
+
+def test_rungs_left_out_are_listed_and_all_still_tunes_for_a_tuned_rung(monkeypatch):
+    """--rungs: only the rungs asked for are timed; the others are listed
+    with the reason; the "all" rung runs the tuning pass (its choices are
+    what the tuned rungs run with) without being timed."""
+    built = []
+
+    def builder(name):
+        def build():
+            built.append(name)
+            return (lambda: time.sleep(0.001)), (lambda: None)
+        return build
+
+    tuned_with = []
+    monkeypatch.setattr(ladder, 'tune_first',
+                        lambda build, limit, seconds=None: tuned_with.append(build) or {})
+    builders = {n: builder(n) for n in ('baseline', 'cudnn', 'autotune', 'all', 'torch')}
+    rows = _common.Rows('iterations/s')
+    args = args_for(None, 2)
+    args.rungs = ['baseline', 'autotune']
+    timed = ladder.timed_rungs(args, builders, rows)
+    assert timed == ['baseline', 'autotune']
+    assert {u['name']: u['why'] for u in rows.unavailable} == {
+        n: 'left out of this run (--rungs)' for n in ('cudnn', 'all', 'torch')}
+    measured = ladder.run_windows(args, builders, rows, timed=timed)
+    assert tuned_with == [builders['all']]          # a tuned rung is timed: "all" tunes
+    assert sorted(rows.windows) == ['autotune', 'baseline']
+    assert set(built) == {'baseline', 'autotune'} and measured['windows'] == 2
+    # no tuned rung timed: no tuning pass
+    tuned_with.clear()
+    ladder.run_windows(args, builders, _common.Rows('iterations/s'), timed=['baseline', 'torch'])
+    assert tuned_with == []
+
+
+@pytest.mark.parametrize('text, message', [
+    ('baseline,autotun', 'unknown rung(s) autotun; choose from baseline, cudnn'),
+    ('cudnn,autotune', 'baseline must be among them'),
+])
+def test_rungs_must_be_known_and_include_the_baseline(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message.replace('(', r'\(')
+                       .replace(')', r'\)')):
+        ladder.rung_list(text)
+    assert ladder.rung_list(' baseline, torch ') == ['baseline', 'torch']
