@@ -291,7 +291,7 @@ def unpack(archives, results):
     return merged
 
 
-def main(argv=None):
+def parser():
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--quick', action='store_true')
     p.add_argument('--results', default=os.path.join(HERE, 'results', 'gpu'))
@@ -321,6 +321,11 @@ def main(argv=None):
     p.add_argument('--unpack', nargs='+', metavar='TAR_GZ',
                    help='(here, not on the node) extract the archives of several runs into '
                         '--results, their reports merged; runs nothing')
+    return p
+
+
+def main(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.unpack:
         os.makedirs(args.results, exist_ok=True)

@@ -232,3 +232,26 @@ def test_a_time_limited_step_ends_itself_before_its_own_limit_without_a_deadline
     argv, seconds = seen['ladder']
     assert seconds == 300
     assert argv[argv.index('--time-limit') + 1] == str(300 - gpu_check.STEP_MARGIN)
+
+
+def test_the_gpu_plan_in_developers_md_uses_flags_the_script_takes():
+    """The calls DEVELOPERS.md prepares for a session with a GPU (its
+    device time is short: a wrong flag there costs a call) parse, with
+    known steps and ladder rungs."""
+    sys.path.insert(0, os.path.join(os.path.dirname(SCRIPT)))
+    import ladder
+    gpu_check = load_script()
+    with open(os.path.join(os.path.dirname(SCRIPT), '..', 'DEVELOPERS.md')) as f:
+        text = f.read()
+    plan = text[text.index('## For the next session with a GPU'):]
+    plan = plan[:plan.index('\n## ', 1)]
+    calls = [' '.join(span.split()) for span in re.findall(r'`([^`]*)`', plan)
+             if span.lstrip().startswith('--steps')]
+    assert len(calls) >= 2, calls
+    for call in calls:
+        args = gpu_check.parser().parse_args(call.split())
+        steps = args.steps.split(',')
+        assert set(steps) <= set(gpu_check.STEPS), call
+        assert set(args.limits) <= set(steps), call     # a limit for a step not run
+        if args.ladder_rungs:
+            assert 'ladder' in steps and ladder.rung_list(args.ladder_rungs), call
