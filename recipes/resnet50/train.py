@@ -294,8 +294,9 @@ def lr_at(args, base_lr, iters_per_epoch, total_iters):
         if args.schedule == 'cosine':
             progress = (iteration - warmup) / max(1, total_iters - warmup)
             return 0.5 * base_lr * (1 + math.cos(math.pi * min(1.0, progress)))
-        epoch = iteration / iters_per_epoch      # step: /10 at 30, 60, 80 of 90
-        return base_lr * 0.1 ** sum(epoch >= f * args.epochs for f in (1 / 3, 2 / 3, 8 / 9))
+        # step: /10 at 30, 60 and 80 of 90 epochs, as fractions of the run's
+        # length (--iterations too)
+        return base_lr * 0.1 ** sum(iteration >= f * total_iters for f in (1 / 3, 2 / 3, 8 / 9))
     return schedule
 
 
@@ -482,7 +483,10 @@ def main(argv=None):
     trainer = training.Trainer(updater, (total, 'iteration'), out=args.out)
     schedule = lr_at(args, base_lr, iters_per_epoch, total)
 
-    @training.make_extension(trigger=(1, 'iteration'), priority=training.PRIORITY_WRITER)
+    # The rate of the next update, set after this iteration's other extensions
+    # (the log's lr is the rate the logged update used); the first update's is
+    # set below, after a resume (the optimizer's lr is not in a snapshot).
+    @training.make_extension(trigger=(1, 'iteration'), priority=training.PRIORITY_READER)
     def set_lr(trainer):
         optimizer.lr = schedule(trainer.updater.iteration)
 
@@ -510,6 +514,7 @@ def main(argv=None):
                      .format(args.resume, type(e).__name__, e,
                              ' (its options are in {})'.format(config)
                              if os.path.exists(config) else ''))
+    optimizer.lr = schedule(updater.iteration)      # 0, or where the snapshot stopped
     if rank == 0:
         write_config(args, handle, world, 'at the start of training')
 

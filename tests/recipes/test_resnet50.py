@@ -52,14 +52,22 @@ def test_demo_run_writes_log_plots_snapshot_and_speed_report(tmp_path):
 
 
 def test_resume_continues_from_the_snapshot(tmp_path):
-    run(tmp_path, '--data', 'demo', '--iterations', '4', '--snapshot-every', '0.1')
+    # A run of 8 iterations, and the same run resumed from its snapshot at 4:
+    # the same losses and rates, bitwise (the learning rate is not in a
+    # snapshot: the resumed run's first update used the optimizer's initial
+    # rate instead of the schedule's).
+    run(tmp_path, '--data', 'demo', '--iterations', '8', '--snapshot-every', '0.1',
+        '--keep-snapshots', '0', '--warmup-epochs', '2')    # 4 iterations an epoch
     snapshot = tmp_path / 'out' / 'snapshot_iter_4'
     assert snapshot.exists()
     run(tmp_path, '--data', 'demo', '--iterations', '8', '--resume', str(snapshot),
-        out='resumed')
+        '--warmup-epochs', '2', out='resumed')
     log = log_of(tmp_path, 'resumed')
     assert [e['iteration'] for e in log] == [2, 4, 6, 8]    # the log resumes too
     assert log[-1]['epoch'] >= 1
+    keys = ('main/loss', 'main/accuracy', 'lr', 'validation/main/loss')
+    whole = {e['iteration']: [e.get(k) for k in keys] for e in log_of(tmp_path)}
+    assert [[e.get(k) for k in keys] for e in log[2:]] == [whole[6], whole[8]]
     # another model's snapshot: named, with where the original options are
     cmd = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'), '--data', 'demo',
            '--out', str(tmp_path / 'wider')] + TINY + ['--width', '16', '--iterations', '8',
@@ -333,3 +341,23 @@ def test_all_accelerators_on_a_gpu(tmp_path):
     # 'active' says the cache is set up; a cache that fell back to
     # define-by-run says so only in its warning
     assert 'StaticGraphFallback' not in result.stderr, result.stderr[-3000:]
+
+
+def test_the_log_shows_the_rate_each_update_used_from_the_first(tmp_path):
+    # linear warm-up: the first update's rate is base/W, the second's 2 base/W
+    # (the first update ran at the full base rate, and the log showed each
+    # update's next rate)
+    run(tmp_path, '--data', 'demo', '--iterations', '3', '--log-every', '1',
+        '--warmup-epochs', '5')
+    lrs = [e['lr'] for e in log_of(tmp_path)]
+    assert lrs[1:] == pytest.approx([2 * lrs[0], 3 * lrs[0]], rel=1e-12), lrs
+
+
+def test_the_step_schedule_follows_the_runs_length_given_in_iterations():
+    sys.path.insert(0, os.path.dirname(RECIPE))
+    import train
+    args = train.parse_args(['--schedule', 'step', '--warmup-epochs', '0', '--iterations',
+                             '90'])
+    schedule = train.lr_at(args, 1.0, 10, 90)           # 90 iterations, not 90 epochs
+    assert [schedule(i) for i in (0, 29, 30, 59, 60, 79, 80, 89)] == pytest.approx(
+        [1, 1, 0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
