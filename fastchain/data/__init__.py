@@ -18,7 +18,8 @@ same points of NumPy's global RNG stream.
 from fastchain.data._demo import CLASSES as DEMO_CLASSES, make_demo_dataset
 from fastchain.data._images import (ImageDecodeError, ImageFolderDataset,
                                     ImageListDataset)
-from fastchain.data._iterator import DataLoadError, MultiprocessIterator, available_cores
+from fastchain.data._errors import DataLoadError
+from fastchain.data._iterator import MultiprocessIterator, available_cores
 from fastchain.data._pool import WorkerDiedError
 from fastchain.data._prefetch import DevicePrefetcher, ImageConverter, PreparedBatch
 from fastchain.data._transforms import (CenterCrop, Normalize, RandomCrop,

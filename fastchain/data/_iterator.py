@@ -6,27 +6,11 @@ import chainer
 from chainer.dataset import iterator as iterator_module
 
 from fastchain.data import _workers
+from fastchain.data._errors import DataLoadError
 from fastchain.data._pool import WorkerPool
 from fastchain.data._schedule import Schedule, order_source, seed_from_global_rng
 
 SIZING_TRIES = 16   # examples tried, in order, for one to lay out the shared memory
-
-
-class DataLoadError(Exception):
-    """An example could not be loaded.
-
-    Attributes:
-        index (int): the example's index in the dataset.
-        path (str or None): its file, when the dataset has one.
-    """
-
-    def __init__(self, index, path, kind, message, detail=''):
-        self.index = index
-        self.path = path
-        where = 'example {}'.format(index) + (' ({})'.format(path) if path else '')
-        super().__init__('{}: {}: {}{}'.format(
-            where, kind, message,
-            ('\nIn the worker:\n' + detail) if detail else ''))
 
 
 def available_cores():
@@ -92,7 +76,10 @@ class MultiprocessIterator(iterator_module.Iterator):
         on_error (str): ``'raise'`` (default): a bad example raises
             :class:`DataLoadError` naming its index and file. ``'skip'``: it
             is left out of its batch and counted in :attr:`skipped` (and
-            reported as ``skipped_examples`` to Chainer's reporter). Either
+            reported as ``skipped_examples`` to Chainer's reporter); a batch
+            none of whose examples loads is left out as well (the next is
+            taken; after a whole epoch's worth of examples none of which
+            loads, :class:`DataLoadError`). Either
             way this happens in :meth:`next`, for the batch the example is
             in, with or without workers.
         shared_memory (bool): pass arrays through /dev/shm (default) or
@@ -161,20 +148,33 @@ class MultiprocessIterator(iterator_module.Iterator):
     # -- chainer.dataset.Iterator --------------------------------------------
 
     def __next__(self):
-        if not self.repeat and self.epoch > 0:
-            raise StopIteration
-        indices, epoch, position = self._schedule.batch(
-            self.epoch, self.current_position, draw=True)
-        if self._pool is not None:
-            if self._worker_tuner is not None:
-                self._worker_tuner.step(self._pool)
-            batch = self._take(indices)
-        else:
-            batch = self._load_here(indices)
-        self._previous_epoch_detail = self.epoch_detail
-        self.is_new_epoch = epoch > self.epoch
-        self.epoch, self.current_position = epoch, position
-        return batch
+        # With on_error='skip', a batch none of whose examples loaded is left
+        # out as they are (the next one is taken: an empty batch cannot be
+        # converted); the epoch counters cover every batch taken.
+        before, at_start, tried = self.epoch_detail, self.epoch, 0
+        while True:
+            if not self.repeat and self.epoch > 0:
+                raise StopIteration
+            indices, epoch, position = self._schedule.batch(
+                self.epoch, self.current_position, draw=True)
+            if self._pool is not None:
+                if self._worker_tuner is not None:
+                    self._worker_tuner.step(self._pool)
+                batch = self._take(indices)
+            else:
+                batch = self._load_here(indices)
+            self._previous_epoch_detail = before
+            self.is_new_epoch = epoch > at_start
+            self.epoch, self.current_position = epoch, position
+            if len(batch) or self.on_error != 'skip':
+                return batch
+            tried += len(indices)
+            if tried >= len(self.dataset):
+                bad = self.skipped[-1]
+                raise DataLoadError(bad['index'], bad['path'], 'no example loads', (
+                    'on_error=\'skip\' left out the last {} examples taken, a whole '
+                    "epoch's worth, and none loaded (the last: {}). Check the dataset"
+                    .format(tried, bad['error'])))
 
     next = __next__
 

@@ -300,6 +300,27 @@ def lr_at(args, base_lr, iters_per_epoch, total_iters):
     return schedule
 
 
+class ValidationSkips(training.Extension):
+    """Reports ``validation/skipped_examples``: the images the evaluation just
+    run left out (all processes'). The validation iterator's own report is
+    made outside the evaluator's observation and would be lost."""
+
+    priority = training.PRIORITY_WRITER     # after the evaluator, before the log
+
+    def __init__(self, iterator, comm):
+        self.iterator, self.comm, self.seen = iterator, comm, 0
+
+    def __call__(self, trainer):
+        count = len(self.iterator.skipped) - self.seen
+        self.seen += count
+        if self.comm is not None:
+            count = self.comm.allreduce_obj(count, what='counting skipped validation images')
+        chainer.report({'validation/skipped_examples': count})
+
+    def serialize(self, serializer):
+        pass        # counts per evaluation: nothing to carry over a resume
+
+
 class LogTrigger:
     """Every ``n`` iterations and at the last one (so the final evaluation
     reaches the log even when ``n`` does not divide the run)."""
@@ -496,6 +517,8 @@ def main(argv=None):
     if comm is not None:
         evaluator = distributed.create_multi_node_evaluator(evaluator, comm)
     trainer.extend(evaluator, trigger=eval_every)
+    if args.skip_bad_images:
+        trainer.extend(ValidationSkips(val_it, comm), trigger=eval_every)
     meter = SpeedMeter(args.batch_size)
     trainer.extend(meter)
     if rank == 0:

@@ -171,6 +171,52 @@ def test_skip_option_leaves_bad_files_out_and_counts_them(bad_root, workers):
     it.finalize()
 
 
+class _BadAt:
+    """Examples 0..n-1 (an array and a label); those in ``bad`` raise."""
+
+    def __init__(self, n, bad):
+        self.n, self.bad = n, set(bad)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise ValueError('example {} is bad'.format(i))
+        return numpy.full(3, i, numpy.float32), i
+
+
+@pytest.mark.parametrize('workers', [0, 2])
+@pytest.mark.parametrize('repeat', [True, False])
+def test_skip_leaves_out_a_batch_none_of_whose_examples_loads(workers, repeat):
+    # A batch left empty could not be converted ('batch is empty' from
+    # Chainer's concat_examples, a traceback mid-training): the next is taken.
+    it = data.MultiprocessIterator(_BadAt(6, {2, 3}), 2, repeat=repeat, shuffle=False,
+                                   n_workers=workers, on_error='skip')
+    try:
+        first = it.next()
+        assert [t for _, t in first] == [0, 1] and not it.is_new_epoch
+        second = it.next()
+        assert [t for _, t in second] == [4, 5]
+        assert it.is_new_epoch and it.epoch == 1 and it.current_position == 0
+        assert (it.previous_epoch_detail, it.epoch_detail) == (1 / 3, 1.0)
+        assert [s['index'] for s in it.skipped] == [2, 3]
+        if repeat:
+            assert [t for _, t in it.next()] == [0, 1]
+        else:
+            with pytest.raises(StopIteration):
+                it.next()
+    finally:
+        it.finalize()
+
+
+def test_skip_with_no_example_loading_in_a_whole_epoch_is_an_error():
+    it = data.MultiprocessIterator(_BadAt(4, range(4)), 2, shuffle=False, n_workers=0,
+                                   on_error='skip')
+    with pytest.raises(data.DataLoadError, match="no example loads.*a whole epoch's worth"):
+        it.next()
+
+
 def test_a_killed_worker_raises_promptly_and_leaves_no_process(images):
     it = data.MultiprocessIterator(images, 3, n_workers=2, prefetch=2)
     it.next()

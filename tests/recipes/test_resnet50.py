@@ -168,9 +168,9 @@ def test_numbers_out_of_range_are_refused_by_name(argv, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def _image_folders(root, broken=None):
-    """train/ and val/ with two classes of small JPEGs; ``broken``: a train
-    file cut short."""
+def _image_folders(root, broken=None, broken_val=None):
+    """train/ and val/ with two classes of small JPEGs; ``broken``
+    (``broken_val``): a train (val) file cut short."""
     from PIL import Image
     import numpy
     rng = numpy.random.RandomState(0)
@@ -181,13 +181,14 @@ def _image_folders(root, broken=None):
             for i in range(n):
                 pixels = rng.randint(0, 256, (40, 40, 3)).astype(numpy.uint8)
                 Image.fromarray(pixels).save(folder / '{}.jpg'.format(i))
-    if broken:
-        path = root / 'train' / broken
-        path.write_bytes(path.read_bytes()[:200])
+    for split, name in (('train', broken), ('val', broken_val)):
+        if name:
+            path = root / split / name
+            path.write_bytes(path.read_bytes()[:200])
 
 
 def test_bad_images_stop_with_the_fix_or_are_skipped_and_counted(tmp_path):
-    _image_folders(tmp_path / 'ds', broken='a/3.jpg')
+    _image_folders(tmp_path / 'ds', broken='a/3.jpg', broken_val='b/1.jpg')
     cmd = [sys.executable, RECIPE, '--data', str(tmp_path / 'ds'), '--out',
            str(tmp_path / 'o'), '--iterations', '4', '--no-snapshots'] + TINY
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -199,6 +200,9 @@ def test_bad_images_stop_with_the_fix_or_are_skipped_and_counted(tmp_path):
     log = json.loads((tmp_path / 'o' / 'log').read_text())
     # 32 images, batch 8: the broken one is met in the first epoch (4 iterations)
     assert sum(e.get('skipped_examples', 0) for e in log) > 0
+    # the validation image left out is counted too (it was lost: its report
+    # was made outside the evaluator's observation)
+    assert log[-1]['validation/skipped_examples'] == 1, log[-1]
 
 
 def test_a_list_format_dataset_beside_a_train_folder_is_read_as_lists(tmp_path):
