@@ -165,6 +165,10 @@ class ImageListDataset(_ImageDataset):
                 if len(parts) != 2 or not parts[1].lstrip('-').isdigit():
                     raise ValueError('{}:{}: expected "relative/path label", got {!r}'
                                      .format(list_path, lineno, line))
+                if parts[1].startswith('-'):
+                    raise ValueError('{}:{}: label {} is negative: labels are class indices '
+                                     '0, 1, 2, ... (got {!r})'.format(list_path, lineno,
+                                                                      parts[1], line))
                 entries.append((os.path.join(root, parts[0]), int(parts[1])))
         if not entries:
             raise ValueError('{} lists no images: expected one "relative/path label" line '

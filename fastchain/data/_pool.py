@@ -20,6 +20,28 @@ class WorkerDiedError(RuntimeError):
     """A worker process ended without being asked to."""
 
 
+def _death(code):
+    """(how a worker with exit code ``code`` ended, the likely causes and fix)."""
+    if code is None or code >= 0:
+        return 'exited with code {}'.format(code), (
+            'The dataset (or a library it calls) ended the process (sys.exit, os._exit): '
+            'a worker must return examples or raise.')
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = str(-code)
+    why = {'SIGKILL': 'The OS kills processes that run out of memory with SIGKILL (check '
+                      '`dmesg`): use fewer workers (n_workers=), a smaller prefetch= or batch '
+                      'size; or a person or a job scheduler killed it.',
+           'SIGSEGV': 'A crash in native code the dataset calls (an image decoder, an '
+                      'extension): load that batch with n_workers=0 to see where.',
+           'SIGBUS': 'Shared memory ran out (/dev/shm full: `df -h /dev/shm`) or a crash in '
+                     'native code: free /dev/shm or pass shared_memory=False.'}.get(
+        name, 'Another process (a person, a job scheduler, the system shutting down) '
+              'sent it this signal.')
+    return 'was killed by signal {}'.format(name), why
+
+
 class LoadedBatch(list):
     """A batch (list of examples) from the workers.
 
@@ -216,26 +238,20 @@ class WorkerPool:
         p.join(0.1)
         code = p.exitcode
         lost = [b for b, (_, _, worker) in self.in_flight.items() if worker == w]
-        if code is not None and code < 0:
-            try:
-                how = 'was killed by signal {}'.format(signal.Signals(-code).name)
-            except ValueError:
-                how = 'was killed by signal {}'.format(-code)
-        else:
-            how = 'exited with code {}'.format(code)
+        how, why = _death(code)
         self.close()
         raise WorkerDiedError(
-            'fastchain loader: worker {} (pid {}) {} while loading batch(es) {}. '
-            'The OS kills processes that run out of memory (check `dmesg`): '
-            'use fewer workers (n_workers=), a smaller prefetch= or batch size. '
+            'fastchain loader: worker {} (pid {}) {} while loading batch(es) {}. {} '
             'The iterator is closed; build a new one (or resume from a snapshot).'
-            .format(w, p.pid, how, lost or [batch_id]))
+            .format(w, p.pid, how, lost or [batch_id], why))
 
     def _send(self, worker, task):
         try:
             self.task_conns[worker].send(task)
+            return
         except (BrokenPipeError, OSError):
-            self._worker_died(worker, task[0])
+            pass
+        self._worker_died(worker, task[0])      # outside the except: one error, not two
 
     @property
     def closed(self):

@@ -25,10 +25,12 @@ import argparse
 import json
 import math
 import os
+import pickle
 import statistics
 import sys
 import time
 import warnings
+import zipfile
 
 import numpy
 
@@ -300,6 +302,27 @@ def lr_at(args, base_lr, iters_per_epoch, total_iters):
     return schedule
 
 
+def fp32_masters_into(path, model):
+    """Where the snapshot at ``path`` was written with fp16 (fastchain keeps
+    each fp16 weight's fp32 master beside it) and ``model``'s weights are
+    fp32: put the masters in them (Chainer's load gave them the fp16 copies,
+    rounded). Returns how many; 0 where the snapshot has none or the model
+    is in fp16 (its optimizer loaded them)."""
+    params = dict(model.namedparams())
+    found = 0
+    with numpy.load(path) as snapshot:
+        for key in snapshot.files:
+            if '/fastchain_fp32_masters/' not in key:
+                continue
+            name = '/' + key.split('/fastchain_fp32_masters/', 1)[1].replace('.', '/')
+            param = params.get(name)
+            if param is None or param.array is None or param.dtype != numpy.float32:
+                continue
+            param.array[...] = param.device.send(snapshot[key].astype(numpy.float32))
+            found += 1
+    return found
+
+
 class ValidationSkips(training.Extension):
     """Reports ``validation/skipped_examples``: the images the evaluation just
     run left out (all processes'). The validation iterator's own report is
@@ -529,6 +552,11 @@ def main(argv=None):
                 args.resume, args.out))
         try:
             chainer.serializers.load_npz(args.resume, trainer)     # every rank: same state
+        except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, OSError) as e:
+            sys.exit('--resume {}: not a snapshot this recipe can read ({}: {}): a file cut '
+                     'short (a run stopped while writing it?) or another kind of file. '
+                     'Resume from an earlier snapshot_iter_N'.format(
+                         args.resume, type(e).__name__, e))
         except (ValueError, KeyError) as e:
             # a model of another shape, or the state of another number of processes
             config = os.path.join(os.path.dirname(os.path.abspath(args.resume)), 'config.json')
@@ -537,6 +565,15 @@ def main(argv=None):
                      .format(args.resume, type(e).__name__, e,
                              ' (its options are in {})'.format(config)
                              if os.path.exists(config) else ''))
+        loaded = fp32_masters_into(args.resume, model)
+        if loaded and rank == 0:
+            print('note: {} was written by an fp16 run: this fp32 run resumes from its {} '
+                  'fp32 master weights (not its fp16 copies; its loss scaler is not '
+                  'used)'.format(args.resume, loaded), file=sys.stderr, flush=True)
+    if updater.iteration >= total:
+        sys.exit('--resume {}: the snapshot is at iteration {}, the end of this run ({} '
+                 'iterations): give more --iterations or --epochs to train further'.format(
+                     args.resume, updater.iteration, total))
     optimizer.lr = schedule(updater.iteration)      # 0, or where the snapshot stopped
     if rank == 0:
         write_config(args, handle, world, 'at the start of training')
@@ -549,6 +586,16 @@ def main(argv=None):
         sys.exit('{}\nfix: replace or remove that file, or run with --skip-bad-images to '
                  'leave unreadable images out (counted in the log as skipped_examples)'
                  .format(str(e).split('\nIn the worker:')[0]))
+    except data.WorkerDiedError as e:
+        sys.exit(str(e))
+    except KeyboardInterrupt:
+        if comm is not None:
+            raise           # fastchain's hooks end every rank (status 130)
+        newest = newest_snapshot(args)
+        print('\ninterrupted at iteration {}{}'.format(
+            updater.iteration, '; to go on: --resume {}'.format(newest) if newest else ''),
+            file=sys.stderr, flush=True)
+        sys.exit(130)
     finally:
         val_it.finalize()
     log = trainer.get_extension('LogReport') if rank == 0 else None
@@ -559,13 +606,24 @@ def main(argv=None):
     return log.log if log is not None else None
 
 
+def snapshots(args):
+    """The snapshots in --out, newest last (by time: Chainer keeps the newest
+    by time, also those of an earlier run in the same --out)."""
+    if not os.path.isdir(args.out):
+        return []
+    return sorted((n for n in os.listdir(args.out) if n.startswith('snapshot_iter_')),
+                  key=lambda n: os.path.getmtime(os.path.join(args.out, n)))
+
+
+def newest_snapshot(args):
+    names = [] if args.no_snapshots else snapshots(args)
+    return os.path.join(args.out, names[-1]) if names else None
+
+
 def snapshot_line(args):
     if args.no_snapshots:
         return 'snapshots: none (--no-snapshots)'
-    # Newest written last (Chainer keeps the newest by time, also those of an
-    # earlier run in the same --out).
-    names = sorted((n for n in os.listdir(args.out) if n.startswith('snapshot_iter_')),
-                   key=lambda n: os.path.getmtime(os.path.join(args.out, n)))
+    names = snapshots(args)
     if not names:
         return 'snapshots: none written'
     size = os.path.getsize(os.path.join(args.out, names[-1]))

@@ -29,6 +29,11 @@ def test_list_format_with_explicit_root_and_a_bad_line(image_root, tmp_path):
     listing.write_text('class1/img000.jpg one\n')
     with pytest.raises(ValueError, match=r'list.txt:1: expected "relative/path label"'):
         data.ImageListDataset(str(listing), root=image_root)
+    # -1 trained as Chainer's ignore_label without a word, -3 failed deep in
+    # softmax_cross_entropy
+    listing.write_text('class1/img000.jpg 0\nclass2/img001.jpg -3\n')
+    with pytest.raises(ValueError, match=r'list.txt:2: label -3 is negative'):
+        data.ImageListDataset(str(listing), root=image_root)
 
 
 def test_folder_dataset_errors(tmp_path):

@@ -217,15 +217,22 @@ def test_skip_with_no_example_loading_in_a_whole_epoch_is_an_error():
         it.next()
 
 
-def test_a_killed_worker_raises_promptly_and_leaves_no_process(images):
+@pytest.mark.parametrize('sig, cause', [
+    (signal.SIGKILL, 'run out of memory'),
+    (signal.SIGTERM, 'Another process'),        # not the out-of-memory advice
+])
+def test_a_killed_worker_raises_promptly_and_leaves_no_process(images, sig, cause):
     it = data.MultiprocessIterator(images, 3, n_workers=2, prefetch=2)
     it.next()
     pids = [p.pid for p in it._pool.workers]
-    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[1], sig)
     start = time.monotonic()
-    with pytest.raises(data.WorkerDiedError, match='SIGKILL'):
+    with pytest.raises(data.WorkerDiedError, match=sig.name) as e:
         for _ in range(10):
             it.next()
+    assert cause in str(e.value)
+    # one error: not raised while handling the broken pipe to the dead worker
+    assert e.value.__context__ is None or e.value.__suppress_context__, e.value.__context__
     assert time.monotonic() - start < 10
     assert children_alive(pids) == []
     assert not os.path.exists('/dev/shm/' + it._pool.shm.name.lstrip('/'))

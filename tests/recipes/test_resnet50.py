@@ -76,6 +76,22 @@ def test_resume_continues_from_the_snapshot(tmp_path):
     assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-2000:]
     assert '--resume {}: the snapshot does not fit this run'.format(snapshot) in r.stderr
     assert 'its options are in {}'.format(tmp_path / 'out' / 'config.json') in r.stderr
+    # a snapshot at the end of the run: said so (it trained 0 iterations, and
+    # said only that they were too few to time)
+    same = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'), '--data', 'demo',
+            '--out', str(tmp_path / 'again')] + TINY + ['--iterations', '8', '--resume',
+                                                        str(tmp_path / 'out' / 'snapshot_iter_8')]
+    r = subprocess.run(same, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and 'the snapshot is at iteration 8, the end of this run' \
+        in r.stderr, r.stderr[-2000:]
+    # a snapshot cut short, or not a snapshot at all: named, no traceback
+    cut = tmp_path / 'cut'
+    cut.write_bytes(snapshot.read_bytes()[:20000])
+    for path in (cut, tmp_path / 'out' / 'log'):
+        r = subprocess.run(cmd[:-1] + [str(path)], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-2000:]
+        assert '--resume {}: not a snapshot this recipe can read'.format(path) in r.stderr
 
 
 def test_list_format_directory_and_yaml_config(tmp_path):
@@ -365,3 +381,95 @@ def test_the_step_schedule_follows_the_runs_length_given_in_iterations():
     schedule = train.lr_at(args, 1.0, 10, 90)           # 90 iterations, not 90 epochs
     assert [schedule(i) for i in (0, 29, 30, 59, 60, 79, 80, 89)] == pytest.approx(
         [1, 1, 0.1, 0.1, 0.01, 0.01, 0.001, 0.001])
+
+
+def test_an_fp16_snapshot_resumed_in_fp32_starts_from_its_fp32_masters(tmp_path):
+    import chainer
+    import chainer.links as L
+    import numpy
+    sys.path.insert(0, os.path.dirname(RECIPE))
+    import train
+    rng = numpy.random.RandomState(0)
+    masters = {'l.W': rng.standard_normal((3, 4)).astype(numpy.float32),
+               'l.b': rng.standard_normal(3).astype(numpy.float32)}
+    path = str(tmp_path / 'snap.npz')
+    numpy.savez(path, **{'updater/optimizer:main/fastchain_fp32_masters/' + k: v
+                         for k, v in masters.items()},
+                **{'updater/model:main/l/W': masters['l.W'].astype(numpy.float16)})
+
+    def model(dtype):
+        with chainer.using_config('dtype', dtype):
+            m = chainer.Chain()
+            with m.init_scope():
+                m.l = L.Linear(4, 3)
+        return m
+
+    fp32 = model(numpy.float32)
+    assert train.fp32_masters_into(path, fp32) == 2
+    assert (fp32.l.W.array == masters['l.W']).all() and (fp32.l.b.array == masters['l.b']).all()
+    fp16 = model(numpy.float16)         # fp16 weights: its optimizer loads the masters
+    before = fp16.l.W.array.copy()
+    assert train.fp32_masters_into(path, fp16) == 0 and (fp16.l.W.array == before).all()
+    # end to end: the recipe says so
+    run(tmp_path, '--data', 'demo', '--iterations', '2', '--fp16', '--warmup-epochs', '0')
+    r = run(tmp_path, '--data', 'demo', '--iterations', '3', '--resume',
+            str(tmp_path / 'out' / 'snapshot_iter_2'), out='fp32')
+    assert 'was written by an fp16 run: this fp32 run resumes from its' in r.stderr, r.stderr
+
+
+def test_ctrl_c_ends_the_run_saying_how_to_go_on(tmp_path):
+    import signal
+    import time
+    out = tmp_path / 'out'
+    cmd = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'), '--out',
+           str(out), '--data', 'demo', '--iterations', '100000', '--snapshot-every',
+           '0.1'] + TINY
+    # a terminal's SIGINT (a job started in the background inherits it ignored)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob('snapshot_iter_*')) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert 'Traceback' not in err, err[-3000:]
+    newest = max(out.glob('snapshot_iter_*'), key=os.path.getmtime)
+    assert 'interrupted at iteration' in err and '--resume {}'.format(newest) in err, err
+
+
+def test_a_killed_loader_worker_ends_the_run_with_one_message(tmp_path):
+    import signal
+    import time
+    out = tmp_path / 'out'
+    cmd = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'), '--out',
+           str(out), '--data', 'demo', '--iterations', '100000', '--loaderjobs', '2',
+           '--no-snapshots'] + TINY
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def cmdline(pid):
+            with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
+                return f.read()
+
+        # the loaders' workers are forks (the recipe's command line; not
+        # multiprocessing's resource tracker), the training loader's first
+        deadline, workers = time.monotonic() + 120, []
+        while len(workers) < 4 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            with open('/proc/{}/task/{}/children'.format(proc.pid, proc.pid)) as f:
+                workers = sorted(int(p) for p in f.read().split()
+                                 if cmdline(p) == cmdline(proc.pid))
+        time.sleep(1)
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert 'Traceback' not in err, err[-3000:]
+    assert 'was killed by signal SIGKILL' in err and 'run out of memory' in err, err[-3000:]
