@@ -78,8 +78,10 @@ class MultiprocessIterator(iterator_module.Iterator):
             is left out of its batch and counted in :attr:`skipped` (and
             reported as ``skipped_examples`` to Chainer's reporter); a batch
             none of whose examples loads is left out as well (the next is
-            taken; after a whole epoch's worth of examples none of which
-            loads, :class:`DataLoadError`). Either
+            taken, so the epoch ends a batch earlier: in a data-parallel job
+            trigger what makes collective calls by iteration, not epoch; after
+            a whole epoch's worth of examples none of which loads,
+            :class:`DataLoadError`). Either
             way this happens in :meth:`next`, for the batch the example is
             in, with or without workers.
         shared_memory (bool): pass arrays through /dev/shm (default) or
@@ -152,14 +154,14 @@ class MultiprocessIterator(iterator_module.Iterator):
         # out as they are (the next one is taken: an empty batch cannot be
         # converted); the epoch counters cover every batch taken.
         before, at_start, tried = self.epoch_detail, self.epoch, 0
+        if self._pool is not None and self._worker_tuner is not None:
+            self._worker_tuner.step(self._pool)         # once a step
         while True:
             if not self.repeat and self.epoch > 0:
                 raise StopIteration
             indices, epoch, position = self._schedule.batch(
                 self.epoch, self.current_position, draw=True)
             if self._pool is not None:
-                if self._worker_tuner is not None:
-                    self._worker_tuner.step(self._pool)
                 batch = self._take(indices)
             else:
                 batch = self._load_here(indices)
@@ -217,8 +219,10 @@ class MultiprocessIterator(iterator_module.Iterator):
             return True     # only StopIteration is left
         if self._pool is None:
             return False    # loaded here, seeding NumPy's global RNG meanwhile
-        return self.rng == 'seed' or \
-            not self._schedule.draws_in(self.epoch, self.current_position)
+        # with on_error='skip', a batch left out takes the next one, which
+        # may reach the end of the epoch: no fetching ahead under 'global'
+        return self.rng == 'seed' or (self.on_error != 'skip' and not
+                                      self._schedule.draws_in(self.epoch, self.current_position))
 
     def reset(self):
         """Back to the start of epoch 0 (what Chainer's Evaluator calls).

@@ -22,7 +22,9 @@ class WorkerDiedError(RuntimeError):
 
 def _death(code):
     """(how a worker with exit code ``code`` ended, the likely causes and fix)."""
-    if code is None or code >= 0:
+    if code is None:
+        return 'stopped answering (its pipe closed, the process still running)', ''
+    if code >= 0:
         return 'exited with code {}'.format(code), (
             'The dataset (or a library it calls) ended the process (sys.exit, os._exit): '
             'a worker must return examples or raise.')

@@ -19,8 +19,9 @@ def scatter_dataset(dataset, comm, shuffle=False, seed=None, root=0):
       elsewhere): ``root`` sends each rank its examples.
 
     Shards are disjoint and of equal size, so every rank runs the same number
-    of iterations per epoch; the ``len % size`` examples left over are
-    dropped (with a warning).
+    of iterations per epoch (unless a loader with ``on_error='skip'`` leaves
+    out a whole batch on one rank: its epoch then ends a batch earlier); the
+    ``len % size`` examples left over are dropped (with a warning).
     """
     try:
         rank = operator.index(root)

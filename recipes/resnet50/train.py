@@ -510,11 +510,15 @@ def main(argv=None):
 
     converter = data.ImageConverter()
     on_error = 'skip' if args.skip_bad_images else 'raise'
-    train_it = data.MultiprocessIterator(train, args.batch_size, seed=args.seed,
-                                         n_workers=args.loaderjobs, on_error=on_error)
-    val_it = data.MultiprocessIterator(val, args.val_batch_size, repeat=False,
-                                       shuffle=False, n_workers=args.loaderjobs,
-                                       on_error=on_error)
+    try:
+        train_it = data.MultiprocessIterator(train, args.batch_size, seed=args.seed,
+                                             n_workers=args.loaderjobs, on_error=on_error)
+        val_it = data.MultiprocessIterator(val, args.val_batch_size, repeat=False,
+                                           shuffle=False, n_workers=args.loaderjobs,
+                                           on_error=on_error)
+    except data.DataLoadError as e:     # none of the first images loads (workers)
+        sys.exit('{}\nfix: check --data {}'.format(str(e).split('\nIn the worker:')[0],
+                                                    args.data))
     train_it = data.DevicePrefetcher(train_it, converter, device)
     updater = training.StandardUpdater(train_it, optimizer, converter=train_it.converter,
                                        device=device)
@@ -536,6 +540,10 @@ def main(argv=None):
 
     trainer.extend(set_lr)
     eval_every = (1, 'epoch') if not args.iterations else (total, 'iteration')
+    if comm is not None and args.skip_bad_images and not args.iterations:
+        # a batch left out whole moves a rank's epoch end: the evaluation's
+        # collective calls must come at the same iteration on every rank
+        eval_every = (iters_per_epoch, 'iteration')
     evaluator = extensions.Evaluator(val_it, model, converter=converter, device=device)
     if comm is not None:
         evaluator = distributed.create_multi_node_evaluator(evaluator, comm)
@@ -582,7 +590,8 @@ def main(argv=None):
         trainer.run(show_loop_exception_msg=False)   # an error is raised (or named) below
     except data.DataLoadError as e:
         if args.skip_bad_images:
-            raise
+            sys.exit('{}\nfix: check --data {}: with --skip-bad-images, a whole epoch of '
+                     'images failed to load'.format(e, args.data))
         sys.exit('{}\nfix: replace or remove that file, or run with --skip-bad-images to '
                  'leave unreadable images out (counted in the log as skipped_examples)'
                  .format(str(e).split('\nIn the worker:')[0]))

@@ -210,6 +210,33 @@ def test_skip_leaves_out_a_batch_none_of_whose_examples_loads(workers, repeat):
         it.finalize()
 
 
+def test_skip_under_the_global_rng_never_fetches_ahead():
+    # a batch left out takes the next one, which may reach the end of the
+    # epoch and draw the next order from NumPy's global RNG: on the training
+    # loop's thread only
+    drawn = []
+
+    def sampler(order, position):
+        drawn.append(position)
+        return numpy.arange(len(order))
+
+    it = data.MultiprocessIterator(_BadAt(6, {2, 3}), 2, n_workers=1, on_error='skip',
+                                   rng='global', order_sampler=sampler)
+    try:
+        it.next()
+        assert not it.may_fetch_ahead()
+        it.next()               # [2, 3] left out, [4, 5] ends the epoch: a draw
+        assert len(drawn) == 2 and it.epoch == 1
+    finally:
+        it.finalize()
+    plain = data.MultiprocessIterator(_BadAt(6, {2, 3}), 2, n_workers=1, rng='global',
+                                      order_sampler=sampler)
+    try:
+        assert plain.may_fetch_ahead()      # on_error='raise': as before
+    finally:
+        plain.finalize()
+
+
 def test_skip_with_no_example_loading_in_a_whole_epoch_is_an_error():
     it = data.MultiprocessIterator(_BadAt(4, range(4)), 2, shuffle=False, n_workers=0,
                                    on_error='skip')
@@ -564,3 +591,10 @@ def test_forkserver_workers_outlive_an_idle_second(monkeypatch):
         it.next()
     finally:
         it.finalize()
+
+
+def test_a_worker_that_stops_answering_is_not_said_to_have_exited():
+    from fastchain.data import _pool
+    how, why = _pool._death(None)           # its pipe closed, the process still running
+    assert 'still running' in how and 'sys.exit' not in why
+    assert 'SIGTERM' in _pool._death(-15)[0] and 'run out of memory' in _pool._death(-9)[1]

@@ -473,3 +473,18 @@ def test_a_killed_loader_worker_ends_the_run_with_one_message(tmp_path):
     assert proc.returncode == 1, err[-3000:]
     assert 'Traceback' not in err, err[-3000:]
     assert 'was killed by signal SIGKILL' in err and 'run out of memory' in err, err[-3000:]
+
+
+@pytest.mark.parametrize('jobs', ['0', '2'])
+def test_no_image_loading_is_named_with_skip_bad_images_too(tmp_path, jobs):
+    for split in ('train', 'val'):
+        folder = tmp_path / 'ds' / split / 'a'
+        folder.mkdir(parents=True)
+        for i in range(4):
+            (folder / '{}.jpg'.format(i)).write_bytes(b'not a jpeg' * 20)
+    r = subprocess.run([sys.executable, RECIPE, '--data', str(tmp_path / 'ds'), '--out',
+                        str(tmp_path / 'o'), '--iterations', '4', '--no-snapshots',
+                        '--skip-bad-images', '--loaderjobs', jobs] + TINY,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-3000:]
+    assert 'fix: check --data {}'.format(tmp_path / 'ds') in r.stderr, r.stderr[-3000:]
