@@ -271,7 +271,10 @@ class CommunicatorBase(abc.ABC):
         left = self._departures.overdue(waiting_since, peer)
         if left is not None:
             rank, how = left
-            if how == _departures.FINALIZED:
+            if how == _departures.LEFT_BLOCKED:
+                why = ('has left after Ctrl-C (interrupted while this rank waits for it in '
+                       '{}; this rank did not get the interrupt). Aborting the job.'.format(what))
+            elif how == _departures.FINALIZED:
                 why = ('has finalized its communicator (comm.finalize(), or the end of its '
                        'with block) while this rank waits for it in {}: the ranks ran '
                        'different numbers of collectives (steps, epochs, evaluations). '
@@ -286,11 +289,12 @@ class CommunicatorBase(abc.ABC):
             self.abort(1)
             raise RuntimeError(message)     # reached only if abort returned
 
-    def announce_exit(self):
+    def announce_exit(self, how=_departures.EXITED):
         """At exit with this communicator alive: tell the peers (see
-        ``_departures``)."""
+        ``_departures``); ``how=LEFT_BLOCKED`` from a rank leaving a
+        blocked call after Ctrl-C."""
         if self._departures is not None and not self.finalized:
-            self._departures.announce()
+            self._departures.announce(how)
 
     def abort_timeout(self, what):
         message = ('fastchain: rank {} of {}: {} did not complete within {:g} s: another '

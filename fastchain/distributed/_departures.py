@@ -20,6 +20,11 @@ for it could only end at the timeout, blamed on a crash.
 A small message on the eager path: sending it completes locally, so an
 exiting rank does not wait for its peers (at most ``PATIENCE`` seconds
 where it does).
+
+A rank that leaves a blocked call after Ctrl-C (``_faults.leave_blocked``)
+says so (``LEFT_BLOCKED``) after its exit handlers, and waits for every
+peer's message (:meth:`Departures.settle`), which each sends after its
+own: by then no rank has cleaning up left to do.
 """
 
 import threading
@@ -30,7 +35,8 @@ import numpy
 TAG = 7301
 GRACE = 1.0
 PATIENCE = 1.0
-EXITED, FINALIZED = 0, 1        # what a departure message says
+SETTLE_LIMIT = 5.0
+EXITED, FINALIZED, LEFT_BLOCKED = 0, 1, 2      # what a departure message says
 _serial = 0                     # the next Departures' serial, at least
 
 
@@ -48,11 +54,15 @@ class Departures:
         _serial = self._serial + 1
         self._lock = threading.Lock()
         self._closed = False
-        self.left = {}          # rank -> (when this process learnt it, EXITED or FINALIZED)
+        self._freed = False
+        # rank -> (when this process learnt it, EXITED, FINALIZED or LEFT_BLOCKED)
+        self.left = {}
 
-    def check(self):
+    def check(self, after_announcing=False):
         """``{rank: (noticed_at, how)}`` of the peers that have ended their
-        process or finalised their communicator (empty if none).
+        process or finalised their communicator (empty if none);
+        ``after_announcing``: still probes after this process announced its
+        own exit (:meth:`settle`).
 
         Probes for the messages rather than keeping a receive posted: nothing
         is left pending if the script finalises MPI itself. Never raises: a
@@ -60,8 +70,8 @@ class Departures:
         """
         from mpi4py import MPI
         with self._lock:
-            if self._closed or MPI.Is_finalized():
-                return self.left
+            if (self._closed and not after_announcing) or self._freed or MPI.Is_finalized():
+                return dict(self.left)
             try:
                 while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG):
                     # Any message of the tag (not the probed source's: on a
@@ -75,7 +85,18 @@ class Departures:
                         self.left[rank] = (time.monotonic(), how)
             except MPI.Exception:
                 pass
-            return self.left
+            return dict(self.left)      # a copy: watchdog threads read it too
+
+    def settle(self, limit=SETTLE_LIMIT):
+        """After this rank announced ``LEFT_BLOCKED``: wait, at most ``limit``
+        seconds, until every peer has announced its departure (after its
+        exit handlers). True if they all did."""
+        deadline = time.monotonic() + limit
+        while len(self.check(after_announcing=True)) < self._size - 1:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def overdue(self, waiting_since, peer=None):
         """``(rank, how)`` of a rank that left (``peer`` only, if given), if
@@ -107,3 +128,4 @@ class Departures:
                 pass        # a peer already gone: there is no one to tell
             if how == FINALIZED:
                 self._comm.Free()       # the sends are complete, or given up on
+                self._freed = True

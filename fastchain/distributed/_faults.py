@@ -24,15 +24,20 @@ through Python's normal exit: atexit and ``weakref.finalize`` run (the
 loader stops its workers and frees its shared memory), then MPI is
 finalised. A rank blocked in MPI's blocking Allreduce cannot raise: the
 call returns only when every peer joins, and a peer that took the interrupt
-never will. Its watchdog sees the SIGINT and, if the call is still blocked
-``INTERRUPT_GRACE`` (1 s) later, runs the exit handlers and ends the process
-with 130 itself (:func:`leave_blocked`). mpiexec then exits with 130, and
-no rank prints a traceback.
+never will. Its watchdog sees the SIGINT and, once a peer has said it is
+ending or the call is still blocked ``INTERRUPT_GRACE`` (1 s) later, runs
+the exit handlers and ends the process with 130 itself
+(:func:`leave_blocked`): once every peer has said it is ending (after its
+own exit handlers; ``_departures.Departures.settle``, 5 s at most), it calls
+MPI_Abort with 130, which ends the peers waiting in their MPI_Finalize for
+it. mpiexec then exits with 130 (MPICH adds its one line about the abort),
+and no rank prints a traceback.
 
 .. note:: This relies on the launcher delivering SIGINT to every rank
    (MPICH's mpiexec does: "Sending Ctrl-C to processes as requested"). A
-   rank that never gets it goes on to its next collective, where the
-   collective timeout ends the job. A rank that leaves a blocked Allreduce
+   rank that never gets it goes on to its next collective, which the peers'
+   departures end (an abort about a second after it learns of them; a
+   blocked peer waits for it at most 5 s first). A rank that leaves a blocked Allreduce
    cannot finalise MPI, so MPICH leaves its own shared-memory file
    (``/dev/shm/mpich_shm_*``, 2 MiB for two ranks), as after any aborted job.
 """
@@ -49,6 +54,7 @@ import traceback
 INTERRUPTED = 130       # a shell's status for a job ended by Ctrl-C
 
 _holders = []           # communicators holding the hooks, oldest first
+_leaving_blocked = False    # leave_blocked() is running the exit handlers
 _hooks = None           # the _Hooks in place, or None
 _at_exit_registered = False
 
@@ -81,8 +87,10 @@ def _release_all():
     # collective timeout: see _departures); the hooks go back; the
     # communicators free nothing else (the process ends, and waiting for
     # NCCL work in flight could outlast a peer).
+    from fastchain.distributed import _departures
+    how = _departures.LEFT_BLOCKED if _leaving_blocked else _departures.EXITED
     for comm in list(_holders):
-        comm.announce_exit()
+        comm.announce_exit(how)
     del _holders[:]
     _give_back()
 
@@ -211,21 +219,36 @@ def _take_wakeup_fd():
 
 
 def leave_blocked(comm, what):
-    """End this process from a side thread while its main thread is blocked
-    in ``what`` after Ctrl-C: the exit handlers (atexit, ``weakref.finalize``:
-    the loader's workers and shared memory) run here, then the process ends
-    with status 130 without finalising MPI, which the blocked call holds."""
+    """End the job from a side thread while this rank's main thread is
+    blocked in ``what`` after Ctrl-C: the exit handlers (atexit,
+    ``weakref.finalize``: the loader's workers and shared memory) run here,
+    then, once every peer has said it is ending (after its own handlers),
+    MPI_Abort with status 130.
+
+    Not ``os._exit``: this process cannot finalise MPI (the blocked call holds
+    it), and its peers' MPI_Finalize waits for it, so a process ending
+    unfinalised was the only way out; hydra then kills every rank still
+    running, and a peer killed before its finalize completed made mpiexec
+    report status 9 (traced: about one run in a hundred). MPI_Abort ends the
+    job with its own code: mpiexec exits 130."""
+    global _leaving_blocked
     sys.stderr.write('[rank {}] fastchain: interrupted while blocked in {} (a peer has '
                      'already stopped); leaving\n'.format(comm.rank, what))
     sys.stderr.flush()
+    _leaving_blocked = True
     try:
         # The interpreter's exit handlers, run from here: the main thread
-        # cannot unwind to run them itself.
+        # cannot unwind to run them itself (they announce LEFT_BLOCKED).
         atexit._run_exitfuncs()
+        if comm._departures is not None:
+            comm._departures.settle()       # the peers' handlers have run too
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(INTERRUPTED)
+        try:
+            comm.mpi_comm.Abort(INTERRUPTED)
+        finally:
+            os._exit(INTERRUPTED)       # if it returned

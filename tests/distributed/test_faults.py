@@ -6,6 +6,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -156,3 +157,29 @@ def test_an_aborted_job_leaves_no_loader_workers_or_shared_memory(tmp_path):
         for path in mpich:          # an aborted job cannot finalise MPI
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def _departures_of(size, left):
+    """A Departures of ``size`` ranks (this one rank 0) whose peers' messages
+    are ``left`` (no MPI: check() is replaced)."""
+    from fastchain.distributed import _departures
+    d = object.__new__(_departures.Departures)
+    d._size = size
+    d.check = lambda after_announcing=False: dict(left)
+    return d
+
+
+def test_a_rank_leaving_a_blocked_call_waits_for_every_peers_announcement():
+    # Each peer announces after its exit handlers; only then does the blocked
+    # rank abort the job (MPI_Abort: the peers' MPI_Finalize waits for it).
+    from fastchain.distributed import _departures as d
+    left = {}
+    waiting = _departures_of(3, left)
+    start = time.monotonic()
+    assert waiting.settle(limit=0.3) is False            # no peer has said anything
+    assert 0.3 <= time.monotonic() - start < 2
+    left[1] = (time.monotonic(), d.EXITED)
+    threading.Timer(0.3, lambda: left.update({2: (time.monotonic(), d.LEFT_BLOCKED)})).start()
+    start = time.monotonic()
+    assert waiting.settle(limit=10) is True
+    assert 0.25 < time.monotonic() - start < 5
