@@ -22,6 +22,7 @@ the resolved configuration is saved as ``config.json`` in ``--out``.
 """
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -597,9 +598,10 @@ def main(argv=None):
                  .format(str(e).split('\nIn the worker:')[0]))
     except data.WorkerDiedError as e:
         sys.exit(str(e))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if comm is not None:
             raise           # fastchain's hooks end every rank (status 130)
+        release_quietly(e.__traceback__)
         newest = newest_snapshot(args)
         print('\ninterrupted at iteration {}{}'.format(
             updater.iteration, '; to go on: --resume {}'.format(newest) if newest else ''),
@@ -613,6 +615,29 @@ def main(argv=None):
         speed_report(args, handle, meter, log, device, n_classes, world)
     handle.disable()
     return log.log if log is not None else None
+
+
+def release_quietly(tb):
+    """Frees what the interrupted frames of ``tb`` hold, now and silently: an
+    interrupt inside a snapshot's writing leaves its ZipFile (of a temporary
+    file, removed) to complain when collected at exit ("Exception ignored
+    ... seek of closed file")."""
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        for frame in reversed(frames):
+            try:
+                frame.clear()
+            except RuntimeError:
+                pass        # still executing (main's own frame)
+        del frames
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
 
 
 def snapshots(args):
