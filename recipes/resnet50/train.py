@@ -622,19 +622,11 @@ def release_quietly(tb):
     interrupt inside a snapshot's writing leaves its ZipFile (of a temporary
     file, removed) to complain when collected at exit ("Exception ignored
     ... seek of closed file")."""
+    from fastchain.distributed._faults import _clear_frames
     previous = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
     try:
-        frames = []
-        while tb is not None:
-            frames.append(tb.tb_frame)
-            tb = tb.tb_next
-        for frame in reversed(frames):
-            try:
-                frame.clear()
-            except RuntimeError:
-                pass        # still executing (main's own frame)
-        del frames
+        _clear_frames(tb)       # innermost first; main's own frame is still running
         gc.collect()
     finally:
         sys.unraisablehook = previous

@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -417,45 +419,48 @@ def test_an_fp16_snapshot_resumed_in_fp32_starts_from_its_fp32_masters(tmp_path)
     assert 'was written by an fp16 run: this fp32 run resumes from its' in r.stderr, r.stderr
 
 
-def test_ctrl_c_ends_the_run_saying_how_to_go_on(tmp_path):
-    import signal
-    import time
-    out = tmp_path / 'out'
+def _disturbed_run(tmp_path, args, disturb, **popen):
+    """The recipe on the demo data for a run too long to end by itself, with
+    ``args``; ``disturb(proc)`` is called once it runs. (status, stderr)."""
     cmd = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'), '--out',
-           str(out), '--data', 'demo', '--iterations', '100000', '--snapshot-every',
-           '0.1'] + TINY
-    # a terminal's SIGINT (a job started in the background inherits it ignored)
+           str(tmp_path / 'out'), '--data', 'demo', '--iterations', '100000'] + args + TINY
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            **popen)
     try:
+        disturb(proc)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+def test_ctrl_c_ends_the_run_saying_how_to_go_on(tmp_path):
+    out = tmp_path / 'out'
+
+    def ctrl_c(proc):
         deadline = time.monotonic() + 120
         while not list(out.glob('snapshot_iter_*')) and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err[-3000:]
+
+    # a terminal's SIGINT (a job started in the background inherits it ignored)
+    status, err = _disturbed_run(
+        tmp_path, ['--snapshot-every', '0.1'], ctrl_c,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert status == 130, err[-3000:]
     assert 'Traceback' not in err, err[-3000:]
     newest = max(out.glob('snapshot_iter_*'), key=os.path.getmtime)
     assert 'interrupted at iteration' in err and '--resume {}'.format(newest) in err, err
 
 
 def test_a_killed_loader_worker_ends_the_run_with_one_message(tmp_path):
-    import signal
-    import time
-    out = tmp_path / 'out'
-    cmd = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'), '--out',
-           str(out), '--data', 'demo', '--iterations', '100000', '--loaderjobs', '2',
-           '--no-snapshots'] + TINY
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        def cmdline(pid):
-            with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
-                return f.read()
+    def cmdline(pid):
+        with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
+            return f.read()
 
+    def kill_a_worker(proc):
         # the loaders' workers are forks (the recipe's command line; not
         # multiprocessing's resource tracker), the training loader's first
         deadline, workers = time.monotonic() + 120, []
@@ -466,11 +471,10 @@ def test_a_killed_loader_worker_ends_the_run_with_one_message(tmp_path):
                                  if cmdline(p) == cmdline(proc.pid))
         time.sleep(1)
         os.kill(workers[0], signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, err[-3000:]
+
+    status, err = _disturbed_run(tmp_path, ['--loaderjobs', '2', '--no-snapshots'],
+                                 kill_a_worker)
+    assert status == 1, err[-3000:]
     assert 'Traceback' not in err, err[-3000:]
     assert 'was killed by signal SIGKILL' in err and 'run out of memory' in err, err[-3000:]
 
