@@ -75,8 +75,10 @@ class MultiprocessIterator(iterator_module.Iterator):
         prefetch (int): batches in flight (default: ``2 * n_workers``).
         on_error (str): ``'raise'`` (default): a bad example raises
             :class:`DataLoadError` naming its index and file. ``'skip'``: it
-            is left out of its batch and counted in :attr:`skipped` (and
-            reported as ``skipped_examples`` to Chainer's reporter); a batch
+            is left out of its batch and listed in :attr:`skipped` (each
+            :meth:`next` reports ``skipped_examples`` to Chainer's reporter:
+            how many the batches it took left out, so LogReport's mean of it
+            times the iterations is the count); a batch
             none of whose examples loads is left out as well (the next is
             taken, so the epoch ends a batch earlier: in a data-parallel job
             trigger what makes collective calls by iteration, not epoch; after
@@ -154,6 +156,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         # out as they are (the next one is taken: an empty batch cannot be
         # converted); the epoch counters cover every batch taken.
         before, at_start, tried = self.epoch_detail, self.epoch, 0
+        skipped_before = len(self.skipped)
         if self._pool is not None and self._worker_tuner is not None:
             self._worker_tuner.step(self._pool)         # once a step
         while True:
@@ -168,6 +171,8 @@ class MultiprocessIterator(iterator_module.Iterator):
             self._previous_epoch_detail = before
             self.is_new_epoch = epoch > at_start
             self.epoch, self.current_position = epoch, position
+            if self.on_error == 'skip' and len(batch):
+                chainer.report({'skipped_examples': len(self.skipped) - skipped_before})
             if len(batch) or self.on_error != 'skip':
                 return batch
             tried += len(indices)
@@ -350,7 +355,6 @@ class MultiprocessIterator(iterator_module.Iterator):
         batch, errors = pool.take(indices)
         for index, kind, message, path, detail in errors:
             self._on_bad_example(index, kind, message, path, detail)
-        self._report_skipped()
         pool.fill()
         return batch
 
@@ -376,7 +380,6 @@ class MultiprocessIterator(iterator_module.Iterator):
             except Exception as e:
                 kind, message, path = _workers.describe_error(e)
                 self._on_bad_example(index, kind, message, path, '')
-        self._report_skipped()
         return batch
 
     def _on_bad_example(self, index, kind, message, path, detail):
@@ -394,7 +397,3 @@ class MultiprocessIterator(iterator_module.Iterator):
             except Exception:
                 path = None
         return path
-
-    def _report_skipped(self):
-        if self.on_error == 'skip':
-            chainer.report({'skipped_examples': len(self.skipped)})

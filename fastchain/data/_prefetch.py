@@ -156,18 +156,21 @@ class DevicePrefetcher(iterator_module.Iterator):
                 if not self._may_fetch_ahead():
                     self._put(_HERE)
                     return
+                skipped = _skipped_of(it)
                 try:
                     batch = PreparedBatch.of(it.next())
                 except StopIteration:
                     self._put(_END)
                     return
+                if skipped is not None:
+                    skipped = _skipped_of(it) - skipped
                 with edge() as done:
                     batch.arrays = convert._call_converter(self._convert, batch,
                                                            self.device)
                 batch.event = done.event
                 # Chainer's reporter is per thread: what the iterator reported
                 # here is reported again where the batch is taken
-                if not self._put((batch, _state_of(it), _skipped_of(it))):
+                if not self._put((batch, _state_of(it), skipped)):
                     return
         except BaseException as e:      # hand it to the training loop
             self._put(e)
@@ -273,7 +276,8 @@ class DevicePrefetcher(iterator_module.Iterator):
 
 
 def _skipped_of(it):
-    """The examples ``it`` skipped so far, where it skips bad ones."""
+    """How many examples ``it`` has left out so far, where it skips bad ones
+    (its ``next()`` reports how many it left out, in the calling thread)."""
     if getattr(it, 'on_error', None) != 'skip':
         return None
     return len(it.skipped)

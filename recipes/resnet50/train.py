@@ -345,6 +345,34 @@ class ValidationSkips(training.Extension):
         pass        # counts per evaluation: nothing to carry over a resume
 
 
+def write_skipped(args, iterators, comm, rank):
+    """With --skip-bad-images: the images left out (every process's), by file
+    and with the error, in ``skipped.json`` under --out, and one line saying
+    how many (the log's counts say when, not which)."""
+    found = {name: it.skipped for name, it in iterators.items()}
+    every = comm.allgather_obj(found, what='gathering the images left out') \
+        if comm is not None else [found]
+    if rank != 0:
+        return
+    listing, said = {}, []
+    for name in iterators:
+        files = {}
+        for entry in (e for process in every for e in process[name]):
+            key = entry['path'] or 'example {}'.format(entry['index'])
+            files.setdefault(key, {'file': key, 'error': entry['error'], 'times': 0})
+            files[key]['times'] += 1
+        listing[name] = sorted(files.values(), key=lambda f: f['file'])
+        said.append('{} {} image{} ({} time{})'.format(
+            len(files), name, '' if len(files) == 1 else 's',
+            sum(f['times'] for f in files.values()),
+            '' if sum(f['times'] for f in files.values()) == 1 else 's'))
+    path = os.path.join(args.out, 'skipped.json')
+    with open(path, 'w') as f:
+        json.dump(listing, f, indent=2)
+    print('--skip-bad-images: left out {}; listed in {}'.format(' and '.join(said), path),
+          flush=True)
+
+
 class LogTrigger:
     """Every ``n`` iterations and at the last one (so the final evaluation
     reaches the log even when ``n`` does not divide the run)."""
@@ -609,6 +637,8 @@ def main(argv=None):
         sys.exit(130)
     finally:
         val_it.finalize()
+    if args.skip_bad_images:
+        write_skipped(args, {'training': train_it.iterator, 'validation': val_it}, comm, rank)
     log = trainer.get_extension('LogReport') if rank == 0 else None
     if rank == 0:
         write_config(args, handle, world, 'at the end of training')

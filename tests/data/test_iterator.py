@@ -161,14 +161,43 @@ def test_skip_option_leaves_bad_files_out_and_counts_them(bad_root, workers):
     it = data.MultiprocessIterator(d, 4, repeat=False, shuffle=False,
                                    n_workers=workers, on_error='skip')
     reporter = chainer.Reporter()
-    observation = {}
-    with reporter.scope(observation):
-        sizes = [len(b) for b in it]
+    sizes, reported = [], []
+    for _ in range(3):
+        observation = {}
+        with reporter.scope(observation):
+            sizes.append(len(it.next()))
+        reported.append(observation['skipped_examples'])
+    with pytest.raises(StopIteration):
+        it.next()
     assert sum(sizes) == len(d) - 4
     assert sorted(os.path.basename(s['path']) for s in it.skipped) == \
         ['corrupt.jpg', 'missing.jpg', 'notes.jpg', 'truncated.jpg']
-    assert observation['skipped_examples'] == 4
+    # each next() reports what its batch left out (entries 2..5 are bad), not
+    # a running count: LogReport averages a key over its interval
+    assert reported == [2, 2, 0]
     it.finalize()
+
+
+def test_a_log_report_of_skipped_examples_adds_up_to_the_count(bad_root):
+    """Through a trainer's LogReport, the mean of skipped_examples times the
+    interval's iterations is the number of examples left out in it (a running
+    count averaged over the interval was neither)."""
+    d = data.ImageListDataset(os.path.join(bad_root, 'bad.txt'))
+    it = data.MultiprocessIterator(d, 4, shuffle=False, n_workers=0, on_error='skip')
+    model = chainer.links.Classifier(chainer.links.Linear(None, 2))
+    optimizer = chainer.optimizers.SGD()
+    optimizer.setup(model)
+
+    def colours(batch, device=None):     # the images' sizes differ
+        return (numpy.stack([x.mean(axis=(1, 2)) for x, _ in batch]).astype(numpy.float32),
+                numpy.array([t for _, t in batch], numpy.int32))
+    updater = chainer.training.StandardUpdater(it, optimizer, converter=colours)
+    trainer = chainer.training.Trainer(updater, (6, 'iteration'))
+    log = chainer.training.extensions.LogReport(trigger=(3, 'iteration'))
+    trainer.extend(log)
+    trainer.run()
+    it.finalize()
+    assert [round(e['skipped_examples'] * 3) for e in log.log] == [4, 4]
 
 
 class _BadAt:

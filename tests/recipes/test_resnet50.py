@@ -216,11 +216,18 @@ def test_bad_images_stop_with_the_fix_or_are_skipped_and_counted(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     log = json.loads((tmp_path / 'o' / 'log').read_text())
-    # 32 images, batch 8: the broken one is met in the first epoch (4 iterations)
-    assert sum(e.get('skipped_examples', 0) for e in log) > 0
+    # 16 training images, batch 8, 4 iterations (two epochs), logged every 2:
+    # the broken one is left out twice, the log's mean per iteration says so
+    assert [e['skipped_examples'] * 2 for e in log] == [1, 1], log
     # the validation image left out is counted too (it was lost: its report
     # was made outside the evaluator's observation)
     assert log[-1]['validation/skipped_examples'] == 1, log[-1]
+    listed = json.loads((tmp_path / 'o' / 'skipped.json').read_text())
+    assert [(f['file'].endswith('a/3.jpg'), f['times']) for f in listed['training']] == \
+        [(True, 2)]
+    assert [f['file'].endswith('b/1.jpg') for f in listed['validation']] == [True]
+    assert 'left out 1 training image (2 times) and 1 validation image (1 time); ' \
+        'listed in' in r.stdout, r.stdout[-2000:]
 
 
 def test_a_list_format_dataset_beside_a_train_folder_is_read_as_lists(tmp_path):
@@ -347,6 +354,24 @@ def test_data_parallel_under_mpiexec_with_resume(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     log = log_of(tmp_path, 'dp2')
     assert [e['iteration'] for e in log] == [2, 4, 6]
+
+
+def test_data_parallel_skip_bad_images_lists_every_processs_images(tmp_path):
+    """skipped.json and the closing line hold what every rank left out (the
+    broken training image is in one rank's shard, whichever it is)."""
+    from fastchain.backends import mpi
+    _image_folders(tmp_path / 'ds', broken='a/3.jpg', broken_val='b/1.jpg')
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, RECIPE, '--data',
+                        str(tmp_path / 'ds'), '--out', str(tmp_path / 'o'), '--epochs', '2',
+                        '--no-snapshots', '--skip-bad-images'] + TINY + ['--batch-size', '4'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    listed = json.loads((tmp_path / 'o' / 'skipped.json').read_text())
+    assert [(f['file'].endswith('a/3.jpg'), f['times']) for f in listed['training']] == \
+        [(True, 2)]                 # two epochs
+    assert [(f['file'].endswith('b/1.jpg'), f['times']) for f in listed['validation']] == \
+        [(True, 2)]                 # two evaluations
+    assert r.stdout.count('--skip-bad-images: left out 1 training image (2 times)') == 1
 
 
 @pytest.mark.gpu
