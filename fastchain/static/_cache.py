@@ -188,6 +188,10 @@ class _Cache:
                               "Chainer's static graph cannot record or replay this graph "
                               '(a limit of the cache, not a verified difference; the step '
                               'ran define-by-run)'.format(where, type(e).__name__, e))
+        kept = before.kept_variables()
+        if kept:
+            before.restore()
+            return self._redo(plain, args, *_reasons.kept_reason(kept))
         if building:
             recorder.resolve(chain)
             refused = _functions.refusal(recorder.names)
@@ -206,10 +210,12 @@ class _Cache:
         schedule = chain.static_schedule
         after = _verify.Snapshot(chain, grads=False)
         before.restore_persistents()
+        before.restore_attributes()
         numpy.random.set_state(before.random)
         reference = _verify.Reference(chain, plain, args)
         reached = _verify.Snapshot(chain, grads=False)
         after.restore_persistents()
+        after.restore_attributes()
         numpy.random.set_state(after.random)
         found = self._compare_forward(key, building, out, after, reference, reached)
         if found is not None:

@@ -22,6 +22,18 @@ def sequence_reason(calls, recorded):
             'that depends on the data?'.format(_call(got), _call(had), k + 1))
 
 
+def kept_reason(kept):
+    """(cause, reason): the forward kept variables it made in attributes."""
+    return ('not static', 'the model keeps what a call computes: its forward stores a '
+            'variable in {}{} (state from call to call, as L.LSTM keeps h and c, or a value '
+            'kept for later use). The cache verifies and replays a call from its inputs and '
+            'parameters to its outputs; a variable kept past the call is outside that (a '
+            "later call's gradient through it was lost, measured with L.LSTM). Links that "
+            'take their state as inputs and return it (L.StatelessLSTM, L.NStepLSTM) can be '
+            'cached'.format(', '.join(kept[:3]), ' and {} more'.format(len(kept) - 3)
+                            if len(kept) > 3 else ''))
+
+
 def value_reason(names, building, what, how, backward=False):
     """(cause, reason): a value differs between the replay and define-by-run
     (``names``: the functions the key recorded)."""

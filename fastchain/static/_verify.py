@@ -10,6 +10,8 @@ and compared too (:class:`BackwardCheck`). What is compared:
 - forward: the functions applied (names, input shapes and their scalar
   constants), the outputs, every persistent value of every link (running
   statistics), and NumPy's global random state (the same draws consumed);
+  a call that leaves a variable in a link's attribute (``L.LSTM``'s ``h``)
+  is refused before the reference runs;
 - backward: the gradient of every parameter (define-by-run accumulates into
   a gradient left from before the step, so that is the expectation) and of
   every floating-point input.
@@ -155,18 +157,22 @@ def _copy(x, inputs):
 
 class Snapshot:
     """What a call may change, to put back: every link's persistent values,
+    the arrays and variables its other attributes hold (the state a link
+    keeps between calls, L.LSTM's ``h`` and ``c``, and what a forward leaves
+    behind, L.Classifier's ``loss``: by reference, as a forward rebinds them),
     every parameter's gradient, NumPy's global random state, and which
     parameters were not made yet (``L.Linear(None, n)``: a call that makes
     one draws from that random state, so putting the state back unmakes it,
     and the define-by-run call that follows makes it as plain Chainer does)."""
 
     def __init__(self, chain, grads=True):
-        self.persistents = []
+        self.persistents, self.attributes = [], []
         for path, link in chain.namedlinks():
             for name in sorted(link._persistent):
                 value = link.__dict__.get(name)
                 copy = value.copy() if hasattr(value, 'copy') else value
                 self.persistents.append((link, name, path.rstrip('/') + '/' + name, copy))
+            self.attributes.append((link, path.rstrip('/'), _held(link)))
         self.grads = None
         if grads:
             self.grads = [(name, p, p.grad_var, None if p.grad is None else p.grad.copy())
@@ -176,6 +182,7 @@ class Snapshot:
 
     def restore(self):
         self.restore_persistents()
+        self.restore_attributes()
         numpy.random.set_state(self.random)
         for p in self.unmade:
             if p.array is not None:
@@ -194,6 +201,24 @@ class Snapshot:
             else:
                 setattr(link, name, saved.copy() if hasattr(saved, 'copy') else saved)
 
+    def restore_attributes(self):
+        """Each link's arrays and variables held in attributes as they were
+        (a call run twice, replay and reference, starts from the same state
+        and leaves the replay's: the reference run of an L.LSTM advanced its
+        ``h`` a second time)."""
+        for link, _, held in self.attributes:
+            for name in set(_held(link)) - set(held):
+                del link.__dict__[name]         # made by the call
+            for name, value in held.items():
+                link.__dict__[name] = value
+
+    def kept_variables(self):
+        """The attributes (``/path/name``) that now hold a variable they did not
+        hold at the snapshot: a forward keeping what it made (L.LSTM's ``h``)."""
+        return ['{}/{}'.format(path, name) for link, path, held in self.attributes
+                for name, value in sorted(_held(link).items())
+                if isinstance(value, chainer.Variable) and held.get(name) is not value]
+
     def compare_persistents(self, other):
         """The first persistent value that differs from ``other``'s, or None."""
         return first_difference((path, mine, theirs) for (_, _, path, mine), (_, _, _, theirs)
@@ -203,6 +228,16 @@ class Snapshot:
         a, b = self.random, other.random
         return a[0] == b[0] and a[2:] == b[2:] and numpy.array_equal(a[1], b[1])
 
+
+
+def _held(link):
+    """``link``'s attributes holding an array, a variable or None, other than
+    its parameters, persistent values and child links."""
+    children = getattr(link, '_children', ())       # a Chain's names; a ChainList's links
+    skip = link._params | link._persistent | (children if isinstance(children, set) else set())
+    return {name: value for name, value in link.__dict__.items()
+            if name not in skip and (value is None or isinstance(value, chainer.Variable)
+                                     or isinstance(value, chainer.get_array_types()))}
 
 
 _local = threading.local()

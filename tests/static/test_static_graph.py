@@ -452,3 +452,77 @@ def test_a_parameter_first_made_under_a_later_key_is_made_as_define_by_run_makes
                 rng.randint(0, 5, 4).astype(numpy.int32)) for i in range(9)]
     assert side_by_side(ordinary, cached, batches) == []
     assert len(cache_state(cached)['sequences']) == 2      # both keys recorded
+
+
+class _Recurrent(chainer.Chain):
+    """A language model's step: L.LSTM keeps h and c from call to call."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.lstm = L.LSTM(4, 4)
+            self.out = L.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(self.lstm(x))
+
+
+def test_a_link_keeping_state_between_calls_falls_back_before_its_first_replay():
+    """Truncated backprop as Chainer's PTB example does it: several calls, then
+    one backward. The cache recorded the first call and refused at the second
+    (the graph differs once h exists): the verification had run the first call
+    twice (h advanced twice: other losses from the first call on) and that
+    call's own gradients were lost. Refused at the first call now, for the
+    variables it keeps, so every step is define-by-run's, bit for bit."""
+    ordinary, cached, _ = pair(_Recurrent)
+    rng = numpy.random.RandomState(0)
+    xs = rng.randn(9, 2, 4).astype(numpy.float32)
+    ts = rng.randint(0, 3, (9, 2)).astype(numpy.int32)
+    optimizers = []
+    for model in (ordinary, cached):
+        optimizer = chainer.optimizers.SGD(0.5)
+        optimizer.setup(model)
+        optimizers.append(optimizer)
+    with pytest.warns(StaticGraphFallback, match='stores a variable in /lstm/c, /lstm/h'):
+        for start in (0, 3, 6):
+            losses = []
+            for model, optimizer in zip((ordinary, cached), optimizers):
+                loss = 0
+                for x, t in zip(xs[start:start + 3], ts[start:start + 3]):
+                    loss += F.softmax_cross_entropy(model(x), t)
+                model.cleargrads()
+                loss.backward()
+                loss.unchain_backward()
+                optimizer.update()
+                losses.append(float(loss.array))
+            assert losses[0] == losses[1]
+            for (name, p), (_, q) in zip(sorted(ordinary.namedparams()),
+                                         sorted(cached.namedparams())):
+                assert numpy.array_equal(p.array, q.array), name
+            assert numpy.array_equal(ordinary.lstm.h.array, cached.lstm.h.array)
+    assert cache_state(cached)['cause'] == 'not static'
+
+
+class _WithAChainList(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.layers = chainer.ChainList(L.Linear(4, 5), L.Linear(5, 3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.relu(layer(x))
+        return x
+
+
+def test_a_chain_list_inside_the_model_is_cached():
+    """A ChainList holds its links in a list, not by name (the check of kept
+    variables raised TypeError on it)."""
+    ordinary, cached, _ = pair(_WithAChainList)
+    rng = numpy.random.RandomState(0)
+    t = numpy.zeros(2, numpy.int32)
+    for _ in range(4):
+        x = rng.randn(2, 4).astype(numpy.float32)
+        assert step(ordinary, x, t) == step(cached, x, t)
+        assert_same(ordinary, cached, rtol=0, atol=0)
+    assert cache_state(cached)['fallback'] is None
