@@ -15,21 +15,21 @@ per-function Python work. fastchain uses it with its faults fixed
   replaced before anything is updated) and the chain runs define-by-run from
   then on, with a warning that names the cause: a function the cache refuses,
   a model that is not static, or a defect of the cache itself;
-- **refusal** of functions the replay cannot reproduce, at the step that
-  builds the schedule (:mod:`fastchain.static._functions`: ``F.dropout`` and
-  the other random functions, functions whose backward keeps forward state);
-- **keys**: one Chainer schedule manager per key, so a schedule is reused
-  only for the same structure, types, shapes, dtypes and devices of the
-  inputs and the same configuration (``chainer.config`` ``train``, ``dtype``,
-  ``use_cudnn``, ``cudnn_deterministic``, ``use_ideep``,
-  ``cudnn_fast_batch_normalization``, ``lazy_grad_sum``);
+- **refusal** of functions the replay cannot reproduce (``F.dropout``, the
+  other random functions, those whose backward keeps forward state:
+  :mod:`fastchain.static._functions`), of a call that leaves a variable in a
+  link (``L.LSTM``'s state), and of a chain called twice before a backward
+  (so its first call runs define-by-run, and a recording starts at the next);
+- **keys**: one Chainer schedule manager per key (the structure, types,
+  shapes, dtypes and devices of the inputs, and ``chainer.config``'s
+  ``train``, ``dtype``, ``use_cudnn``, ``cudnn_deterministic``, ``use_ideep``,
+  ``cudnn_fast_batch_normalization`` and ``lazy_grad_sum``);
 - **autotune** (``enable(autotune=...)``, :mod:`fastchain.tune`): once a key
   is verified, its replay and define-by-run take turns for a few steps, timed
   over whole steps, and the faster is kept (a model too small for the replay
   to pay trains define-by-run; the bits are the same either way);
-- define-by-run wherever the replay does not apply: evaluation
-  (``train == False``), ``no_backprop_mode``, inside another cached chain's
-  recording, ``use_static_graph == False``, and keyword arguments.
+- define-by-run wherever the replay does not apply: evaluation, no backprop,
+  another cached chain's recording, ``use_static_graph == False``, keywords.
 
 .. note:: Checking is by sampling: a model whose control flow or Python
    constants change after the verified steps is not caught, nor are random
@@ -102,6 +102,7 @@ class _Cache:
         self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)
         self.structures = {}        # autotune: key -> the choice's key
         self.lazy = {}              # key -> the parameters unmade before its define-by-run step
+        self.passes = None          # backward passes counted at the last call
         LIVE.add(self)
 
     def __call__(self, plain, args, kwargs):
@@ -110,17 +111,23 @@ class _Cache:
                 or not config.enable_backprop or config.schedule_func is not None
                 or not config.use_static_graph or _verify.in_reference()):
             self.turns.void()       # an evaluation between two steps is not timed
-            # Chainer keys a train-mode call without backprop as 'test' and
-            # records it outside fastchain's fixes; a call inside another
-            # cached chain's recording (or check) belongs to that one.
+            # (Chainer records a train-mode call without backprop as 'test',
+            # outside the fixes; a call in another cached chain's belongs to it)
             return plain(*args, **kwargs)
         key = _keys.key(args) if not kwargs else None
         if key is None:
             self.fall_back('unsupported', 'the cache replays calls whose arguments are '
-                           'arrays or variables (nested in lists or tuples), without '
-                           'keyword arguments; this call has {}'.format(
+                           'arrays or variables (nested in lists or tuples), without keyword '
+                           'arguments; this call has {}'.format(
                                'keyword arguments' if kwargs else 'another argument'))
             return plain(*args, **kwargs)
+        passes = _fixes.backward_passes()       # two calls feeding one backward?
+        if passes == self.passes:
+            return self._redo(plain, args, 'unsupported', _reasons.SEVERAL_CALLS)
+        first, self.passes = self.passes is None, passes
+        if first:
+            self.turns.reset()
+            return plain(*args)
         chain = self.ref()
         managers = chain.__dict__.get('schedule_manager')
         if getattr(managers, 'owner', None) is not self.token:
@@ -131,11 +138,9 @@ class _Cache:
         if building:
             lazy = _uninitialized(chain)
             if lazy and lazy != self.lazy.get(key):
-                # A parameter of unknown size (L.Linear(None, n)) is made on
-                # its first call from NumPy's global generator: a step whose
-                # call makes one runs define-by-run, as in plain Chainer, and
-                # a later one records (one that makes none: an unused layer
-                # stays unmade, and the schedule is recorded without it).
+                # L.Linear(None, n) is made on its first call from NumPy's
+                # generator: that step runs define-by-run, a later one records
+                # (one that makes none: an unused layer is left out of it).
                 self.lazy[key] = lazy
                 self.turns.reset()
                 return plain(*args)
@@ -154,9 +159,8 @@ class _Cache:
         is verified the two give the same bits; which is faster is measured
         over whole steps (from this forward to the next one of the key:
         backward, update and loading included), taking turns."""
-        # Keyed by what was recorded (functions, shapes, constants, parameter
-        # names), as a kernel's choice is by its shapes: a rebuilt model of
-        # the same structure takes the choice made for the first.
+        # Keyed by what was recorded (as a kernel's choice is by its shapes):
+        # a rebuilt model of the same structure takes the first one's choice.
         structure = self.structures.get(key)
         if structure is None:
             structure = self.structures[key] = (self.name, hashlib.sha1(repr(

@@ -36,7 +36,8 @@ The layers (:mod:`fastchain.config._patches`, layer ``static_graph``) are on
 ``BatchNormalization.backward``, ``FixedBatchNormalization.backward``,
 ``StaticScheduleFunction.build_schedule``,
 ``StaticScheduleFunction.backward`` (a schedule with a pending check attached
-under :data:`CHECK` runs it: :class:`fastchain.static._verify.BackwardCheck`)
+under :data:`CHECK` runs it: :class:`fastchain.static._verify.BackwardCheck`),
+``Variable.backward`` (counted: :func:`backward_passes`)
 and the ``print`` of Chainer's static_graph module, held while any chain is
 cached: each cached chain holds a lease (:func:`acquire`), released when the
 cache is undone or the chain is collected, and the layers leave with the last
@@ -68,10 +69,27 @@ def installed():
     return bool(_leases)
 
 
+def backward_passes():
+    """How many times ``Variable.backward`` was entered while the fixes were
+    in place (a cached chain called twice with none between feeds one
+    backward with both calls)."""
+    return _backwards[0]
+
+
+_backwards = [0]
+
+
+def _count_backward(next_, *args, **kwargs):
+    _backwards[0] += 1
+    return next_(*args, **kwargs)
+
+
 def _targets():
+    import chainer
     from chainer.functions.normalization import batch_normalization as bn
     from chainer.graph_optimizations import static_graph as sg
-    return ((bn.BatchNormalization, 'backward', _live.batch_normalization_backward),
+    return ((chainer.Variable, 'backward', _count_backward),
+            (bn.BatchNormalization, 'backward', _live.batch_normalization_backward),
             (bn.FixedBatchNormalization, 'backward', _live.fixed_batch_normalization_backward),
             (sg.StaticScheduleFunction, 'build_schedule', _build_then_fix),
             (sg.StaticScheduleFunction, 'backward', _backward_then_check),

@@ -22,6 +22,15 @@ def sequence_reason(calls, recorded):
             'that depends on the data?'.format(_call(got), _call(had), k + 1))
 
 
+SEVERAL_CALLS = (
+    'the model is called more than once before a backward (losses of several calls '
+    'summed: truncated backprop, a pair of inputs, a critic on real and fake data; or a '
+    'training-mode call outside the step). Chainer\'s replay keeps one call\'s arrays '
+    "per schedule and writes the parameters' gradients itself, which the backward of "
+    'the other calls would overwrite; call the model once per backward (e.g. on the '
+    'concatenated batch) to have it cached')
+
+
 def kept_reason(kept):
     """(cause, reason): the forward kept variables it made in attributes."""
     return ('not static', 'the model keeps what a call computes: its forward stores a '

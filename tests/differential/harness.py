@@ -38,7 +38,7 @@ import fastchain
 from fastchain.precision import scaler_of
 from fastchain.tune import _tuner
 
-from tests.differential.models import batches, build, make_optimizer
+from tests.differential.models import batches, build, loss_of, make_optimizer
 
 SEED = 1234
 FP16_SCALE = 8.0                # the static scale both fp16 runs use
@@ -252,11 +252,7 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
                     scales.append(optimizer._loss_scale)
 
                 def lossfun(*arrays):
-                    # The image as a Variable: Chainer 7.8.1's deconvolution
-                    # backward fails when only its weight needs a gradient
-                    # (DEVELOPERS.md), i.e. on a plain array.
-                    x = chainer.Variable(arrays[0])
-                    loss = F.softmax_cross_entropy(model(x, *arrays[1:-1]), arrays[-1])
+                    loss = loss_of(model, arrays)
                     losses.append(loss.array.copy())
                     return loss
                 if loop == 'update':
@@ -400,8 +396,7 @@ def run_script(spec, opt_spec, hooks, iterations, shuffle, options=None):
             losses = []
 
             def lossfun(*arrays):
-                x = chainer.Variable(arrays[0])
-                loss = F.softmax_cross_entropy(model(x, *arrays[1:-1]), arrays[-1])
+                loss = loss_of(model, arrays)
                 losses.append(loss.array.copy())
                 return loss
             iterator = chainer.iterators.SerialIterator(dataset, n, shuffle=shuffle)

@@ -29,7 +29,7 @@ def _deconv_out(size, k, s, p):
 
 @st.composite
 def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_branch=True,
-                allow_lazy=True):
+                allow_lazy=True, allow_calls=False):
     n = draw(st.integers(2, 4))
     c = draw(st.integers(1, 4))
     h, w = draw(st.integers(4, 11)), draw(st.integers(4, 11))
@@ -89,8 +89,13 @@ def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_bra
     # the head's input size left to Chainer (L.Linear(None, n)): its weights
     # are made on the first call, from NumPy's global generator
     lazy = allow_lazy and draw(st.booleans())
+    # several calls a step (their losses summed, one backward), and an L.LSTM
+    # before the head keeping h and c from call to call (truncated backprop,
+    # as Chainer's PTB example trains)
+    calls = draw(st.sampled_from([1, 1, 2, 3])) if allow_calls else 1
+    recurrent = allow_calls and draw(st.integers(0, 3)) == 0
     return {'input': spec_input, 'layers': tuple(layers), 'extra_input': extra,
-            'branch': branch, 'lazy_head': lazy}
+            'branch': branch, 'lazy_head': lazy, 'calls': calls, 'recurrent': recurrent}
 
 
 class Net(chainer.Chain):
@@ -121,6 +126,8 @@ class Net(chainer.Chain):
                 elif kind == 'res':
                     setattr(self, name, L.Convolution2D(c, c, layer[2], 1, layer[2] // 2,
                                                         initialW=init))
+            if spec.get('recurrent'):
+                self.rec = L.LSTM(c, c)
             self.head = L.Linear(None if spec.get('lazy_head') else c, CLASSES,
                                  initialW=init)
             if spec['extra_input']:
@@ -146,6 +153,8 @@ class Net(chainer.Chain):
             elif kind == 'dropout':
                 h = F.dropout(h, layer[1])
         h = F.mean(h, axis=(2, 3))
+        if self.spec.get('recurrent'):
+            h = self.rec(h)
         if self.spec['branch'] and float(getattr(x, 'array', x).mean()) > 0:
             y = self.other(h)       # the data decides which head runs
         else:
@@ -157,6 +166,23 @@ class Net(chainer.Chain):
 
 def build(spec):
     return Net(spec)
+
+
+def loss_of(model, arrays):
+    """A step's loss on a batch ``(x[, z], t)``: the model called
+    ``spec['calls']`` times, the losses summed; a recurrent model's state
+    carried from call to call, reset at the start (a snapshot does not hold
+    it: a resumed run starts from none, as Chainer's own would)."""
+    if model.spec.get('recurrent'):
+        model.rec.reset_state()
+    loss = 0
+    for _ in range(model.spec.get('calls', 1)):
+        # The image as a Variable: Chainer 7.8.1's deconvolution backward
+        # fails when only its weight needs a gradient (DEVELOPERS.md), i.e.
+        # on a plain array.
+        x = chainer.Variable(arrays[0])
+        loss += F.softmax_cross_entropy(model(x, *arrays[1:-1]), arrays[-1])
+    return loss
 
 
 def batches(spec, steps, seed, dtype=numpy.float32):

@@ -45,12 +45,13 @@ def layouts(draw, steps):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_fastchain_trains_as_plain_chainer(data):
-    spec = data.draw(model_specs(), 'model')
+    spec = data.draw(model_specs(allow_calls=True), 'model')
     fp16 = data.draw(st.booleans(), 'fp16')
     hooks = data.draw(HOOKS, 'hooks')
     optimizer = data.draw(OPTIMIZERS, 'optimizer')
-    # up to 6: the static cache's choice starts after its build and 2 verified replays
-    steps = data.draw(st.integers(2, 6), 'steps')
+    # up to 7: the static cache's choice starts after a define-by-run step, its build
+    # and 2 verified replays
+    steps = data.draw(st.integers(2, 7), 'steps')
     layout = data.draw(layouts(steps), 'layout')
     resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
     loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
@@ -88,7 +89,7 @@ def test_fastchain_trains_as_plain_chainer(data):
 def test_a_plain_script_with_the_loader_trains_as_plain_chainer(data):
     """The loader replaces the script's SerialIterator: the same batches, in
     the same order, drawn at the same points of NumPy's global RNG."""
-    spec = data.draw(model_specs(max_layers=3, allow_branch=False), 'model')
+    spec = data.draw(model_specs(max_layers=3, allow_branch=False, allow_calls=True), 'model')
     optimizer = data.draw(OPTIMIZERS, 'optimizer')
     hooks = data.draw(HOOKS, 'hooks')
     options = data.draw(st.fixed_dictionaries(
@@ -119,13 +120,13 @@ def test_onednn_trains_within_its_stated_tolerance_of_plain_chainer(data):
     leaves (measuring, or forced to either side), with onednn in either handle
     (the second one disabled at a random step)."""
     pytest.importorskip('torch', reason="onednn's kernels come from PyTorch")
-    spec = data.draw(model_specs(), 'model')
+    spec = data.draw(model_specs(allow_calls=True), 'model')
     hooks = data.draw(HOOKS, 'hooks')
     # Not Adam: its per-element normalisation turns rounding noise in a
     # gradient that is zero in exact arithmetic (a convolution's bias before
     # BatchNormalization) into a full step.
     optimizer = data.draw(SGD_FAMILY, 'optimizer')
-    steps = data.draw(st.integers(2, 6), 'steps')
+    steps = data.draw(st.integers(2, 7), 'steps')
     first, second, disable_at = data.draw(layouts(steps), 'layout')
     (first, second)[data.draw(st.sampled_from([0, 1]), 'onednn in')]['onednn'] = True
     first['_tuning'] = data.draw(st.sampled_from(['measure', 'chainer', 'fastchain']),

@@ -157,9 +157,10 @@ def test_machinery_errors_fall_back_with_the_reason(monkeypatch):
     try:
         with pytest.warns(StaticGraphFallback,
                           match='could not be built.*unsupported on purpose'):
-            step(cached, x, t)
-        step(ordinary, x, t)
-        assert_same(ordinary, cached)
+            for _ in range(2):      # the first call runs define-by-run, the second builds
+                step(cached, x, t)
+                step(ordinary, x, t)
+                assert_same(ordinary, cached)
     finally:
         # Take the fixes out while the broken method is still in place, so
         # they do not put it back after monkeypatch has restored the original.
@@ -189,7 +190,7 @@ def test_the_report_names_the_models_cached_and_those_that_fell_back():
         with pytest.warns(StaticGraphFallback):
             for _ in range(2):
                 dropping(rng.randn(4, 3).astype(numpy.float32),
-                         rng.randint(0, 2, 4).astype(numpy.int32))
+                         rng.randint(0, 2, 4).astype(numpy.int32)).backward()
         state = h.report()['static_graph']
         assert state['active']
         assert state['calls']['cached'] == {type(kept.predictor).__name__: 1}
@@ -467,13 +468,19 @@ class _Recurrent(chainer.Chain):
         return self.out(self.lstm(x))
 
 
-def test_a_link_keeping_state_between_calls_falls_back_before_its_first_replay():
+@pytest.mark.parametrize('calls, why', [
+    (3, 'called more than once before a backward'),
+    (1, 'stores a variable in /lstm/c, /lstm/h')])
+def test_a_link_keeping_state_between_calls_trains_as_define_by_run(calls, why):
     """Truncated backprop as Chainer's PTB example does it: several calls, then
     one backward. The cache recorded the first call and refused at the second
     (the graph differs once h exists): the verification had run the first call
-    twice (h advanced twice: other losses from the first call on) and that
-    call's own gradients were lost. Refused at the first call now, for the
-    variables it keeps, so every step is define-by-run's, bit for bit."""
+    twice (h advanced twice: other losses from the first step on) and that
+    call's own gradients were lost. Now the first call runs define-by-run and
+    a second one before a backward gives the cache up; with one call a step
+    (the state carried over from step to step), the variables the call keeps
+    refuse it before its first replay. Every step is define-by-run's, bit for
+    bit."""
     ordinary, cached, _ = pair(_Recurrent)
     rng = numpy.random.RandomState(0)
     xs = rng.randn(9, 2, 4).astype(numpy.float32)
@@ -483,12 +490,12 @@ def test_a_link_keeping_state_between_calls_falls_back_before_its_first_replay()
         optimizer = chainer.optimizers.SGD(0.5)
         optimizer.setup(model)
         optimizers.append(optimizer)
-    with pytest.warns(StaticGraphFallback, match='stores a variable in /lstm/c, /lstm/h'):
-        for start in (0, 3, 6):
+    with pytest.warns(StaticGraphFallback, match=why):
+        for start in range(0, 9, calls):
             losses = []
             for model, optimizer in zip((ordinary, cached), optimizers):
                 loss = 0
-                for x, t in zip(xs[start:start + 3], ts[start:start + 3]):
+                for x, t in zip(xs[start:start + calls], ts[start:start + calls]):
                     loss += F.softmax_cross_entropy(model(x), t)
                 model.cleargrads()
                 loss.backward()
@@ -500,7 +507,7 @@ def test_a_link_keeping_state_between_calls_falls_back_before_its_first_replay()
                                          sorted(cached.namedparams())):
                 assert numpy.array_equal(p.array, q.array), name
             assert numpy.array_equal(ordinary.lstm.h.array, cached.lstm.h.array)
-    assert cache_state(cached)['cause'] == 'not static'
+    assert cache_state(cached)['fallback'] is not None
 
 
 class _WithAChainList(chainer.Chain):
@@ -526,3 +533,45 @@ def test_a_chain_list_inside_the_model_is_cached():
         assert step(ordinary, x, t) == step(cached, x, t)
         assert_same(ordinary, cached, rtol=0, atol=0)
     assert cache_state(cached)['fallback'] is None
+
+
+@pytest.mark.parametrize('make', [LazyMLP, Branchy])
+def test_a_chain_called_twice_before_a_backward_trains_as_define_by_run(make):
+    """Two calls' losses summed, one backward (a pair of inputs, a critic on
+    real and fake data): the second call before a backward gives the cache up
+    with that reason (these two fell back later, at the verification of the
+    backward, as gradient accumulation); every step is define-by-run's, bit
+    for bit (the next test has a case that differed)."""
+    ordinary, cached = lazy_pair(make)
+    rng = numpy.random.RandomState(5)
+    width = 6 if make is LazyMLP else 4
+    optimizers = [chainer.optimizers.SGD(0.5).setup(m) for m in (ordinary, cached)]
+    with pytest.warns(StaticGraphFallback, match='called more than once before a backward'):
+        for i in range(4):
+            pairs = [(rng.randn(4, width).astype(numpy.float32),
+                      rng.randint(0, 3, 4).astype(numpy.int32)) for _ in range(2)]
+            for model, optimizer in zip((ordinary, cached), optimizers):
+                numpy.random.seed(i)        # a lazy layer draws its weights from it
+                optimizer.update(lambda: sum(F.softmax_cross_entropy(
+                    model(chainer.Variable(x)), t) for x, t in pairs))
+            for (name, p), (_, q) in zip(sorted(ordinary.namedparams()),
+                                         sorted(cached.namedparams())):
+                assert (p.array is None and q.array is None) or \
+                    numpy.array_equal(p.array, q.array), name
+    assert cache_state(cached)['cause'] == 'unsupported'
+
+
+def test_a_lazily_sized_model_called_twice_a_step_trains_as_plain_chainer(monkeypatch):
+    """The case the differential suite found (its harness, one drawn example):
+    a head sized on its first call, the model called twice on the batch, one
+    backward, under enable(static_graph=True). The first call ran
+    define-by-run (it made the head), the second recorded and replayed:
+    Chainer's backward then lost one call's gradients (the head's weights
+    differed after the first step)."""
+    from tests.differential import harness
+    monkeypatch.setattr(harness, '_events', lambda *args: None)   # hypothesis's events
+    spec = {'input': (2, 1, 4, 4), 'layers': (('relu',),), 'extra_input': False,
+            'branch': False, 'lazy_head': True, 'calls': 2, 'recurrent': False}
+    layout = ({'_tuning': 'measure', 'static_graph': True}, {}, None)
+    got = harness.run(spec, ('SGD', 0.01), [], 3, layout=layout, loop='update')
+    harness.compare(harness.run(spec, ('SGD', 0.01), [], 3, loop='update'), got)
