@@ -231,8 +231,14 @@ def _use_fp32_update(optimizer, target, changes):
 
 
 def check_model_dtype(link):
-    """Warn when fp16 is on but the model was built before it (fp32 params)."""
-    dtypes = {p.dtype for p in link.params() if p.array is not None}
+    """Warn when fp16 is on but the model was built before it (fp32 params).
+    Not counted: parameters not made yet (made in the dtype in force at their
+    first call) and those mixed16 keeps in float32 (BatchNormalization's and
+    GroupNormalization's)."""
+    import chainer.links as L
+    kept = (L.BatchNormalization, L.GroupNormalization)
+    dtypes = {sub.__dict__[name].dtype for sub in link.links() if not isinstance(sub, kept)
+              for name in sub._params if sub.__dict__[name].array is not None}
     if dtypes and numpy.dtype(numpy.float16) not in dtypes:
         warnings.warn(
             'fastchain: fp16 is enabled but {} has no float16 parameters, so it '

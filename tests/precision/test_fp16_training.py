@@ -252,6 +252,34 @@ def test_model_built_before_enable_warns():
             chainer.optimizers.SGD().setup(model)
 
 
+class _LazyWithBN(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.fc = L.Linear(None, 4, nobias=True)      # made at its first call
+            self.bn = L.BatchNormalization(4)             # float32 under mixed16
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+@pytest.mark.parametrize('built_before', [False, True])
+def test_a_lazily_sized_model_is_not_said_to_train_in_float32(built_before):
+    """Its only made parameters are BatchNormalization's, which mixed16 keeps
+    in float32; the Linear is made in float16 at its first call either way
+    (the warning said 'no float16 parameters' and asked to build it after
+    enable(), which it was)."""
+    model = L.Classifier(_LazyWithBN()) if built_before else None
+    with fp16_enable():
+        model = model or L.Classifier(_LazyWithBN())
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            optimizer = chainer.optimizers.SGD().setup(model)
+            optimizer.update(model, numpy.ones((2, 3), numpy.float16),
+                             numpy.zeros(2, numpy.int32))
+        assert model.predictor.fc.W.dtype == numpy.float16
+
+
 def test_fp16_on_cpu_warns_once_that_it_is_slower():
     with pytest.warns(FastchainWarning, match='slower') as record:
         h = fastchain.enable(fp16=True)
