@@ -159,7 +159,21 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     main = updater._iterators['main']
     if type(main) is not SerialIterator or not isinstance(
             main.order_sampler, (type(None), ShuffleOrderSampler)):
-        return      # the script chose its iterator or its order: leave it
+        import chainer.iterators as I
+        parallel = (MultiprocessIterator, DevicePrefetcher, I.MultiprocessIterator,
+                    I.MultithreadIterator)
+        if asked and not isinstance(main, parallel):
+            # the script chose its iterator or its order: leave it, and say so
+            import warnings
+            from fastchain.config._warning import FastchainWarning
+            warnings.warn(
+                'fastchain: loader_workers / prefetch_to_device leave this updater\'s '
+                'iterator as it is: {} is not a SerialIterator with its default order '
+                '(the script chose its iterator or its order), so nothing loads in worker '
+                'processes. Use fastchain.data.MultiprocessIterator for it (or '
+                'chainer.iterators.SerialIterator) to have them'.format(type(main).__name__),
+                FastchainWarning, stacklevel=_patches.user_stacklevel())
+        return
     if not asked and in_memory(main.dataset):
         return      # nothing for workers to do (IN_MEMORY_NOTE)
     main = upgrade_iterator(main, workers)

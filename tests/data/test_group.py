@@ -2,6 +2,7 @@
 the same order, drawn at the same points of NumPy's global RNG stream."""
 
 import threading
+import warnings
 
 import numpy
 import pytest
@@ -326,3 +327,39 @@ def test_asking_for_device_prefetch_uses_workers_for_a_dataset_in_memory_too():
     main, report = _main_iterator_under(_arrays(), prefetch_to_device=True)
     assert isinstance(main, data.DevicePrefetcher)
     assert report['note'] is None
+
+
+class _OwnIterator(chainer.dataset.Iterator):
+    """A script's own iterator (as Chainer's PTB and word2vec examples have)."""
+
+    def __init__(self, dataset):
+        self.dataset, self.epoch, self.is_new_epoch = dataset, 0, False
+
+    def __next__(self):
+        return [self.dataset[0]]
+
+
+@pytest.mark.parametrize('make, warned', [
+    (lambda d: _OwnIterator(d), True),
+    (lambda d: chainer.iterators.SerialIterator(
+        d, 4, order_sampler=lambda order, position: order), True),
+    (lambda d: chainer.iterators.MultithreadIterator(d, 4, n_threads=1), False),
+])
+def test_asked_for_workers_an_updater_whose_iterator_stays_says_so(make, warned):
+    """loader_workers=N left such an iterator unchanged without a word while
+    the report said the loader was active."""
+    dataset = chainer.datasets.TransformDataset(_arrays(), lambda e: e)
+    iterator = make(dataset)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter('always')
+        with fastchain.enable(loader_workers=2, prefetch_to_device=False):
+            updater = chainer.training.StandardUpdater(
+                iterator, chainer.optimizers.SGD(0.1).setup(L.Classifier(L.Linear(3, 2))))
+    assert updater.get_iterator('main') is iterator
+    said = [str(w.message) for w in record if 'leave this updater' in str(w.message)]
+    assert len(said) == warned
+    if warned:
+        assert type(iterator).__name__ in said[0]
+        assert 'fastchain.data.MultiprocessIterator' in said[0]
+    if hasattr(iterator, 'finalize'):
+        iterator.finalize()
