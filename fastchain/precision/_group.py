@@ -61,6 +61,7 @@ class Fp16Group(Group):
         plan.wrap(GradientMethod, 'setup', 'fp16', functools.partial(
             _setup_layer, loss_scale=values['loss_scale'], changes=changes))
         plan.wrap(convert, '_call_converter', 'fp16', _cast_layer)
+        plan.wrap(convert._ArbitraryCallableConverter, '__call__', 'fp16', _direct_cast_layer)
         plan.wrap(chainer.Variable, 'backward', 'fp16', _attach.record_backward_scale)
         from fastchain.cudnn._group import graph_status
         if cuda.cudnn_status().available or graph_status().available:
@@ -124,6 +125,17 @@ def _cast_layer(next_, converter, batch, device):
     there. Integer arrays (labels, uint8 images) pass unchanged.
     """
     return cast_floating(next_(converter, batch, device))
+
+
+def _direct_cast_layer(next_, converter, *args, **kwargs):
+    """A converter called directly casts too: a custom updater's
+    ``self.converter(batch, device)`` and a script's own loop calling
+    ``concat_examples`` (Chainer's DCGAN and custom-loop examples) bypass
+    ``_call_converter``, and their float32 batches met float16 layers
+    (Chainer's 'float16 != float32' type error). Converters made with
+    ``chainer.dataset.converter()`` (``concat_examples`` is one) are these;
+    a plain function called directly is not seen."""
+    return cast_floating(next_(converter, *args, **kwargs))
 
 
 def cast_floating(arrays, dtype=None):

@@ -280,6 +280,43 @@ def test_a_lazily_sized_model_is_not_said_to_train_in_float32(built_before):
         assert model.predictor.fc.W.dtype == numpy.float16
 
 
+class _DirectConverterUpdater(training.updaters.StandardUpdater):
+    """A custom updater calling its converter itself, as Chainer's DCGAN
+    example does."""
+
+    def update_core(self):
+        x, t = self.converter(self.get_iterator('main').next(), self.device)
+        self.get_optimizer('main').update(self.get_optimizer('main').target, x, t)
+
+
+@pytest.mark.parametrize('how', ['updater', 'loop'])
+def test_a_converter_called_directly_gives_fp16_batches_as_the_updater_does(how):
+    """A custom updater's self.converter(batch, device) and a loop calling
+    concat_examples met the float16 layers with float32 batches (Chainer's
+    type error: 'float16 != float32'): they train as StandardUpdater does."""
+    from chainer.dataset import concat_examples
+    runs = []
+    for direct in (False, True):
+        with fp16_enable():
+            numpy.random.seed(0)
+            model = L.Classifier(CNN())
+            optimizer = chainer.optimizers.MomentumSGD(lr=0.05).setup(model)
+            it = chainer.iterators.SerialIterator(dataset(64, 0), 16, shuffle=False)
+            if direct and how == 'loop':
+                for _ in range(3):
+                    x, t = concat_examples(it.next())
+                    assert x.dtype == numpy.float16
+                    optimizer.update(model, x, t)
+            else:
+                kind = _DirectConverterUpdater if direct else training.StandardUpdater
+                updater = kind(it, optimizer)
+                for _ in range(3):
+                    updater.update()
+            runs.append(weights(model))
+    for name in runs[0]:
+        numpy.testing.assert_array_equal(runs[1][name], runs[0][name], err_msg=name)
+
+
 def test_fp16_on_cpu_warns_once_that_it_is_slower():
     with pytest.warns(FastchainWarning, match='slower') as record:
         h = fastchain.enable(fp16=True)
