@@ -180,18 +180,13 @@ class _Cache:
                     _fixes.verbosity(self.verbosity > 0):
                 out = self.replay(chain, *args)
         except Exception as e:      # the caching machinery could not handle it
+            drew = before.random_moved()
             before.restore()
             refused = _functions.refusal(recorder.names) if building else None
             if refused is not None:
                 return self._redo(plain, args, 'refused', refused)
-            where = 'replayed'
-            if building:
-                last = getattr(recorder, 'last', None)
-                where = 'built' + (' (at {})'.format(_functions.short(last)) if last else '')
-            return self._redo(plain, args, 'defect', 'the schedule could not be {} ({}: {}): '
-                              "Chainer's static graph cannot record or replay this graph "
-                              '(a limit of the cache, not a verified difference; the step '
-                              'ran define-by-run)'.format(where, type(e).__name__, e))
+            return self._redo(plain, args, *_reasons.machinery_reason(
+                getattr(recorder, 'last', None) if building else False, e, drew))
         kept = before.kept_variables()
         if kept:
             before.restore()
@@ -235,10 +230,7 @@ class _Cache:
         if calls != recorded:
             return _reasons.sequence_reason(calls, recorded)
         if not after.same_random_state(reached):
-            return ('not static', 'NumPy\'s random state advanced differently in the replay '
-                    'than in define-by-run: the model draws random numbers (in Python, e.g. '
-                    'F.gumbel_softmax or a sampler, or in a function the cache does not know) '
-                    "and the replay keeps the first step's draw")
+            return _reasons.RANDOM
         pairs = [('output #{}'.format(i + 1), y, e) for i, (y, e) in
                  enumerate(zip(_verify.flatten(out), reference.outputs))]
         found = _verify.first_difference(pairs) or after.compare_persistents(reached)

@@ -22,6 +22,27 @@ def sequence_reason(calls, recorded):
             'that depends on the data?'.format(_call(got), _call(had), k + 1))
 
 
+RANDOM = ('not static', 'NumPy\'s random state advanced differently in the replay than in '
+          'define-by-run: the model draws random numbers (in Python, e.g. numpy.random.randn '
+          'noise, F.gumbel_softmax or a sampler, or in a function the cache does not know) '
+          "and the replay keeps the first step's draw")
+
+
+def machinery_reason(last, error, drew):
+    """(cause, reason): Chainer's static graph raised ``error`` building
+    (``last``: the last function recorded, or None) or replaying (``last``
+    False); ``drew``: NumPy's random state had advanced (the likelier cause)."""
+    if drew:
+        return RANDOM[0], '{} (recording then failed: {}: {})'.format(
+            RANDOM[1].replace('advanced differently in the replay than in define-by-run',
+                              'advanced in the call'), type(error).__name__, error)
+    where = 'replayed' if last is False else 'built' + (
+        ' (at {})'.format(_functions.short(last)) if last else '')
+    return ('defect', 'the schedule could not be {} ({}: {}): Chainer\'s static graph cannot '
+            'record or replay this graph (a limit of the cache, not a verified difference; '
+            'the step ran define-by-run)'.format(where, type(error).__name__, error))
+
+
 SEVERAL_CALLS = (
     'the model is called more than once before a backward (losses of several calls '
     'summed: truncated backprop, a pair of inputs, a critic on real and fake data; or a '

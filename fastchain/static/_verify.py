@@ -224,6 +224,12 @@ class Snapshot:
         return first_difference((path, mine, theirs) for (_, _, path, mine), (_, _, _, theirs)
                                 in zip(self.persistents, other.persistents))
 
+    def random_moved(self):
+        """NumPy's global random state has advanced since the snapshot."""
+        now = numpy.random.get_state()
+        a = self.random
+        return not (a[0] == now[0] and a[2:] == now[2:] and numpy.array_equal(a[1], now[1]))
+
     def same_random_state(self, other):
         a, b = self.random, other.random
         return a[0] == b[0] and a[2:] == b[2:] and numpy.array_equal(a[1], b[1])

@@ -575,3 +575,33 @@ def test_a_lazily_sized_model_called_twice_a_step_trains_as_plain_chainer(monkey
     layout = ({'_tuning': 'measure', 'static_graph': True}, {}, None)
     got = harness.run(spec, ('SGD', 0.01), [], 3, layout=layout, loop='update')
     harness.compare(harness.run(spec, ('SGD', 0.01), [], 3, loop='update'), got)
+
+
+class _NoisyInPython(chainer.Chain):
+    """Noise drawn with NumPy in forward, as Chainer's DCGAN discriminator adds it."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.l1(x)
+        return h + 0.2 * self.xp.random.randn(*h.shape)
+
+
+def test_noise_drawn_with_numpy_in_forward_is_named_as_such():
+    """Chainer's recording raised on it, and the warning gave that internal
+    error ('unsupported operand type(s) ...') as a limit of the cache."""
+    ordinary, cached, _ = pair(_NoisyInPython)
+    rng = numpy.random.RandomState(0)
+    t = numpy.zeros(2, numpy.int32)
+    with pytest.warns(StaticGraphFallback, match="draws random numbers"):
+        for i in range(3):
+            x = rng.randn(2, 4).astype(numpy.float32)
+            losses = []
+            for model in (ordinary, cached):
+                numpy.random.seed(i)
+                losses.append(step(model, x, t))
+            assert losses[0] == losses[1]
+    assert cache_state(cached)['cause'] == 'not static'
