@@ -102,7 +102,7 @@ class _Cache:
         self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)
         self.structures = {}        # autotune: key -> the choice's key
         self.lazy = {}              # key -> the parameters unmade before its define-by-run step
-        self.passes = None          # backward passes counted at the last call
+        self.reached, self.passes = 0, None     # backwards reaching it; at its last call
         LIVE.add(self)
 
     def __call__(self, plain, args, kwargs):
@@ -121,7 +121,7 @@ class _Cache:
                            'arguments; this call has {}'.format(
                                'keyword arguments' if kwargs else 'another argument'))
             return plain(*args, **kwargs)
-        passes = _fixes.backward_passes()       # two calls feeding one backward?
+        passes = self.reached                   # two calls feeding one backward?
         if passes == self.passes:
             return self._redo(plain, args, 'unsupported', _reasons.SEVERAL_CALLS)
         first, self.passes = self.passes is None, passes
@@ -153,6 +153,12 @@ class _Cache:
                 return self.replay(chain, *args)
         self.turns.reset()
         return self._verified(chain, plain, key, args, building)
+
+    def gradients(self):
+        """The identities of the chain's parameters' gradients (a backward
+        that reaches them sets new ones)."""
+        chain = self.ref()
+        return () if chain is None else tuple(id(p.grad_var) for p in chain.params())
 
     def _tuned(self, key):
         """autotune: the replay or define-by-run for this step. Once a key

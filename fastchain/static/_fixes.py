@@ -37,7 +37,7 @@ The layers (:mod:`fastchain.config._patches`, layer ``static_graph``) are on
 ``StaticScheduleFunction.build_schedule``,
 ``StaticScheduleFunction.backward`` (a schedule with a pending check attached
 under :data:`CHECK` runs it: :class:`fastchain.static._verify.BackwardCheck`),
-``Variable.backward`` (counted: :func:`backward_passes`)
+``Variable.backward`` (which caches it reaches: :func:`_count_backward`)
 and the ``print`` of Chainer's static_graph module, held while any chain is
 cached: each cached chain holds a lease (:func:`acquire`), released when the
 cache is undone or the chain is collected, and the layers leave with the last
@@ -69,19 +69,20 @@ def installed():
     return bool(_leases)
 
 
-def backward_passes():
-    """How many times ``Variable.backward`` was entered while the fixes were
-    in place (a cached chain called twice with none between feeds one
-    backward with both calls)."""
-    return _backwards[0]
-
-
-_backwards = [0]
-
-
 def _count_backward(next_, *args, **kwargs):
-    _backwards[0] += 1
-    return next_(*args, **kwargs)
+    """Counts, for each live cache, the backward passes that reached its
+    parameters (a gradient set anew: a cached chain called twice with none
+    between feeds one backward with both calls; a backward of another model
+    in between does not count)."""
+    from fastchain.static import _cache
+    watched = [(c, c.gradients()) for c in list(_cache.LIVE)
+               if c.state['fallback'] is None]
+    try:
+        return next_(*args, **kwargs)
+    finally:
+        for cache, before in watched:
+            if cache.gradients() != before:
+                cache.reached += 1
 
 
 def _targets():
