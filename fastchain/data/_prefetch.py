@@ -76,6 +76,11 @@ class DevicePrefetcher(iterator_module.Iterator):
         device: where the arrays go (default: the current device).
         depth (int): batches prepared ahead, >= 1 (default 1).
 
+    Attributes:
+        skipped (list): with an iterator that skips bad examples, the ones
+            the batches taken left out (the iterator's own list also has those
+            of batches fetched ahead and given back, e.g. at a snapshot).
+
     .. note::
        Over a MultiprocessIterator with ``rng='global'`` (what
        ``fastchain.enable()`` puts in place of a SerialIterator), the batch
@@ -109,6 +114,9 @@ class DevicePrefetcher(iterator_module.Iterator):
         self._convert = converter
         self.depth = depth
         self.batch_size = iterator.batch_size
+        # what the batches taken left out (an iterator skipping bad examples
+        # also lists those of batches fetched ahead and given back)
+        self.skipped = []
         self._finalized = False
         self._copy_state()
         self._start()
@@ -163,7 +171,7 @@ class DevicePrefetcher(iterator_module.Iterator):
                     self._put(_END)
                     return
                 if skipped is not None:
-                    skipped = _skipped_of(it) - skipped
+                    skipped = it.skipped[skipped:]      # what this batch left out
                 with edge() as done:
                     batch.arrays = convert._call_converter(self._convert, batch,
                                                            self.device)
@@ -179,12 +187,13 @@ class DevicePrefetcher(iterator_module.Iterator):
         """The next batch, fetched and converted in the consumer's thread;
         then fetching ahead starts again where it may."""
         it = self.iterator
+        skipped = _skipped_of(it)
         try:
             batch = PreparedBatch.of(it.next())
         except StopIteration:
             return _END         # (and again at the next call)
         batch.arrays = convert._call_converter(self._convert, batch, self.device)
-        item = batch, _state_of(it), None       # reported by the iterator, in this thread
+        item = batch, _state_of(it), None if skipped is None else it.skipped[skipped:]
         self._start()
         return item
 
@@ -216,7 +225,8 @@ class DevicePrefetcher(iterator_module.Iterator):
         batch, state, skipped = item
         self._copy_state(state)
         if skipped is not None:
-            chainer.report({'skipped_examples': skipped})
+            self.skipped += skipped
+            chainer.report({'skipped_examples': len(skipped)})
         return batch
 
     next = __next__

@@ -145,7 +145,8 @@ def cast_floating(arrays, dtype=None):
     if dtype is None:
         dtype = chainer.get_dtype()
     if isinstance(arrays, tuple):
-        return tuple(cast_floating(a, dtype) for a in arrays)
+        cast = [cast_floating(a, dtype) for a in arrays]
+        return arrays._make(cast) if hasattr(arrays, '_make') else type(arrays)(cast)
     if isinstance(arrays, list):
         return [cast_floating(a, dtype) for a in arrays]
     if isinstance(arrays, dict):

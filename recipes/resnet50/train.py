@@ -638,7 +638,7 @@ def main(argv=None):
     finally:
         val_it.finalize()
     if args.skip_bad_images:
-        write_skipped(args, {'training': train_it.iterator, 'validation': val_it}, comm, rank)
+        write_skipped(args, {'training': train_it, 'validation': val_it}, comm, rank)
     log = trainer.get_extension('LogReport') if rank == 0 else None
     if rank == 0:
         write_config(args, handle, world, 'at the end of training')

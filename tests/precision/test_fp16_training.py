@@ -332,3 +332,14 @@ def test_fp16_on_gpu_turns_on_tensor_cores_and_workspace():
         if h.states['cudnn'].available:     # CuPy 13's cuDNN, or the graphs on CuPy 14
             assert chainer.config.use_cudnn_tensor_core == 'auto'
             assert workspace_accessors()[0]() >= FP16_WORKSPACE
+
+
+def test_a_converter_returning_a_named_tuple_keeps_it():
+    """The cast rebuilt every tuple as a plain one: a converter returning a
+    namedtuple lost its field names (batch.x raised)."""
+    import collections
+    from fastchain.precision._group import cast_floating
+    Batch = collections.namedtuple('Batch', 'x t')
+    cast = cast_floating(Batch(numpy.ones(2, numpy.float32), numpy.zeros(2, numpy.int32)),
+                         numpy.float16)
+    assert type(cast) is Batch and cast.x.dtype == numpy.float16 and cast.t.dtype == numpy.int32
