@@ -49,9 +49,9 @@ def test_fastchain_trains_as_plain_chainer(data):
     fp16 = data.draw(st.booleans(), 'fp16')
     hooks = data.draw(HOOKS, 'hooks')
     optimizer = data.draw(OPTIMIZERS, 'optimizer')
-    # up to 7: the static cache's choice starts after a define-by-run step, its build
+    # up to 8: the static cache's choice starts after a define-by-run step, its build
     # and 2 verified replays
-    steps = data.draw(st.integers(2, 7), 'steps')
+    steps = data.draw(st.integers(2, 8), 'steps')
     layout = data.draw(layouts(steps), 'layout')
     resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
     loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
@@ -126,7 +126,7 @@ def test_onednn_trains_within_its_stated_tolerance_of_plain_chainer(data):
     # gradient that is zero in exact arithmetic (a convolution's bias before
     # BatchNormalization) into a full step.
     optimizer = data.draw(SGD_FAMILY, 'optimizer')
-    steps = data.draw(st.integers(2, 7), 'steps')
+    steps = data.draw(st.integers(2, 8), 'steps')
     first, second, disable_at = data.draw(layouts(steps), 'layout')
     (first, second)[data.draw(st.sampled_from([0, 1]), 'onednn in')]['onednn'] = True
     first['_tuning'] = data.draw(st.sampled_from(['measure', 'chainer', 'fastchain']),
