@@ -166,12 +166,16 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
             # the script chose its iterator or its order: leave it, and say so
             import warnings
             from fastchain.config._warning import FastchainWarning
+            own_order = type(main) is SerialIterator
             warnings.warn(
                 'fastchain: loader_workers / prefetch_to_device leave this updater\'s '
-                'iterator as it is: {} is not a SerialIterator with its default order '
-                '(the script chose its iterator or its order), so nothing loads in worker '
-                'processes. Use fastchain.data.MultiprocessIterator for it (or '
-                'chainer.iterators.SerialIterator) to have them'.format(type(main).__name__),
+                'iterator as it is: {} (the script chose {}), so nothing loads in worker '
+                'processes. To have them, use {}'.format(
+                    'a SerialIterator with its own order_sampler' if own_order
+                    else type(main).__name__ + ', not a SerialIterator',
+                    'its order' if own_order else 'its iterator',
+                    'fastchain.data.MultiprocessIterator(..., order_sampler=...)' if own_order
+                    else 'fastchain.data.MultiprocessIterator, or a SerialIterator'),
                 FastchainWarning, stacklevel=_patches.user_stacklevel())
         return
     if not asked and in_memory(main.dataset):

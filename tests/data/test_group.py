@@ -361,5 +361,7 @@ def test_asked_for_workers_an_updater_whose_iterator_stays_says_so(make, warned)
     if warned:
         assert type(iterator).__name__ in said[0]
         assert 'fastchain.data.MultiprocessIterator' in said[0]
+        assert ('order_sampler' in said[0]) == isinstance(
+            iterator, chainer.iterators.SerialIterator)
     if hasattr(iterator, 'finalize'):
         iterator.finalize()
