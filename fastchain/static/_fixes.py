@@ -49,6 +49,7 @@ define-by-run execution.
 
 import contextlib
 import threading
+import weakref
 
 from fastchain.config import _patches
 from fastchain.kernels import _bind
@@ -69,14 +70,15 @@ def installed():
     return bool(_leases)
 
 
+caches = weakref.WeakSet()      # every cache whose chain lives (fastchain.static._cache)
+
+
 def _count_backward(next_, *args, **kwargs):
     """Counts, for each live cache, the backward passes that reached its
     parameters (a gradient set anew: a cached chain called twice with none
     between feeds one backward with both calls; a backward of another model
     in between does not count)."""
-    from fastchain.static import _cache
-    watched = [(c, c.gradients()) for c in list(_cache.LIVE)
-               if c.state['fallback'] is None]
+    watched = [(c, c.gradients()) for c in list(caches) if c.state['fallback'] is None]
     try:
         return next_(*args, **kwargs)
     finally:
