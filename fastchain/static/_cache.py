@@ -98,11 +98,11 @@ class _Cache:
         self.method = False         # a decorated method's cache (else the instance's)
         self.state = {'fallback': None, 'cause': None, 'sequences': {}, 'verified': {},
                       'names': {}}
-        # autotune: one step a turn; an evaluation between two steps voids it
-        self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)
+        self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)  # autotune: a step a turn
         self.structures = {}        # autotune: key -> the choice's key
         self.lazy = {}              # key -> the parameters unmade before its define-by-run step
-        self.reached, self.passes = 0, None     # backwards reaching it; at its last call
+        # backwards reaching its parameters (``params``); their count at its last call
+        self.reached, self.passes, self.params = 0, None, None
         LIVE.add(self)
 
     def __call__(self, plain, args, kwargs):
@@ -157,8 +157,10 @@ class _Cache:
     def gradients(self):
         """The identities of the chain's parameters' gradients (a backward
         that reaches them sets new ones)."""
-        chain = self.ref()
-        return () if chain is None else tuple(id(p.grad_var) for p in chain.params())
+        if self.params is None:
+            chain = self.ref()
+            self.params = () if chain is None else tuple(chain.params())
+        return tuple(id(p.grad_var) for p in self.params)
 
     def _tuned(self, key):
         """autotune: the replay or define-by-run for this step. Once a key
