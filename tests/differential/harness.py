@@ -30,7 +30,6 @@ import zlib
 import numpy
 
 import chainer
-import chainer.functions as F
 import chainer.links as L
 from chainer import serializers
 
