@@ -170,8 +170,7 @@ class DevicePrefetcher(iterator_module.Iterator):
                 except StopIteration:
                     self._put(_END)
                     return
-                if skipped is not None:
-                    skipped = it.skipped[skipped:]      # what this batch left out
+                skipped = _left_out(it, skipped)
                 with edge() as done:
                     batch.arrays = convert._call_converter(self._convert, batch,
                                                            self.device)
@@ -193,7 +192,7 @@ class DevicePrefetcher(iterator_module.Iterator):
         except StopIteration:
             return _END         # (and again at the next call)
         batch.arrays = convert._call_converter(self._convert, batch, self.device)
-        item = batch, _state_of(it), None if skipped is None else it.skipped[skipped:]
+        item = batch, _state_of(it), _left_out(it, skipped)
         self._start()
         return item
 
@@ -291,6 +290,12 @@ def _skipped_of(it):
     if getattr(it, 'on_error', None) != 'skip':
         return None
     return len(it.skipped)
+
+
+def _left_out(it, before):
+    """What ``it`` left out since it had left out ``before`` (None: it does
+    not skip): the examples the batch just taken left out."""
+    return None if before is None else it.skipped[before:]
 
 
 def _state_of(it):

@@ -45,7 +45,6 @@ import warnings
 import weakref
 
 import chainer
-import numpy
 
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
@@ -121,10 +120,9 @@ class _Cache:
                            'arguments; this call has {}'.format(
                                'keyword arguments' if kwargs else 'another argument'))
             return plain(*args, **kwargs)
-        passes = self.reached                   # two calls feeding one backward?
-        if passes == self.passes:
+        if self.reached == self.passes:         # two calls feeding one backward
             return self._redo(plain, args, 'unsupported', _reasons.SEVERAL_CALLS)
-        first, self.passes = self.passes is None, passes
+        first, self.passes = self.passes is None, self.reached
         if first:
             self.turns.reset()
             return plain(*args)
@@ -216,14 +214,10 @@ class _Cache:
                                   *_reasons.sequence_reason(recorder.calls, recorded))
         schedule = chain.static_schedule
         after = _verify.Snapshot(chain, grads=False)
-        before.restore_persistents()
-        before.restore_attributes()
-        numpy.random.set_state(before.random)
+        before.put_back()
         reference = _verify.Reference(chain, plain, args)
         reached = _verify.Snapshot(chain, grads=False)
-        after.restore_persistents()
-        after.restore_attributes()
-        numpy.random.set_state(after.random)
+        after.put_back()
         found = self._compare_forward(key, building, out, after, reference, reached)
         if found is not None:
             before.restore()

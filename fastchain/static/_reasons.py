@@ -22,10 +22,10 @@ def sequence_reason(calls, recorded):
             'that depends on the data?'.format(_call(got), _call(had), k + 1))
 
 
-RANDOM = ('not static', 'NumPy\'s random state advanced differently in the replay than in '
-          'define-by-run: the model draws random numbers (in Python, e.g. numpy.random.randn '
-          'noise, F.gumbel_softmax or a sampler, or in a function the cache does not know) '
-          "and the replay keeps the first step's draw")
+_RANDOM = ('NumPy\'s random state advanced {}: the model draws random numbers (in Python, '
+           'e.g. numpy.random.randn noise, F.gumbel_softmax or a sampler, or in a function '
+           "the cache does not know) and the replay keeps the first step's draw")
+RANDOM = ('not static', _RANDOM.format('differently in the replay than in define-by-run'))
 
 
 def machinery_reason(last, error, drew):
@@ -33,9 +33,8 @@ def machinery_reason(last, error, drew):
     (``last``: the last function recorded, or None) or replaying (``last``
     False); ``drew``: NumPy's random state had advanced (the likelier cause)."""
     if drew:
-        return RANDOM[0], '{} (recording then failed: {}: {})'.format(
-            RANDOM[1].replace('advanced differently in the replay than in define-by-run',
-                              'advanced in the call'), type(error).__name__, error)
+        return 'not static', '{} (recording then failed: {}: {})'.format(
+            _RANDOM.format('in the call'), type(error).__name__, error)
     where = 'replayed' if last is False else 'built' + (
         ' (at {})'.format(_functions.short(last)) if last else '')
     return ('defect', 'the schedule could not be {} ({}: {}): Chainer\'s static graph cannot '

@@ -181,9 +181,7 @@ class Snapshot:
         self.unmade = [p for _, p in chain.namedparams() if p.array is None]
 
     def restore(self):
-        self.restore_persistents()
-        self.restore_attributes()
-        numpy.random.set_state(self.random)
+        self.put_back()
         for p in self.unmade:
             if p.array is not None:
                 p._set_array(None, layout_check=False)
@@ -191,6 +189,14 @@ class Snapshot:
         if self.grads is not None:
             for _, p, grad_var, _ in self.grads:
                 p.grad_var = grad_var
+
+    def put_back(self):
+        """The links' state (persistent values, held arrays and variables) and
+        NumPy's random state as they were; gradients and unmade parameters
+        are :meth:`restore`'s."""
+        self.restore_persistents()
+        self.restore_attributes()
+        numpy.random.set_state(self.random)
 
     def restore_persistents(self):
         for link, name, _, saved in self.persistents:
@@ -226,13 +232,15 @@ class Snapshot:
 
     def random_moved(self):
         """NumPy's global random state has advanced since the snapshot."""
-        now = numpy.random.get_state()
-        a = self.random
-        return not (a[0] == now[0] and a[2:] == now[2:] and numpy.array_equal(a[1], now[1]))
+        return not _same_random(self.random, numpy.random.get_state())
 
     def same_random_state(self, other):
-        a, b = self.random, other.random
-        return a[0] == b[0] and a[2:] == b[2:] and numpy.array_equal(a[1], b[1])
+        return _same_random(self.random, other.random)
+
+
+def _same_random(a, b):
+    """Two states of ``numpy.random.get_state()`` are the same."""
+    return a[0] == b[0] and a[2:] == b[2:] and numpy.array_equal(a[1], b[1])
 
 
 

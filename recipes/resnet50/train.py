@@ -362,10 +362,9 @@ def write_skipped(args, iterators, comm, rank):
             files.setdefault(key, {'file': key, 'error': entry['error'], 'times': 0})
             files[key]['times'] += 1
         listing[name] = sorted(files.values(), key=lambda f: f['file'])
+        times = sum(f['times'] for f in files.values())
         said.append('{} {} image{} ({} time{})'.format(
-            len(files), name, '' if len(files) == 1 else 's',
-            sum(f['times'] for f in files.values()),
-            '' if sum(f['times'] for f in files.values()) == 1 else 's'))
+            len(files), name, '' if len(files) == 1 else 's', times, '' if times == 1 else 's'))
     path = os.path.join(args.out, 'skipped.json')
     with open(path, 'w') as f:
         json.dump(listing, f, indent=2)

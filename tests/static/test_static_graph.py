@@ -58,6 +58,13 @@ def assert_same(a, b, rtol=1e-5, atol=1e-6):
             numpy.testing.assert_allclose(lb.avg_var, la.avg_var, rtol=rtol, atol=atol)
 
 
+def assert_same_weights(a, b):
+    """Every parameter bit for bit (or made in neither)."""
+    for (name, p), (_, q) in zip(sorted(a.namedparams()), sorted(b.namedparams())):
+        assert (p.array is None and q.array is None) or \
+            numpy.array_equal(p.array, q.array), name
+
+
 def small_resnet():
     return ResNet(50, 5, width=4)
 
@@ -503,9 +510,7 @@ def test_a_link_keeping_state_between_calls_trains_as_define_by_run(calls, why):
                 optimizer.update()
                 losses.append(float(loss.array))
             assert losses[0] == losses[1]
-            for (name, p), (_, q) in zip(sorted(ordinary.namedparams()),
-                                         sorted(cached.namedparams())):
-                assert numpy.array_equal(p.array, q.array), name
+            assert_same_weights(ordinary, cached)
             assert numpy.array_equal(ordinary.lstm.h.array, cached.lstm.h.array)
     assert cache_state(cached)['fallback'] is not None
 
@@ -554,10 +559,7 @@ def test_a_chain_called_twice_before_a_backward_trains_as_define_by_run(make):
                 numpy.random.seed(i)        # a lazy layer draws its weights from it
                 optimizer.update(lambda: sum(F.softmax_cross_entropy(
                     model(chainer.Variable(x)), t) for x, t in pairs))
-            for (name, p), (_, q) in zip(sorted(ordinary.namedparams()),
-                                         sorted(cached.namedparams())):
-                assert (p.array is None and q.array is None) or \
-                    numpy.array_equal(p.array, q.array), name
+            assert_same_weights(ordinary, cached)
     assert cache_state(cached)['cause'] == 'unsupported'
 
 
@@ -640,6 +642,4 @@ def test_a_backward_of_another_model_between_two_calls_does_not_split_them():
                 for p in model.params():
                     p.array -= 0.1 * p.grad
             assert_same(ordinary, cached, rtol=0, atol=0)
-            for (name, p), (_, q) in zip(sorted(ordinary.namedparams()),
-                                         sorted(cached.namedparams())):
-                assert numpy.array_equal(p.array, q.array), name
+            assert_same_weights(ordinary, cached)
