@@ -193,7 +193,7 @@ def torch_rung(paths, args, workers, gpu=None):
     return step, close
 
 
-WARMUP_ITERATIONS = 5  # workers start; a first call (define-by-run), a schedule's build, 2 checks
+WARMUP_ITERATIONS = 5  # workers start; first calls, a schedule's build, 2 checks
 TURN_SETTLE = 1        # untimed steps at the start of a turn (caches the others evicted)
 TURN_STEPS = 4         # timed steps of a turn
 BUILD_TIMEOUT = 1200   # seconds for a rung's process to build, warm up and tune

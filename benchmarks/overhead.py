@@ -65,7 +65,7 @@ VARIANTS = {'chainer_dynamic': (False, False, False), 'chainer_static': (True, F
 # --untuned adds these (autotune off: fastchain's kernels everywhere, the cache
 # always replays): what autotune's machinery costs a step, everything else equal
 UNTUNED = {'dynamic_untuned': (False, True, True), 'static_untuned': (True, True, True)}
-WARM_UP = 4     # steps: a define-by-run one, then the cached models build and verify
+WARM_UP = 4     # steps: the cached models build and verify (3), and one more
 MAX_TUNING_STEPS = 90   # then until autotune decided (the static cache: ~10 more steps,
                         # the per-call picks' check over whole steps ~34)
 

@@ -17,9 +17,12 @@ per-function Python work. fastchain uses it with its faults fixed
   a model that is not static, or a defect of the cache itself;
 - **refusal** of functions the replay cannot reproduce (``F.dropout``, the
   other random functions, those whose backward keeps forward state:
-  :mod:`fastchain.static._functions`), of a call that leaves a variable in a
-  link (``L.LSTM``'s state), and of a chain called twice before a backward
-  (so its first call runs define-by-run, and a recording starts at the next);
+  :mod:`fastchain.static._functions`) and of a call that leaves a variable in
+  a link (``L.LSTM``'s state);
+- **one node** of Chainer's graph per call, the parameters among its inputs
+  (:mod:`fastchain.static._node`): its gradients add up with the rest of the
+  graph's (weight tying, several calls before a backward, accumulation), and
+  a double backward through it is computed define-by-run (the cache gives up);
 - **keys**: one Chainer schedule manager per key (the structure, types,
   shapes, dtypes and devices of the inputs, and ``chainer.config``'s
   ``train``, ``dtype``, ``use_cudnn``, ``cudnn_deterministic``, ``use_ideep``,
@@ -48,7 +51,7 @@ import chainer
 
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
-from fastchain.static import _fixes, _functions, _keys, _reads, _reasons, _verify
+from fastchain.static import _fixes, _functions, _keys, _node, _reads, _reasons, _verify
 from fastchain.tune import _tuner
 
 STATE = 'static_cache'      # attachment key: the chain's cache
@@ -91,6 +94,7 @@ class _Cache:
         self.name = type(chain).__name__
         self.verify_steps = verify_steps
         self.verbosity = verbosity
+        self.forward = forward      # define-by-run, unbound (a double backward's)
         self.replay = static_graph(force_test_define_by_run=True, minimize_cache_size=False,
                                    verbosity_level=verbosity)(forward)
         self.token = object()       # marks the schedule managers of this cache
@@ -100,8 +104,6 @@ class _Cache:
         self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)  # autotune: a step a turn
         self.structures = {}        # autotune: key -> the choice's key
         self.lazy = {}              # key -> the parameters unmade before its define-by-run step
-        # backwards reaching its parameters (``params``); their count at its last call
-        self.reached, self.passes, self.params = 0, None, None
         LIVE.add(self)
 
     def __call__(self, plain, args, kwargs):
@@ -120,18 +122,12 @@ class _Cache:
                            'arguments; this call has {}'.format(
                                'keyword arguments' if kwargs else 'another argument'))
             return plain(*args, **kwargs)
-        if self.reached == self.passes:         # two calls feeding one backward
-            return self._redo(plain, args, 'unsupported', _reasons.SEVERAL_CALLS)
-        first, self.passes = self.passes is None, self.reached
-        if first:
-            self.turns.reset()
-            return plain(*args)
         chain = self.ref()
         managers = chain.__dict__.get('schedule_manager')
         if getattr(managers, 'owner', None) is not self.token:
             # Chainer's own attribute; one left by an earlier cache is not reused.
-            managers = chain.__dict__['schedule_manager'] = _keys.Managers(self.token,
-                                                                           self.verbosity)
+            managers = chain.__dict__['schedule_manager'] = _keys.Managers(
+                self.token, self.verbosity, weakref.ref(self))
         building = _keys.will_build(managers.select(key))
         if building:
             lazy = _uninitialized(chain)
@@ -148,17 +144,9 @@ class _Cache:
             elif self._tuned(key) == 'define-by-run':
                 return plain(*args)
             with _fixes.verbosity(self.verbosity > 0):
-                return self.replay(chain, *args)
+                return self._replay(chain, key, args)
         self.turns.reset()
         return self._verified(chain, plain, key, args, building)
-
-    def gradients(self):
-        """The identities of the chain's parameters' gradients (a backward
-        that reaches them sets new ones)."""
-        if self.params is None:
-            chain = self.ref()
-            self.params = () if chain is None else tuple(chain.params())
-        return tuple(id(p.grad_var) for p in self.params)
 
     def _tuned(self, key):
         """autotune: the replay or define-by-run for this step. Once a key
@@ -184,7 +172,7 @@ class _Cache:
         try:
             with statistics, recorder, watch as reads, \
                     _fixes.verbosity(self.verbosity > 0):
-                out = self.replay(chain, *args)
+                out = self._replay(chain, key, args)
         except Exception as e:      # the caching machinery could not handle it
             drew = before.random_moved()
             before.restore()
@@ -223,8 +211,14 @@ class _Cache:
             before.restore()
             return self._redo(plain, args, *found)
         report = functools.partial(self._backward_result, key, building)
-        _patches.attach(schedule, _fixes.CHECK,
-                        _verify.BackwardCheck(reference, before.grads, report))
+        names = {id(p): name for name, p, _ in before.grads}
+        _patches.attach(schedule, _fixes.CHECK, _verify.BackwardCheck(reference, names, report))
+        return out
+
+    def _replay(self, chain, key, args):
+        out = self.replay(chain, *args)
+        # what a double backward through it recomputes (fastchain.static._node)
+        _patches.attach(chain.static_schedule, _node.CALL, (weakref.ref(self), key, args))
         return out
 
     def _compare_forward(self, key, building, out, after, reference, reached):

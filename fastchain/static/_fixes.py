@@ -34,11 +34,13 @@ the hook the cache's backward verification runs in.
 
 The layers (:mod:`fastchain.config._patches`, layer ``static_graph``) are on
 ``BatchNormalization.backward``, ``FixedBatchNormalization.backward``,
-``StaticScheduleFunction.build_schedule``,
-``StaticScheduleFunction.backward`` (a schedule with a pending check attached
-under :data:`CHECK` runs it: :class:`fastchain.static._verify.BackwardCheck`),
-``Variable.backward`` (which caches it reaches: :func:`_count_backward`)
-and the ``print`` of Chainer's static_graph module, held while any chain is
+``StaticScheduleFunction.build_schedule`` (a cached chain's schedules give
+up their hooks that attach gradients, :mod:`fastchain.static._node`),
+``StaticScheduleFunction.apply`` (the parameters as inputs of a cached call's
+node), ``StaticScheduleFunction.backward`` (their gradients returned; a double
+backward define-by-run; a schedule with a pending check attached under
+:data:`CHECK` runs it: :class:`fastchain.static._verify.BackwardCheck`) and
+the ``print`` of Chainer's static_graph module, held while any chain is
 cached: each cached chain holds a lease (:func:`acquire`), released when the
 cache is undone or the chain is collected, and the layers leave with the last
 lease. Once a schedule is built the same layer binds lean kernels into it
@@ -48,12 +50,13 @@ define-by-run execution.
 """
 
 import contextlib
+import functools
 import threading
 import weakref
 
 from fastchain.config import _patches
 from fastchain.kernels import _bind
-from fastchain.static import _flat, _live
+from fastchain.static import _flat, _live, _node
 
 # _patches' own lock (reentrant): a chain collected while it is held
 # releases its lease from inside (weakref.finalize runs wherever the
@@ -73,28 +76,13 @@ def installed():
 caches = weakref.WeakSet()      # every cache whose chain lives (fastchain.static._cache)
 
 
-def _count_backward(next_, *args, **kwargs):
-    """Counts, for each live cache, the backward passes that reached its
-    parameters (a gradient set anew: a cached chain called twice with none
-    between feeds one backward with both calls; a backward of another model
-    in between does not count)."""
-    watched = [(c, c.gradients()) for c in list(caches) if c.state['fallback'] is None]
-    try:
-        return next_(*args, **kwargs)
-    finally:
-        for cache, before in watched:
-            if cache.gradients() != before:
-                cache.reached += 1
-
-
 def _targets():
-    import chainer
     from chainer.functions.normalization import batch_normalization as bn
     from chainer.graph_optimizations import static_graph as sg
-    return ((chainer.Variable, 'backward', _count_backward),
-            (bn.BatchNormalization, 'backward', _live.batch_normalization_backward),
+    return ((bn.BatchNormalization, 'backward', _live.batch_normalization_backward),
             (bn.FixedBatchNormalization, 'backward', _live.fixed_batch_normalization_backward),
             (sg.StaticScheduleFunction, 'build_schedule', _build_then_fix),
+            (sg.StaticScheduleFunction, 'apply', _node.apply_with_parameters),
             (sg.StaticScheduleFunction, 'backward', _backward_then_check),
             (sg, 'print', _quiet_print))
 
@@ -135,6 +123,8 @@ def _build_then_fix(next_, schedule, *args, **kwargs):
     if not schedule.pass_depth:
         _retain_last(schedule)
     result = next_(schedule, *args, **kwargs)
+    if _node.owner(schedule) is not None:
+        _node.take_gradient_hooks(schedule)
     saved = getattr(_local, 'statistics', None)
     if saved is not None and not schedule.pass_depth:   # the forward schedule
         _restore(saved)
@@ -145,14 +135,24 @@ def _build_then_fix(next_, schedule, *args, **kwargs):
 
 
 def _backward_then_check(next_, schedule, indexes, grad_outputs):
+    import chainer
+    entry = _patches.attached(schedule, _node.PARAMS)     # a cached chain's
+    if entry is not None:
+        call = _patches.attached(schedule, _node.CALL)
+        if chainer.config.enable_backprop:      # a double backward
+            return _node.double_backward(schedule, grad_outputs, call)
+        _patches.detach(schedule, _node.CALL)
+        run = functools.partial(_node.backward, next_)
+    else:
+        run = next_
     if schedule.backward_schedule_func is None:     # this call builds it
         drop_input_gradients(schedule)
     with verbosity(getattr(schedule, 'verbosity_level', 0) > 0):
         check = _patches.attached(schedule, CHECK)
         if check is None:
-            return next_(schedule, indexes, grad_outputs)
+            return run(schedule, indexes, grad_outputs)
         _patches.detach(schedule, CHECK, check)
-        return check(next_, schedule, indexes, grad_outputs)
+        return check(run, schedule, indexes, grad_outputs, () if entry is None else entry[1])
 
 
 def _quiet_print(next_, *args, **kwargs):

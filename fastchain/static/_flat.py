@@ -14,7 +14,9 @@ decided when the schedule was built.
 :func:`compile_schedule` decides them once: each entry becomes one closure
 with its input positions, deletions and returns (copy into the retained
 array, or rebind) resolved to tuples; the parameter hooks become pairs of
-(unique-array index, parameter). The program does what Chainer's
+(unique-array index, parameter); a cached chain's schedules have no hooks
+that attach gradients left (:mod:`fastchain.static._node` returns them to
+Chainer's backward instead). The program does what Chainer's
 ``StaticScheduleFunction.forward`` does, in the same order, with the same
 arrays: only the interpretation of the hook lists is gone, so results are
 bitwise those of Chainer's replay (tested). A gradient is attached without

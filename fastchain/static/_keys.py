@@ -66,9 +66,10 @@ class Managers:
     to one cache (``owner``): a new cache on the same chain starts afresh.
     """
 
-    def __init__(self, owner, verbosity):
+    def __init__(self, owner, verbosity, cache=None):
         self.owner = owner
         self.verbosity = verbosity
+        self.cache = cache      # a weak reference to the cache (marks its schedules)
         self.by_key = {}
         self.current = None
 
@@ -76,8 +77,12 @@ class Managers:
         manager = self.by_key.get(key)
         if manager is None:
             from chainer.graph_optimizations.static_graph import ScheduleManager
+            from fastchain.config import _patches
+            from fastchain.static import _node
             manager = self.by_key[key] = ScheduleManager(
                 minimize_cache_size=False, verbosity_level=self.verbosity)
+            if self.cache is not None:
+                _patches.attach(manager, _node.OWNER, self.cache)
         self.current = manager
         return manager
 

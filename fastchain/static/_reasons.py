@@ -42,15 +42,6 @@ def machinery_reason(last, error, drew):
             'the step ran define-by-run)'.format(where, type(error).__name__, error))
 
 
-SEVERAL_CALLS = (
-    'the model is called more than once before a backward (losses of several calls '
-    'summed: truncated backprop, a pair of inputs, a critic on real and fake data; or a '
-    'training-mode call outside the step). Chainer\'s replay keeps one call\'s arrays '
-    "per schedule and writes the parameters' gradients itself, which the backward of "
-    'the other calls would overwrite; call the model once per backward (e.g. on the '
-    'concatenated batch) to have it cached')
-
-
 def kept_reason(kept):
     """(cause, reason): the forward kept variables it made in attributes."""
     return ('not static', 'the model keeps what a call computes: its forward stores a '
@@ -70,12 +61,6 @@ def value_reason(names, building, what, how, backward=False):
         return ('defect', "Chainer's replay of the backward raised {}: Chainer's static "
                 'graph cannot replay this graph (a limit of the cache, not a verified '
                 "difference; the step's gradients are define-by-run's)".format(how))
-    if what == _verify.ACCUMULATED:
-        return ('unsupported', '{}: define-by-run adds the new gradients to it, '
-                "Chainer's replay overwrites it. Gradient accumulation over several "
-                'forward/backward passes is not supported by the cache (clear the '
-                'gradients before each pass, as optimizer.update(lossfun) does)'
-                .format(how))
     if building:
         return ('defect', 'on the step that recorded it, the replay and define-by-run '
                 'differ in {} ({}): a defect of the static cache (fastchain or '

@@ -95,8 +95,12 @@ def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_bra
     # (rarely: the cache gives such models up, and replays need models it keeps)
     calls = draw(st.sampled_from([1, 1, 1, 1, 1, 2, 3])) if allow_calls else 1
     recurrent = allow_calls and draw(st.integers(0, 7)) == 0
+    # the model's parameters also used by the loss, outside the call: an L2
+    # penalty over all of them, or the head's weight tied to an output layer
+    tied = draw(st.sampled_from([None, None, None, 'penalty', 'tie'])) if allow_calls else None
     return {'input': spec_input, 'layers': tuple(layers), 'extra_input': extra,
-            'branch': branch, 'lazy_head': lazy, 'calls': calls, 'recurrent': recurrent}
+            'branch': branch, 'lazy_head': lazy, 'calls': calls, 'recurrent': recurrent,
+            'tied': tied}
 
 
 class Net(chainer.Chain):
@@ -177,12 +181,22 @@ def loss_of(model, arrays):
     if model.spec.get('recurrent'):
         model.rec.reset_state()
     loss = 0
+    tied = model.spec.get('tied')
     for _ in range(model.spec.get('calls', 1)):
         # The image as a Variable: Chainer 7.8.1's deconvolution backward
         # fails when only its weight needs a gradient (DEVELOPERS.md), i.e.
         # on a plain array.
         x = chainer.Variable(arrays[0])
-        loss += F.softmax_cross_entropy(model(x, *arrays[1:-1]), arrays[-1])
+        y = model(x, *arrays[1:-1])
+        loss += F.softmax_cross_entropy(y, arrays[-1])
+        if tied == 'tie' and model.head.W.array is not None:
+            # the head's weight, (classes, c), as an output layer's (unmade: a
+            # lazy head the data branch has not reached)
+            loss += 0.1 * F.mean(F.tanh(F.matmul(y, model.head.W)))
+    if tied == 'penalty':
+        # (in the loss's dtype: under fp16, BatchNormalization's are float32)
+        loss += 1e-3 * sum(F.cast(F.sum(p * p), loss.dtype) for p in model.params()
+                           if p.array is not None)
     return loss
 
 

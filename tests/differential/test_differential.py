@@ -49,8 +49,8 @@ def test_fastchain_trains_as_plain_chainer(data):
     fp16 = data.draw(st.booleans(), 'fp16')
     hooks = data.draw(HOOKS, 'hooks')
     optimizer = data.draw(OPTIMIZERS, 'optimizer')
-    # up to 8: the static cache's choice starts after a define-by-run step, its build
-    # and 2 verified replays
+    # up to 8: the static cache's choice starts after its build and 2 verified
+    # replays (after a step that makes a lazily sized head's weights define-by-run)
     steps = data.draw(st.integers(2, 8), 'steps')
     layout = data.draw(layouts(steps), 'layout')
     resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
@@ -80,7 +80,10 @@ def test_fastchain_trains_as_plain_chainer(data):
         event('fp16: the loss scale grew')
     expected = harness.run(spec, optimizer, hooks, steps, fp16=fp16, loop=loop,
                            scales=scales)
-    harness.compare(expected, got)
+    tied = spec['tied'] and any(options.get('static_graph') for options in layout[:2])
+    if tied:
+        event('static_graph with a parameter also used outside the call')
+    harness.compare(expected, got, harness.TIED_TOLERANCE[fp16] if tied else None)
 
 
 @settings(max_examples=max(1, EXAMPLES // 3), deadline=None, print_blob=True,

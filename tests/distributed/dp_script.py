@@ -66,13 +66,19 @@ def equivalence():
     """N ranks x batch b == one process x batch N*b, step by step."""
     numpy.random.seed(1 + rank)         # different init per rank: bcast must fix it
     model = L.Classifier(MLP())
-    # overlap=True: the capture path NCCL uses, exercised here over MPI.
+    # overlap=True: the capture path NCCL uses, exercised here over MPI
+    # (overlap_static: the model cached, whose replay node has the parameters
+    # as inputs, so the capture sees their gradients).
     how = sys.argv[3]
+    overlap = how in ('overlap', 'overlap_static')
     opt = distributed.create_multi_node_optimizer(
         chainer.optimizers.MomentumSGD(0.1), comm, bucket_cap_mb=0.001,
-        overlap=(how == 'overlap'), fp16_allreduce=(how == 'fp16'))
+        overlap=overlap, fp16_allreduce=(how == 'fp16'))
     opt.setup(model)
     reference = model.copy(mode='copy')
+    if how == 'overlap_static':
+        from fastchain.static import cache_state, cache_static_graph
+        cache_static_graph(model.predictor)
     ref_opt = chainer.optimizers.MomentumSGD(0.1).setup(reference)
     full = data()
     shard = distributed.scatter_dataset(full, comm)
@@ -94,9 +100,12 @@ def equivalence():
     assert len(sync.buckets) > (0 if how == 'fp16' else 2), len(sync.buckets)
     assert all(b.dtype == (numpy.float16 if how == 'fp16' else numpy.float32)
                for b in sync.buckets)
-    expected = 5 if how == 'overlap' else 0
+    expected = 5 if overlap else 0
     assert sync.overlapped_steps == expected and sync.redone_steps == 0, (
         sync.overlapped_steps, sync.redone_steps)
+    if how == 'overlap_static':
+        state = cache_state(model.predictor)
+        assert state['fallback'] is None and sum(state['verified'].values()) >= 2, state
     done()
 
 

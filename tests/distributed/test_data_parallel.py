@@ -27,7 +27,7 @@ def mpirun(scenario, tmp_path, n=2, timeout=120, env=None, extra=()):
     return r
 
 
-@pytest.mark.parametrize('how', ['in_place', 'overlap', 'fp16'])
+@pytest.mark.parametrize('how', ['in_place', 'overlap', 'overlap_static', 'fp16'])
 def test_n_ranks_equal_one_process_with_n_times_the_batch(how, tmp_path):
     # 'overlap' runs the capture-during-backward path (NCCL's) over MPI.
     r = mpirun('equivalence', tmp_path, extra=[how])

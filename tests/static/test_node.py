@@ -1,0 +1,172 @@
+"""The replay as one node of Chainer's graph: a cached chain's parameters are
+inputs of its node, their gradients go through Chainer's backward like any
+other (fastchain/static/_node.py)."""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from fastchain.static import StaticGraphFallback, cache_state, cache_static_graph
+
+from tests.helpers import copies
+
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
+
+# A parameter reached inside the call and outside it gets the same terms as
+# define-by-run, summed in another order (Chainer's backward meets the node's
+# gradient at another time): a difference of rounding, measured 1-2 ulps.
+RTOL = 2e-6
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 4)
+            self.l2 = L.Linear(4, 4)
+
+    def forward(self, x):
+        return self.l2(F.tanh(self.l1(x)))
+
+
+def _tied(model, x):
+    """The output times a weight of the model (weight tying), plus an L2
+    term over every parameter computed in the loss."""
+    y = model(x)
+    return (F.mean(F.tanh(F.matmul(y, model.l2.W)))
+            + 0.01 * sum(F.sum(p ** 2) for p in model.params()))
+
+
+def _close(a, b, rtol, what):
+    for (name, p), (_, q) in zip(sorted(a.namedparams()), sorted(b.namedparams())):
+        for got, expected, kind in ((q.grad, p.grad, 'grad'), (q.array, p.array, 'weight')):
+            numpy.testing.assert_allclose(got, expected, rtol=rtol, atol=rtol * float(
+                numpy.abs(expected).max()), err_msg='{} {} {}'.format(kind, name, what))
+
+
+def test_a_parameter_also_used_outside_the_call_gets_define_by_runs_gradient():
+    """Weight tying and a penalty over the parameters: the replay wrote its
+    gradients into the parameters while Chainer's backward loaded them as
+    the gradient left from before (51 off on the first replayed step, NaN by
+    the fifth, no warning)."""
+    ordinary, cached = copies(Net)
+    cache_static_graph(cached)
+    rng = numpy.random.RandomState(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        for i in range(8):
+            x = rng.rand(2, 3).astype(numpy.float32)
+            for model in (ordinary, cached):
+                model.cleargrads()
+                _tied(model, x).backward()
+            _close(ordinary, cached, RTOL, 'step {}'.format(i))
+            for model in (ordinary, cached):
+                for p in model.params():
+                    p.array -= 0.1 * p.grad
+    state = cache_state(cached)
+    assert state['fallback'] is None and sum(state['verified'].values()) >= 2
+
+
+@pytest.mark.parametrize('flat', [True, False])
+def test_a_replayed_forward_leaves_the_parameters_gradients_alone(monkeypatch, flat):
+    """Chainer's forward replay attached the previous step's gradient arrays
+    to the parameters (its forward and backward schedules share one hook
+    list), and fastchain's flat program did not only because it read the list
+    before the backward schedule was built."""
+    from fastchain.static import _flat
+    monkeypatch.setattr(_flat, 'enabled', flat)
+    model = Net()
+    cache_static_graph(model)
+    rng = numpy.random.RandomState(1)
+    for _ in range(6):
+        model.cleargrads()
+        F.sum(model(rng.rand(2, 3).astype(numpy.float32))).backward()
+    model.cleargrads()
+    model(rng.rand(2, 3).astype(numpy.float32))
+    assert [name for name, p in model.namedparams() if p.grad is not None] == []
+    assert cache_state(model)['fallback'] is None
+
+
+class _Critic(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 5)
+            self.l2 = L.Linear(5, 1)
+
+    def forward(self, x):
+        return self.l2(F.tanh(self.l1(x)))
+
+
+@pytest.mark.parametrize('first', [0, 3])
+def test_a_double_backward_through_the_replay_is_define_by_runs_and_gives_the_cache_up(first):
+    """A gradient penalty (R1): the input's gradient, differentiated again.
+    Chainer's backward schedule is a node of the output gradients only, so
+    the second-order terms through the parameters were lost (0.02 off, with
+    a misleading warning). That step is computed define-by-run from the
+    call's inputs; the statistics and random state the recomputation moves
+    are put back; the chain runs define-by-run from then on. From the step
+    that records (``first`` 0, its backward verified) or a later replay."""
+    ordinary, cached = copies(_Critic)
+    cache_static_graph(cached)
+    rng = numpy.random.RandomState(0)
+    for i in range(6):
+        x = rng.rand(4, 3).astype(numpy.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            for model in (ordinary, cached):
+                model.cleargrads()
+                xv = chainer.Variable(x)
+                y = model(xv)
+                if i >= first:
+                    gx, = chainer.grad([F.sum(y)], [xv], enable_double_backprop=True)
+                    loss = F.sum(y) + F.sum(gx ** 2)
+                else:
+                    loss = F.sum(y * y)
+                loss.backward()
+        fallbacks = [str(w.message) for w in caught if w.category is StaticGraphFallback]
+        assert len(fallbacks) == (i == first), fallbacks
+        _close(ordinary, cached, RTOL if i >= first else 0, 'step {}'.format(i))
+        for model in (ordinary, cached):
+            for p in model.params():
+                p.array -= 0.1 * p.grad
+    state = cache_state(cached)
+    assert state['cause'] == 'unsupported' and 'double backward' in state['fallback']
+
+
+def test_gradients_accumulated_over_steps_of_a_tied_model_are_define_by_runs():
+    """Gradients left in the parameters over several steps (no cleargrads):
+    Chainer's backward adds the node's to them; an array the schedule writes
+    into again on its next run must not be what a parameter holds."""
+    ordinary, cached = copies(Net)
+    cache_static_graph(cached)
+    rng = numpy.random.RandomState(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        for i in range(6):
+            x = rng.rand(2, 3).astype(numpy.float32)
+            for model in (ordinary, cached):
+                _tied(model, x).backward()
+            _close(ordinary, cached, RTOL, 'step {}'.format(i))
+
+
+def test_a_double_backward_after_a_backward_over_the_same_graph_is_an_error():
+    """The call's inputs are let go by its first backward: a double backward
+    over the same graph after it cannot be computed, and says so instead of
+    differentiating Chainer's backward schedule (second-order terms lost)."""
+    model = _Critic()
+    cache_static_graph(model)
+    rng = numpy.random.RandomState(3)
+    for _ in range(4):
+        model.cleargrads()
+        F.sum(model(rng.rand(4, 3).astype(numpy.float32)) ** 2).backward()
+    x = chainer.Variable(rng.rand(4, 3).astype(numpy.float32))
+    y = model(x)
+    F.sum(y).backward()
+    with pytest.raises(RuntimeError, match='Run the double backward first'):
+        chainer.grad([F.sum(y)], [x], enable_double_backprop=True)
