@@ -109,7 +109,8 @@ _local = threading.local()
 def record_backward_scale(next_, variable, *args, **kwargs):
     """The ``fp16`` layer of ``Variable.backward``: notes the loss scale the
     backward seeds its gradient with (Chainer notes it on the leaves it
-    reaches, which a cached static graph's parameters are not)."""
+    reaches; a cached static graph's parameters were not among them before
+    its node took them as inputs, and this note stays the one source)."""
     scale = kwargs.get('loss_scale', args[2] if len(args) > 2 else None)
     _local.scale = scale
     return next_(variable, *args, **kwargs)

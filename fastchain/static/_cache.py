@@ -110,10 +110,13 @@ class _Cache:
         config = chainer.config
         if (self.state['fallback'] is not None or not config.train
                 or not config.enable_backprop or config.schedule_func is not None
-                or not config.use_static_graph or _verify.in_reference()):
+                or not config.use_static_graph or _verify.in_reference()
+                or getattr(config, 'in_recomputing', False)):
             self.turns.void()       # an evaluation between two steps is not timed
             # (Chainer records a train-mode call without backprop as 'test',
-            # outside the fixes; a call in another cached chain's belongs to it)
+            # outside the fixes; a call in another cached chain's belongs to it;
+            # F.forget's recomputation must not update statistics, which a
+            # replay would)
             return plain(*args, **kwargs)
         key = _keys.key(args) if not kwargs else None
         if key is None:
@@ -128,7 +131,9 @@ class _Cache:
             # Chainer's own attribute; one left by an earlier cache is not reused.
             managers = chain.__dict__['schedule_manager'] = _keys.Managers(
                 self.token, self.verbosity, weakref.ref(self))
-        building = _keys.will_build(managers.select(key))
+        manager = managers.select(key)
+        _node.claim(manager)
+        building = _keys.will_build(manager)
         if building:
             lazy = _uninitialized(chain)
             if lazy and lazy != self.lazy.get(key):
@@ -172,7 +177,7 @@ class _Cache:
         try:
             with statistics, recorder, watch as reads, \
                     _fixes.verbosity(self.verbosity > 0):
-                out = self._replay(chain, key, args)
+                out = self._replay(chain, key, args, building)
         except Exception as e:      # the caching machinery could not handle it
             drew = before.random_moved()
             before.restore()
@@ -215,10 +220,11 @@ class _Cache:
         _patches.attach(schedule, _fixes.CHECK, _verify.BackwardCheck(reference, names, report))
         return out
 
-    def _replay(self, chain, key, args):
+    def _replay(self, chain, key, args, recording=False):
         out = self.replay(chain, *args)
-        # what a double backward through it recomputes (fastchain.static._node)
-        _patches.attach(chain.static_schedule, _node.CALL, (weakref.ref(self), key, args))
+        schedule = chain.static_schedule
+        _patches.detach(schedule, _fixes.CHECK)     # an earlier call's, its backward not run
+        _node.called(schedule, self, key, args, recording)
         return out
 
     def _compare_forward(self, key, building, out, after, reference, reached):

@@ -138,10 +138,13 @@ def _backward_then_check(next_, schedule, indexes, grad_outputs):
     import chainer
     entry = _patches.attached(schedule, _node.PARAMS)     # a cached chain's
     if entry is not None:
-        call = _patches.attached(schedule, _node.CALL)
+        call = getattr(schedule, _node.CALL, None)
         if chainer.config.enable_backprop:      # a double backward
             return _node.double_backward(schedule, grad_outputs, call)
-        _patches.detach(schedule, _node.CALL)
+        if _node.late(schedule, call):
+            _patches.detach(schedule, CHECK)
+            return _node.late_backward(schedule, grad_outputs, call)
+        setattr(schedule, _node.CALL, None)
         run = functools.partial(_node.backward, next_)
     else:
         run = next_

@@ -12,6 +12,7 @@ that Chainer never reuses a schedule across keys.
 
 import chainer
 
+OWNER = 'static_owner'      # on Chainer's ScheduleManager: the cache it belongs to (weakref)
 CONFIG = ('train', 'dtype', 'use_cudnn', 'cudnn_deterministic', 'use_ideep',
           'cudnn_fast_batch_normalization', 'lazy_grad_sum')
 
@@ -78,11 +79,10 @@ class Managers:
         if manager is None:
             from chainer.graph_optimizations.static_graph import ScheduleManager
             from fastchain.config import _patches
-            from fastchain.static import _node
             manager = self.by_key[key] = ScheduleManager(
                 minimize_cache_size=False, verbosity_level=self.verbosity)
             if self.cache is not None:
-                _patches.attach(manager, _node.OWNER, self.cache)
+                _patches.attach(manager, OWNER, self.cache)
         self.current = manager
         return manager
 
@@ -99,11 +99,18 @@ class Managers:
                 for name, schedules in manager.schedules.items()}
 
 
-def will_build(manager):
-    """Whether Chainer's next ``get_schedule`` on ``manager`` (one key per
-    manager) makes a new schedule, which it then records."""
+def next_schedule(manager):
+    """The schedule Chainer's next ``get_schedule`` on ``manager`` (one key
+    per manager) hands out, or None if it makes a new one."""
     if not manager.schedules:
-        return True
+        return None
     (key, schedules), = manager.schedules.items()
     used = manager.in_use_count.get(key, 0)
-    return used >= len(schedules) or schedules[used].is_empty()
+    return schedules[used] if used < len(schedules) else None
+
+
+def will_build(manager):
+    """Whether Chainer's next ``get_schedule`` on ``manager`` makes a new
+    schedule, or hands out one not recorded yet: it then records."""
+    schedule = next_schedule(manager)
+    return schedule is None or schedule.is_empty()

@@ -186,8 +186,10 @@ ONEDNN_TOLERANCE = 1e-4     # onednn: of the largest value of the same kind (mea
 # static_graph, a parameter of the cached chain also used by the loss outside
 # the call (spec['tied']): its gradient's terms are summed in another order
 # (fastchain/static/_node.py); of the largest value of the same kind, float32
-# and fp16 (measured over 1,500 examples: 1.4e-7 and 1.4e-5)
-TIED_TOLERANCE = {False: 1e-6, True: 1e-4}
+# and fp16: about 8 and 4 units of the dtype's 2**-23 and 2**-10 (the worst of
+# 1,500 examples: 1.4e-7 and 1.4e-5; a review measured up to 1.0e-3 of the
+# largest gradient on a tied model in mixed16, one fp16 rounding)
+TIED_TOLERANCE = {False: 1e-6, True: 4e-3}
 
 
 def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,

@@ -67,6 +67,7 @@ point                                      layers
 ``BatchNormalization.backward``,           static_graph (held while a chain is cached)
 ``FixedBatchNormalization.backward``,
 ``StaticScheduleFunction.build_schedule``,
+``StaticScheduleFunction.apply``,
 ``StaticScheduleFunction.backward``,
 ``static_graph.print``
 ``Variable.array``, ``Variable.data``      static_graph (while a key is recorded)
