@@ -132,7 +132,8 @@ class _Cache:
             managers = chain.__dict__['schedule_manager'] = _keys.Managers(
                 self.token, self.verbosity, weakref.ref(self))
         manager = managers.select(key)
-        _node.claim(manager)
+        if not _node.claim(manager):
+            return self._redo(plain, args, 'unsupported', _node.TOO_MANY)
         building = _keys.will_build(manager)
         if building:
             lazy = _uninitialized(chain)

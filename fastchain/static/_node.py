@@ -57,6 +57,12 @@ PLAN = 'static_node_plan'       # backward schedule: per parameter input, (index
 # by the schedule, would keep alive for ever; the schedule's own attribute
 # is an ordinary cycle the collector frees.
 CALL = '_fastchain_call'
+LATE = 'static_node_late'       # Chainer's ScheduleManager: a backward met a late schedule
+MAX_SCHEDULES = 8               # a key's schedules with graphs alive at once (see claim)
+TOO_MANY = (
+    'more than {} of its calls with the same input shapes have graphs alive at once, none '
+    'backpropagated (outputs kept, e.g. in a list, without a backward): each would need '
+    'a schedule of its own, holding its arrays'.format(MAX_SCHEDULES))
 
 DOUBLE_BACKWARD = (
     'a backward with enable_double_backprop=True went through the chain (a gradient '
@@ -87,15 +93,25 @@ def claim(manager):
     (Chainer hands them out in turn and starts again when a backward of the
     key ends its "iteration": a call whose output is dropped without a
     backward made it record a new schedule every step, and a call after a
-    backward over another call reused a node still in a graph.)"""
+    backward over another call reused a node still in a graph.) Among free
+    schedules, one whose backward is built comes first, then one not
+    recorded; one recorded without a backward built comes next (forward-only
+    calls reuse it) unless a backward of the key has already met such a
+    schedule (:func:`late`: then a new one records, with its backward the
+    same step). Returns False when :data:`MAX_SCHEDULES` are all busy."""
     if not manager.schedules:
-        return
+        return True
     (key, schedules), = manager.schedules.items()
-    for i, schedule in enumerate(schedules):
-        if not busy(schedule):
-            manager.in_use_count[key] = i
-            return
+    free = [i for i, schedule in enumerate(schedules) if not busy(schedule)]
+    built = [i for i in free if schedules[i].backward_schedule_func is not None]
+    empty = [i for i in free if schedules[i].is_empty()]
+    unbuilt = [] if _patches.attached(manager, LATE) else free
+    for choice in (built, empty, unbuilt):
+        if choice:
+            manager.in_use_count[key] = choice[0]
+            return True
     manager.in_use_count[key] = len(schedules)
+    return len(schedules) < MAX_SCHEDULES
 
 
 def called(schedule, cache, key, args, recording):
@@ -183,10 +199,35 @@ def backward(next_, schedule, indexes, grad_outputs):
     return gxs[:n] + tuple(grads)
 
 
+def _upstream(inputs, params):
+    """Whether one of ``params`` made one of ``inputs`` (a chain applied to
+    its own output)."""
+    wanted = {id(p.node) for p in params}
+    seen, stack = set(), [x.creator_node for x in inputs if x.creator_node is not None]
+    while stack:
+        func = stack.pop()
+        if id(func) in seen:
+            continue
+        seen.add(id(func))
+        for node in func.inputs:
+            if id(node) in wanted:
+                return True
+            if node.creator_node is not None:
+                stack.append(node.creator_node)
+    return False
+
+
 def _recompute(schedule, grad_outputs, call, double):
     """The node's gradients computed define-by-run from the call's inputs
     (``call``: :data:`CALL`): the chain's forward again under the call's
-    configuration, its state put back after. Returns (cache, gradients)."""
+    configuration, its state put back after. Returns (cache, gradients).
+
+    First order, on copies of the inputs cut from their graph: ``chainer.grad``
+    over the inputs themselves would also follow what made them back to the
+    parameters (``model(model(x))``), counting those terms twice (measured by
+    a review). A double backward needs them attached (second-order terms
+    through what made them); where a parameter of the chain made an input,
+    it cannot be exact and raises."""
     ref, key, args, _ = (None, None, None, None) if call is None else call
     cache = None if ref is None else ref()
     chain = None if cache is None else cache.ref()
@@ -199,6 +240,20 @@ def _recompute(schedule, grad_outputs, call, double):
             'second-order gradients cannot be computed. Run the double backward first, '
             'or turn static_graph off for this model')
     n, params, _ = _patches.attached(schedule, PARAMS)
+    flat = _verify.flatten(args)
+    wanted = [isinstance(x, chainer.Variable) and x.requires_grad for x in flat]
+    if double:
+        if _upstream([x for x, w in zip(flat, wanted) if w], params):
+            raise RuntimeError(
+                'fastchain static_graph: a double backward (enable_double_backprop=True) '
+                "through a cached call of {} whose input was made from the model's own "
+                'parameters (the model applied to its own output) cannot be computed '
+                'exactly from the replay; turn static_graph off for this model'
+                .format(cache.name))
+        inputs = args
+    else:
+        inputs = _detached(args)
+        flat = _verify.flatten(inputs)
     state = _verify.Snapshot(chain, grads=False)
     try:
         with contextlib.ExitStack() as stack:
@@ -208,11 +263,9 @@ def _recompute(schedule, grad_outputs, call, double):
             for name, value in zip(_keys.CONFIG, key[1]):   # the call's configuration
                 if getattr(chainer.config, name, None) != value:
                     stack.enter_context(chainer.using_config(name, value))
-            outputs = _verify.flatten(cache.forward(chain, *args))
+            outputs = _verify.flatten(cache.forward(chain, *inputs))
     finally:
         state.put_back()        # the replay made this call's updates already
-    flat = _verify.flatten(args)
-    wanted = [isinstance(x, chainer.Variable) and x.requires_grad for x in flat]
     targets = [x for x, w in zip(flat, wanted) if w] + list(params)
     pairs = [(y, g) for y, g in zip(outputs, grad_outputs)
              if g is not None and isinstance(y, chainer.Variable)]
@@ -222,6 +275,16 @@ def _recompute(schedule, grad_outputs, call, double):
                              enable_double_backprop=double) if pairs else [None] * len(targets)
     grads = iter(grads)
     return cache, tuple(next(grads) if w else None for w in wanted[:n]) + tuple(grads)
+
+
+def _detached(x):
+    """``x`` (nested lists and tuples of variables and arrays) with each
+    variable replaced by a new leaf on the same array."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detached(item) for item in x)
+    if isinstance(x, chainer.Variable):
+        return chainer.Variable(x.array, requires_grad=x.requires_grad)
+    return x
 
 
 def double_backward(schedule, grad_outputs, call):
@@ -248,6 +311,7 @@ def late_backward(schedule, grad_outputs, call):
     same step)."""
     _, grads = _recompute(schedule, grad_outputs, call, False)
     manager = schedule.schedule_manager
+    _patches.attach(manager, LATE, True)
     for schedules in manager.schedules.values():
         if schedule in schedules:
             schedules.remove(schedule)

@@ -310,3 +310,58 @@ def test_two_parameters_with_one_gradient_array_get_it_both():
     """Chainer's hooks gave the shared array to one of the parameters only
     (the cache fell back, blaming itself)."""
     _lockstep(_SharedGradient, lambda model, rng: F.sum(model(_rand(rng)) ** 2).backward())
+
+
+def test_a_dropped_call_before_the_training_call_records_twice_and_replays():
+    """A monitoring call (output read and dropped) before the training call
+    of the same shapes: the training call was handed the monitoring call's
+    schedule, whose backward was never built, and the cache recorded again on
+    every step (12 recordings in 12 steps, never verified)."""
+    def step(model, rng):
+        float(F.sum(model(_rand(rng))).array)
+        F.sum(model(_rand(rng)) ** 2).backward()
+    cached = _lockstep(Net, step, steps=10)
+    state = cache_state(cached)
+    assert len(state['sequences']) == 1 and sum(state['verified'].values()) >= 2
+    assert sum(len(s) for s in cached.schedule_manager.schedules.values()) <= 2
+
+
+def test_a_late_backward_through_a_model_applied_to_its_own_output_is_exact():
+    """``model(model(x))`` after a step that only probed it: the late call's
+    gradients, recomputed define-by-run from its inputs, also followed what
+    made the inputs back to the parameters (0.61 off, no warning); they are
+    computed on copies of the inputs now."""
+    calls = []
+
+    def step(model, rng):
+        x = _rand(rng)
+        calls.append(model)
+        if len(calls) % 6 in (1, 2):     # steps 0, 3, 6, ...: the probe first
+            float(F.sum(model(model(x))).array)
+        F.sum(model(model(x)) ** 2).backward()
+    _lockstep(_Square, step, steps=10)
+
+
+def test_outputs_kept_without_a_backward_give_the_cache_up_before_they_pile_up():
+    """Each kept output of a call no backward goes through holds a schedule
+    (30 after 30 steps, never freed): past MAX_SCHEDULES the cache gives up,
+    saying why, and trains as define-by-run."""
+    from fastchain.static import _node
+    ordinary, cached = copies(Net)
+    cache_static_graph(cached)
+    kept = {id(ordinary): [], id(cached): []}
+    rng = numpy.random.RandomState(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for i in range(_node.MAX_SCHEDULES + 4):
+            x, b = _rand(rng), _rand(rng)
+            for model in (ordinary, cached):
+                model.cleargrads()
+                F.sum(model(x) ** 2).backward()
+                kept[id(model)].append(model(b))
+            _close(ordinary, cached, 0, 'step {}'.format(i))
+            for model in (ordinary, cached):
+                for p in model.params():
+                    p.array -= 0.1 * p.grad
+    assert [str(w.message) for w in caught if w.category is StaticGraphFallback] != []
+    assert 'graphs alive at once' in cache_state(cached)['fallback']
