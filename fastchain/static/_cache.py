@@ -57,7 +57,7 @@ from fastchain.tune import _tuner
 STATE = 'static_cache'      # attachment key: the chain's cache
 VOIDED_LIMIT = 32           # autotune: periods voided by evaluations before it gives up
 _CHAINER_ATTRIBUTES = ('schedule_manager', 'static_schedule', '_out_vars_unflatten_inds')
-LIVE = _fixes.caches        # every cache whose chain lives (for handle.report())
+LIVE = weakref.WeakSet()    # every cache whose chain lives (for handle.report())
 
 
 class StaticGraphFallback(FastchainWarning):

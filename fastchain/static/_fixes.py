@@ -52,7 +52,6 @@ define-by-run execution.
 import contextlib
 import functools
 import threading
-import weakref
 
 from fastchain.config import _patches
 from fastchain.kernels import _bind
@@ -71,9 +70,6 @@ ARRAY_INPUTS = 'static_array_inputs'    # on a forward schedule: drop_input_grad
 def installed():
     """True while some cached chain holds the fixes."""
     return bool(_leases)
-
-
-caches = weakref.WeakSet()      # every cache whose chain lives (fastchain.static._cache)
 
 
 def _targets():

@@ -176,11 +176,10 @@ def backward(next_, schedule, indexes, grad_outputs):
     n, params, indices = _patches.attached(schedule, PARAMS)
     building = schedule.backward_schedule_func is None
     saved = [p.grad_var for p in params] if building else None
+    # building: its define-by-run pass is the cache's own
+    hidden = _verify.without_function_hooks() if building else contextlib.nullcontext()
     try:
-        if building:    # its define-by-run pass is the cache's own
-            with _verify.without_function_hooks():
-                gxs = tuple(next_(schedule, indexes, grad_outputs))
-        else:
+        with hidden:
             gxs = tuple(next_(schedule, indexes, grad_outputs))
     finally:
         if building:    # Chainer's define-by-run pass set them

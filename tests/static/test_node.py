@@ -24,11 +24,11 @@ RTOL = 2e-6
 
 
 class Net(chainer.Chain):
-    def __init__(self):
+    def __init__(self, hidden=4, out=4):
         super().__init__()
         with self.init_scope():
-            self.l1 = L.Linear(3, 4)
-            self.l2 = L.Linear(4, 4)
+            self.l1 = L.Linear(3, hidden)
+            self.l2 = L.Linear(hidden, out)
 
     def forward(self, x):
         return self.l2(F.tanh(self.l1(x)))
@@ -92,15 +92,8 @@ def test_a_replayed_forward_leaves_the_parameters_gradients_alone(monkeypatch, f
     assert cache_state(model)['fallback'] is None
 
 
-class _Critic(chainer.Chain):
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(3, 5)
-            self.l2 = L.Linear(5, 1)
-
-    def forward(self, x):
-        return self.l2(F.tanh(self.l1(x)))
+def _critic():
+    return Net(hidden=5, out=1)
 
 
 @pytest.mark.parametrize('first', [0, 3])
@@ -112,7 +105,7 @@ def test_a_double_backward_through_the_replay_is_define_by_runs_and_gives_the_ca
     call's inputs; the statistics and random state the recomputation moves
     are put back; the chain runs define-by-run from then on. From the step
     that records (``first`` 0, its backward verified) or a later replay."""
-    ordinary, cached = copies(_Critic)
+    ordinary, cached = copies(_critic)
     cache_static_graph(cached)
     rng = numpy.random.RandomState(0)
     for i in range(6):
@@ -159,7 +152,7 @@ def test_a_double_backward_after_a_backward_over_the_same_graph_is_an_error():
     """The call's inputs are let go by its first backward: a double backward
     over the same graph after it cannot be computed, and says so instead of
     differentiating Chainer's backward schedule (second-order terms lost)."""
-    model = _Critic()
+    model = _critic()
     cache_static_graph(model)
     rng = numpy.random.RandomState(3)
     for _ in range(4):
