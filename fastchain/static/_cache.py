@@ -170,21 +170,24 @@ class _Cache:
                                    self.name, len(self.state['sequences'].get(key, ()))))
 
     def _verified(self, chain, plain, key, args, building):
-        before = _verify.Snapshot(chain)
+        before = _verify.Snapshot(chain, python=True)
         recorder = _functions.Recorder() if building else contextlib.nullcontext()
         statistics = _fixes.building_statistics(chain, _keys.array_inputs(args)) if building else \
             contextlib.nullcontext()
-        watch = _reads.watching() if building else contextlib.nullcontext([])
+        watch = _reads.watching() if building else contextlib.nullcontext(_reads.Found())
         try:
             with statistics, recorder, watch as reads, \
                     _fixes.verbosity(self.verbosity > 0):
                 out = self._replay(chain, key, args, building)
         except Exception as e:      # the caching machinery could not handle it
             drew = before.random_moved()
+            changed = before.python.changes()
             before.restore()
             refused = _functions.refusal(recorder.names) if building else None
             if refused is not None:
                 return self._redo(plain, args, 'refused', refused)
+            if changed:     # the likelier cause (a generator's draw made a constant)
+                return self._redo(plain, args, *_reasons.python_reason(changed))
             return self._redo(plain, args, *_reasons.machinery_reason(
                 getattr(recorder, 'last', None) if building else False, e, drew))
         kept = before.kept_variables()
@@ -200,6 +203,10 @@ class _Cache:
             if reads:
                 before.restore()
                 return self._redo(plain, args, 'not static', _reads.reason(reads))
+            if reads.reports:
+                before.restore()
+                return self._redo(plain, args, 'unsupported',
+                                  _reads.report_reason(reads.reports))
             self.state['names'][key] = set(recorder.names)
             recorded = self.state['sequences'].setdefault(key, recorder.calls)
             if recorder.calls != recorded:      # a second schedule for the key
@@ -212,6 +219,10 @@ class _Cache:
         reference = _verify.Reference(chain, plain, args)
         reached = _verify.Snapshot(chain, grads=False)
         after.put_back()
+        changed = before.python.changes()
+        if changed:     # the recording's or the reference's Python changed the model
+            before.restore()
+            return self._redo(plain, args, *_reasons.python_reason(changed))
         found = self._compare_forward(key, building, out, after, reference, reached)
         if found is not None:
             before.restore()

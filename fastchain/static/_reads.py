@@ -12,6 +12,13 @@ thread, makes the cache refuse the model, naming the line. A read that only
 takes the array's ``shape``, ``ndim``, ``dtype`` or ``size``
 (``h.data.shape[0]``) is not a read of values (the reader's next bytecode
 instruction tells); ``Variable.item()`` counts as a read by its caller.
+
+``chainer.report`` is watched the same way: a replay runs none of the
+forward's Python, so what a cached forward reports (``chainer.report({'h':
+F.mean(h)}, self)``) was missing from the observation from the first
+unverified replay on, silently (LogReport's entry simply vanished). A call of
+``chainer.report``, ``chainer.reporter.report`` or ``Reporter.report`` while
+a schedule is recorded makes the cache refuse the model, naming the line.
 """
 
 import contextlib
@@ -26,7 +33,7 @@ _GETTERS = ('array', 'data')
 _VARIABLE = os.path.join('chainer', 'variable.py')
 _NOT_VALUES = frozenset({'shape', 'ndim', 'dtype', 'size', 'itemsize', 'nbytes', 'device'})
 _lock = threading.Lock()
-_recording = {}         # thread id -> reads found there ('file:line')
+_recording = {}         # thread id -> reads found there ('file:line'), .reports too
 _next = {}              # code object -> {instruction offset: (opname, argval) after it}
 
 
@@ -70,29 +77,69 @@ def _getter_layer(next_, variable):
     return next_(variable)
 
 
+def _report_layer(next_, *args, **kwargs):
+    found = _recording.get(threading.get_ident())
+    if found is not None and len(found.reports) < 3:
+        _, dispatch = _folders()
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename.startswith(dispatch)
+                                     or frame.f_code.co_filename in (__file__, _reporter())):
+            frame = frame.f_back
+        if frame is not None:
+            where = '{}:{}'.format(os.path.basename(frame.f_code.co_filename), frame.f_lineno)
+            if where not in found.reports:
+                found.reports.append(where)
+    return next_(*args, **kwargs)
+
+
+def _reporter():
+    import chainer.reporter
+    return chainer.reporter.__file__
+
+
+class Found(list):
+    """The reads of values found (``'file:line'``); ``reports``: the calls
+    of ``chainer.report`` found."""
+
+    def __init__(self):
+        super().__init__()
+        self.reports = []
+
+
+def _report_points():
+    import chainer
+    import chainer.reporter
+    return ((chainer.reporter, 'report'), (chainer, 'report'), (chainer.Reporter, 'report'))
+
+
 @contextlib.contextmanager
 def watching():
     """Inside: reads of variables' values by user code on this thread are
-    listed in the yielded list as ``'file:line'`` (the first few)."""
+    listed in the yielded list as ``'file:line'`` (the first few), calls of
+    ``chainer.report`` in its ``reports``."""
     import chainer
     me = threading.get_ident()
     if me in _recording:        # nested (a chain cached inside a cached chain)
         yield _recording[me]
         return
-    reads = []
+    found = Found()
     with _lock:
         if not _recording:
             for name in _GETTERS:
                 _patches.wrap(chainer.Variable, name, 'static_graph', _getter_layer)
-        _recording[me] = reads
+            for owner, name in _report_points():
+                _patches.wrap(owner, name, 'static_graph', _report_layer)
+        _recording[me] = found
     try:
-        yield reads
+        yield found
     finally:
         with _lock:
             del _recording[me]
             if not _recording:
                 for name in _GETTERS:
                     _patches.unwrap(chainer.Variable, name, 'static_graph')
+                for owner, name in _report_points():
+                    _patches.unwrap(owner, name, 'static_graph')
 
 
 def reason(reads):
@@ -100,3 +147,11 @@ def reason(reads):
             '({}): what it computes from them (a branch, a constant) would be replayed '
             'from the first batch on every later one. Compute it with chainer.functions '
             'instead, or leave this model uncached'.format(', '.join(reads)))
+
+
+def report_reason(reports):
+    return ("the model reports values from inside its forward (chainer.report at {}): a "
+            "replay runs none of the forward's Python, so from the first replay on they "
+            'would be missing from the observation (LogReport, PrintReport). Report them '
+            'outside the cached chain (from the loss function, as L.Classifier does around '
+            'its predictor), or leave this model uncached'.format(', '.join(reports)))

@@ -54,6 +54,19 @@ def kept_reason(kept):
                             if len(kept) > 3 else ''))
 
 
+def python_reason(changed):
+    """(cause, reason): the forward changed state its links keep in Python
+    (``changed``: ``'path/name: what'``, :mod:`fastchain.static._state`)."""
+    return ('not static', 'the model keeps state in Python that its forward changes ({}{}): '
+            'a counter, a list or dict it fills, an array it changes in place, a random '
+            "generator of its own it draws from. The replay runs none of the forward's "
+            'Python, so that state would stay as the first call left it, and what the '
+            'forward computes from it would be frozen. Keep such state outside the cached '
+            'chain (in the training loop or an extension), or leave this model '
+            'uncached'.format('; '.join(changed[:3]), ' and {} more'.format(len(changed) - 3)
+                              if len(changed) > 3 else ''))
+
+
 def value_reason(names, building, what, how, backward=False):
     """(cause, reason): a value differs between the replay and define-by-run
     (``names``: the functions the key recorded)."""

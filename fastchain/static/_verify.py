@@ -43,7 +43,7 @@ import chainer
 
 from fastchain.cudnn import _paths
 from fastchain.kernels import _onednn
-from fastchain.static import _functions
+from fastchain.static import _functions, _state
 
 ULPS = 32
 INEXACT = 2.0 ** -10     # relative, float32, once onednn is in force (_inexact)
@@ -165,8 +165,10 @@ class Snapshot:
     one draws from that random state, so putting the state back unmakes it,
     and the define-by-run call that follows makes it as plain Chainer does)."""
 
-    def __init__(self, chain, grads=True):
+    def __init__(self, chain, grads=True, python=False):
         self.persistents, self.attributes = [], []
+        # what the links' other attributes hold (counters, lists, generators)
+        self.python = _state.PythonState(chain) if python else None
         for path, link in chain.namedlinks():
             for name in sorted(link._persistent):
                 value = link.__dict__.get(name)
@@ -181,6 +183,8 @@ class Snapshot:
         self.unmade = [p for _, p in chain.namedparams() if p.array is None]
 
     def restore(self):
+        if self.python is not None:
+            self.python.restore()
         self.put_back()
         for p in self.unmade:
             if p.array is not None:

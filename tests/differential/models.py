@@ -3,9 +3,10 @@
 A model is drawn as a *spec* (plain tuples, so a failing example prints as
 something to read) and built by :func:`build`: convolutions and
 deconvolutions of random kernel, stride, pad, dilation and groups; batch
-normalisation; dropout; pooling; residual adds; optionally a second input
-and a branch on the data; global average pooling and a linear classifier
-(optionally of an input size Chainer infers on the first call).
+normalisation; dropout; pooling; residual adds; optionally a second input,
+a branch on the data and a count of calls kept in Python; global average
+pooling and a linear classifier (optionally of an input size Chainer infers
+on the first call).
 """
 
 import numpy
@@ -98,9 +99,13 @@ def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_bra
     # the model's parameters also used by the loss, outside the call: an L2
     # penalty over all of them, or the head's weight tied to an output layer
     tied = draw(st.sampled_from([None, None, None, 'penalty', 'tie'])) if allow_calls else None
+    # a count of calls the forward keeps in Python, halving the output every
+    # fifth call: state a replay does not advance, on a period the verified
+    # steps may not reach
+    counter = allow_calls and draw(st.integers(0, 7)) == 0
     return {'input': spec_input, 'layers': tuple(layers), 'extra_input': extra,
             'branch': branch, 'lazy_head': lazy, 'calls': calls, 'recurrent': recurrent,
-            'tied': tied}
+            'tied': tied, 'counter': counter}
 
 
 class Net(chainer.Chain):
@@ -139,6 +144,14 @@ class Net(chainer.Chain):
                 self.side = L.Linear(3, CLASSES, initialW=init)
             if spec['branch']:
                 self.other = L.Linear(c, CLASSES, initialW=init)
+        self.calls = 0
+
+    def serialize(self, serializer):
+        super().serialize(serializer)
+        if self.spec.get('counter'):
+            # in a snapshot (a resumed run goes on counting), not a persistent
+            # value (the verification compares those)
+            self.calls = serializer('calls', self.calls)
 
     def forward(self, x, *rest):
         h = x
@@ -166,6 +179,10 @@ class Net(chainer.Chain):
             y = self.head(h)
         if self.spec['extra_input']:
             y = y + self.side(rest[0])
+        if self.spec.get('counter'):
+            self.calls += 1
+            if self.calls % 5 == 0:
+                y = y * 0.5
         return y
 
 

@@ -1,6 +1,7 @@
 """A forward that reads values in Python is refused when it is recorded, not
 replayed wrong once the verified steps are over."""
 
+import re
 import warnings
 
 import numpy
@@ -138,3 +139,57 @@ def test_enable_skips_a_model_that_is_not_a_chain_and_says_so():
             model = L.Classifier(chainer.Sequential(L.Linear(4, 3)))
             chainer.optimizers.SGD().setup(model)
     assert 'forward' not in vars(model) and 'forward' not in vars(model.predictor)
+
+
+class _Reporting(chainer.Chain):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        with self.init_scope():
+            self.l1 = L.Linear(3, 4)
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.how == 'chainer.report':
+            chainer.report({'mean': F.mean(h)}, self)
+        elif self.how == 'reporter.report':
+            chainer.reporter.report({'mean': F.mean(h)}, self)
+        else:
+            chainer.reporter.get_current_reporter().report({'mean': F.mean(h)}, self)
+        return h
+
+
+@pytest.mark.parametrize('how, in_scope', [
+    ('chainer.report', True), ('reporter.report', True), ('Reporter.report', True),
+    ('chainer.report', False), ('reporter.report', False)])
+def test_a_forward_that_reports_is_refused_and_every_step_reports(how, in_scope):
+    """Before, a replay reported nothing: 'main/mean' was in the observation
+    of the recording and verified steps only (3 of 6), silently. A report
+    with no reporter current does nothing, but a later step may have one
+    (``Reporter.report`` is called on a current reporter only)."""
+    ordinary, cached = copies(lambda: _Reporting(how))
+    cache_static_graph(cached)
+    observed = {id(ordinary): [], id(cached): []}
+    rng = numpy.random.RandomState(0)
+    fallbacks = []
+    for step in range(6):
+        x = rng.rand(2, 3).astype(numpy.float32)
+        for model in (ordinary, cached):
+            reporter = chainer.Reporter()
+            reporter.add_observer('main', model)
+            observation = {}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter('always')
+                if in_scope or step > 0:
+                    with reporter.scope(observation):
+                        F.sum(model(x)).backward()
+                else:
+                    F.sum(model(x)).backward()
+            fallbacks += [str(w.message) for w in caught if w.category is StaticGraphFallback]
+            observed[id(model)].append(float(observation['main/mean'].array)
+                                       if 'main/mean' in observation else None)
+    assert observed[id(cached)] == observed[id(ordinary)]
+    assert observed[id(ordinary)][1:] == [v for v in observed[id(ordinary)][1:] if v is not None]
+    assert len(fallbacks) == 1 and 'reports values from inside its forward' in fallbacks[0]
+    assert re.search(r'chainer\.report at test_reads\.py:\d+\)', fallbacks[0]), fallbacks[0]
+    assert cache_state(cached)['cause'] == 'unsupported'

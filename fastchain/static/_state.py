@@ -1,0 +1,251 @@
+"""State a cached chain's forward keeps in Python, which a replay never runs.
+
+A replay runs the recorded functions only: a counter the forward advances
+(``self.calls += 1``), a list it appends to, a dict it fills, an array it
+changes in place, a generator of its own it draws from (``self.rng.normal``)
+stay as the recording left them, and whatever the forward computes from them
+is frozen too (a branch every tenth call that the verified steps never see).
+:class:`PythonState` takes what each link's attributes hold (other than its
+parameters, persistent values and child links, which the cache handles) before
+a verified call (and their persistent values that are not arrays, such as
+BatchNormalization's ``N``, which ``finetune=True`` counts in Python);
+:meth:`PythonState.changes` names what the recording or the
+reference run changed, and :meth:`PythonState.restore` puts it back, so the
+define-by-run call that follows starts where plain Chainer's would.
+
+What is looked at: attributes rebound, added or removed; the items of lists,
+tuples, dicts and sets (nested, a few levels down); arrays (NumPy, CuPy) and
+variables' arrays by value; NumPy ``RandomState`` and ``Generator`` by their
+state; the ``__dict__`` of plain objects of the user's own classes. Anything
+else (a module, a function, another link, an object of a library) by identity.
+State outside the links (a module's global, a closure) is not seen.
+"""
+
+import numpy
+
+import chainer
+
+# Chainer's static graph keeps its schedules on the chain.
+_CHAINER = frozenset(('schedule_manager', 'static_schedule', '_out_vars_unflatten_inds'))
+_DEPTH = 3          # how far into containers and objects
+_BUDGET = 20000     # values looked at per snapshot (the rest by identity)
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, numpy.generic)
+_LIBRARIES = ('chainer', 'fastchain', 'numpy', 'cupy', 'builtins', 'cupyx')
+
+
+class _Node:
+    __slots__ = ('kind', 'obj', 'saved')
+
+    def __init__(self, kind, obj, saved=None):
+        self.kind, self.obj, self.saved = kind, obj, saved
+
+
+def _own_object(value):
+    """A plain object of a user's class (looked into), not a library's."""
+    module = type(value).__module__ or ''
+    return (hasattr(value, '__dict__') and not isinstance(value, (chainer.Link, type))
+            and not callable(value) and module.split('.')[0] not in _LIBRARIES)
+
+
+def _take(value, depth, budget, seen):
+    budget[0] -= 1
+    if isinstance(value, _SCALARS):
+        return _Node('value', value)
+    if budget[0] <= 0 or id(value) in seen:
+        return _Node('ref', value)
+    if isinstance(value, chainer.get_array_types()):
+        return _Node('array', value, value.copy())
+    if isinstance(value, chainer.Variable):
+        array = value.array
+        return _Node('variable', value, None if array is None else array.copy())
+    if isinstance(value, numpy.random.RandomState):
+        return _Node('random', value, value.get_state())
+    if isinstance(value, numpy.random.Generator):
+        return _Node('generator', value, value.bit_generator.state)
+    if depth >= _DEPTH:
+        return _Node('ref', value)
+    seen = seen | {id(value)}
+    if isinstance(value, (list, tuple)):
+        return _Node('list', value, [_take(v, depth + 1, budget, seen) for v in value])
+    if isinstance(value, dict):
+        return _Node('dict', value, {k: _take(v, depth + 1, budget, seen)
+                                     for k, v in list(value.items())})
+    if isinstance(value, (set, frozenset)):
+        return _Node('set', value, frozenset(value))
+    if _own_object(value):
+        return _Node('object', value, {k: _take(v, depth + 1, budget, seen)
+                                       for k, v in list(vars(value).items())})
+    return _Node('ref', value)
+
+
+def _same_value(a, b):
+    """Two saved states (scalars, dicts of them, arrays) are equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if hasattr(a, 'shape') or hasattr(b, 'shape'):
+        return _same_array(a, b)
+    return type(a) is type(b) and (a is b or a == b)
+
+
+def _same_array(a, b):
+    if not (hasattr(a, 'shape') and hasattr(b, 'shape')) or type(a) is not type(b) \
+            or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    xp = chainer.backend.get_array_module(a)
+    nan = a.dtype.kind in 'fc'
+    return bool(xp.array_equal(a, b, equal_nan=nan)) if nan else bool(xp.array_equal(a, b))
+
+
+def _change(node, now):
+    """What changed (words), or None; ``now``: what the place holds now."""
+    if node.kind == 'value':
+        if type(now) is type(node.obj) and (now is node.obj or _same_value(now, node.obj)):
+            return None
+        return 'was {!r}, is {!r}'.format(_short(node.obj), _short(now))
+    if now is not node.obj:
+        return 'rebound (a {} before, a {} now)'.format(type(node.obj).__name__,
+                                                        type(now).__name__)
+    kind = node.kind
+    if kind == 'array':
+        return None if _same_array(now, node.saved) else 'an array changed in place'
+    if kind == 'variable':
+        array = now.array
+        if (array is None) == (node.saved is None) and (
+                array is None or _same_array(array, node.saved)):
+            return None
+        return "a variable's array changed in place"
+    if kind == 'random':
+        return None if _same_value(now.get_state(), node.saved) else \
+            'a RandomState the forward draws random numbers from'
+    if kind == 'generator':
+        return None if _same_value(now.bit_generator.state, node.saved) else \
+            'a Generator the forward draws random numbers from'
+    if kind == 'list':
+        if len(now) != len(node.saved):
+            return 'a {} of {} items, {} now'.format(type(now).__name__, len(node.saved),
+                                                     len(now))
+        for i, (child, item) in enumerate(zip(node.saved, now)):
+            found = _change(child, item)
+            if found is not None:
+                return '[{}] {}'.format(i, found)
+        return None
+    if kind == 'dict':
+        if now.keys() != node.saved.keys():
+            added = [k for k in now if k not in node.saved]
+            removed = [k for k in node.saved if k not in now]
+            return 'a dict whose keys changed ({})'.format(', '.join(
+                ['+{!r}'.format(_short(k)) for k in added[:2]]
+                + ['-{!r}'.format(_short(k)) for k in removed[:2]]))
+        for k, child in node.saved.items():
+            found = _change(child, now[k])
+            if found is not None:
+                return '[{!r}] {}'.format(_short(k), found)
+        return None
+    if kind == 'set':
+        return None if frozenset(now) == node.saved else 'a set whose items changed'
+    if kind == 'object':
+        return _attributes_change(node.saved, vars(now), '.')
+    return None
+
+
+def _attributes_change(saved, now, dot):
+    for name in now:
+        if name not in saved:
+            return '{}{} added'.format(dot, name)
+    for name, child in saved.items():
+        if name not in now:
+            return '{}{} removed'.format(dot, name)
+        found = _change(child, now[name])
+        if found is not None:
+            return '{}{}: {}'.format(dot, name, found)
+    return None
+
+
+def _short(value):
+    text = repr(value)
+    return value if len(text) <= 40 else text[:37] + '...'
+
+
+def _put_back(node):
+    """Undo changes inside ``node.obj`` (its binding is the caller's)."""
+    kind, obj = node.kind, node.obj
+    if kind == 'array':
+        if obj.shape == node.saved.shape and obj.flags.writeable:
+            obj[...] = node.saved
+    elif kind == 'variable':
+        if node.saved is not None and obj.array is not None \
+                and obj.array.shape == node.saved.shape:
+            obj.array[...] = node.saved
+    elif kind == 'random':
+        obj.set_state(node.saved)
+    elif kind == 'generator':
+        obj.bit_generator.state = node.saved
+    elif kind == 'list':
+        if isinstance(obj, list):
+            obj[:] = [child.obj for child in node.saved]
+        for child in node.saved:
+            _put_back(child)
+    elif kind == 'dict':
+        obj.clear()
+        obj.update((k, child.obj) for k, child in node.saved.items())
+        for child in node.saved.values():
+            _put_back(child)
+    elif kind == 'set' and isinstance(obj, set):
+        obj.clear()
+        obj.update(node.saved)
+    elif kind == 'object':
+        _put_back_attributes(vars(obj), node.saved)
+
+
+def _put_back_attributes(now, saved):
+    for name in [n for n in now if n not in saved]:
+        del now[name]
+    for name, child in saved.items():
+        now[name] = child.obj
+        _put_back(child)
+
+
+def _attributes(link):
+    """The attributes to look at: all but the parameters, the persistent
+    arrays (the functions update them, the verification compares them), the
+    child links and Chainer's schedules. A persistent value that is not an
+    array (BatchNormalization's ``N``) only Python code changes."""
+    children = getattr(link, '_children', ())       # a Chain's names; a ChainList's links
+    skip = link._params | _CHAINER | (children if isinstance(children, set) else set())
+    items = vars(link)
+    skip |= {name for name in link._persistent
+             if isinstance(items.get(name), chainer.get_array_types())}
+    return {name: value for name, value in items.items() if name not in skip}
+
+
+class PythonState:
+    """What the attributes of ``chain``'s links hold, to compare and put back."""
+
+    def __init__(self, chain):
+        budget = [_BUDGET]
+        self.links = []
+        for path, link in chain.namedlinks():
+            saved = {name: _take(value, 1, budget, frozenset())
+                     for name, value in _attributes(link).items()}
+            self.links.append((link, path.rstrip('/') or '/', saved))
+
+    def changes(self):
+        """``'path/name: what'`` for each link whose state changed (the first
+        change each)."""
+        found = []
+        for link, path, saved in self.links:
+            change = _attributes_change(saved, _attributes(link), '')
+            if change is not None:
+                found.append('{}{}{}'.format(path, '' if path.endswith('/') else '/', change))
+        return found
+
+    def restore(self):
+        for link, _, saved in self.links:
+            now = vars(link)
+            for name in [n for n in _attributes(link) if n not in saved]:
+                del now[name]
+            for name, child in saved.items():
+                now[name] = child.obj
+                _put_back(child)

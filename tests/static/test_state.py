@@ -1,0 +1,217 @@
+"""State a cached forward keeps in Python (fastchain/static/_state.py): a
+replay runs none of the forward's Python, so a counter, a list, a dict, an
+array changed in place, a generator of the model's own or an object of the
+user's that the forward changes would stay as the recording left it. The
+cache refuses such a model on its first verified call, puts the state back,
+and the model trains as plain Chainer does, its state included."""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from fastchain.static import StaticGraphFallback, cache_state, cache_static_graph
+from fastchain.static import _state
+
+from tests.helpers import copies, side_by_side
+
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
+
+
+class _Meter:
+    """A plain object of the user's, held by the model."""
+
+    def __init__(self):
+        self.n = 0
+
+
+class Stateful(chainer.Chain):
+    """A small network whose forward keeps state of the kind ``kind`` and
+    (for most kinds) computes from it, on a period no verified step sees."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        with self.init_scope():
+            self.l1 = L.Linear(3, 4)
+            self.l2 = L.Linear(4, 3)
+        self.calls = 0
+        self.seen = []
+        self.stats = {}
+        self.total = numpy.zeros(1, numpy.float32)
+        self.rng = numpy.random.RandomState(5)
+        self.gen = numpy.random.default_rng(5)
+        self.meter = _Meter()
+        self.nested = {'inner': [0]}
+
+    def forward(self, x):
+        h = F.tanh(self.l1(x))
+        kind = self.kind
+        scale = 1.0
+        if kind == 'counter':
+            self.calls += 1
+            scale = 2.0 if self.calls % 6 == 0 else 1.0     # after the verified steps
+        elif kind == 'list':
+            self.seen.append(len(x))
+        elif kind == 'dict':
+            self.stats['calls'] = self.stats.get('calls', 0) + 1
+        elif kind == 'array':
+            self.total += len(x)
+            scale = float(self.total[0] % 12 == 0) + 1.0
+        elif kind == 'random':
+            h = h + self.rng.normal(0, 0.1, h.shape).astype(numpy.float32)
+        elif kind == 'generator':
+            h = h + self.gen.normal(0, 0.1, h.shape).astype(numpy.float32)
+        elif kind == 'object':
+            self.meter.n += 1
+        elif kind == 'nested':
+            self.nested['inner'][0] += 1
+        return self.l2(h) * scale
+
+
+KINDS = {'counter': 'calls', 'list': 'seen', 'dict': 'stats', 'array': 'total',
+         'random': 'rng', 'generator': 'gen', 'object': 'meter', 'nested': 'nested'}
+
+
+def _python_state(model):
+    return (model.calls, list(model.seen), dict(model.stats), model.total.copy(),
+            model.rng.get_state()[2], model.gen.bit_generator.state['state'],
+            model.meter.n, model.nested['inner'][0])
+
+
+def _batches(steps=8):
+    rng = numpy.random.RandomState(0)
+    return [(rng.rand(2, 3).astype(numpy.float32), rng.randint(0, 3, 2).astype(numpy.int32))
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize('kind', sorted(KINDS))
+def test_a_forward_that_changes_python_state_trains_as_plain_chainer(kind):
+    ordinary, cached = copies(lambda: Stateful(kind))
+    cache_static_graph(cached)
+    caught = side_by_side(ordinary, cached, _batches())
+    state = cache_state(cached)
+    assert state['cause'] == 'not static'
+    assert '/{}'.format(KINDS[kind]) in state['fallback'], state['fallback']
+    assert 'keeps state in Python' in state['fallback']
+    assert len(caught) == 1
+    for got, expected in zip(_python_state(cached), _python_state(ordinary)):
+        numpy.testing.assert_array_equal(got, expected)
+
+
+class Holder(chainer.Chain):
+    """Python state the forward reads but never changes: nothing to refuse."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 3)
+        self.sizes = [1.0, 2.0]
+        self.table = {'scale': 0.5}
+        self.rng = numpy.random.RandomState(0)
+        self.meter = _Meter()
+        self.offset = numpy.ones(3, numpy.float32)
+
+    def forward(self, x):
+        return self.l1(x) * self.table['scale'] + self.sizes[1] + float(self.offset.sum())
+
+
+def test_state_the_forward_only_reads_keeps_the_model_cached():
+    ordinary, cached = copies(Holder)
+    cache_static_graph(cached)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        side_by_side(ordinary, cached, _batches(6))
+    state = cache_state(cached)
+    assert state['fallback'] is None and sum(state['verified'].values()) == 2
+
+
+def test_the_state_is_put_back_exactly_and_changes_are_named():
+    model = Stateful('list')
+    model.stats['k'] = [numpy.arange(3.0)]
+    model.meter.extra = {'a': 1}
+    taken = _state.PythonState(model)
+    assert taken.changes() == []
+    model.calls = 7
+    model.seen.append(1)
+    model.stats['k'][0][1] = 9.0
+    model.stats['new'] = 1
+    model.total += 1
+    model.rng.rand()
+    model.gen.random()
+    model.meter.extra['a'] = 2
+    model.meter.fresh = True
+    model.l1.note = 'made by the call'
+    changes = taken.changes()
+    assert len(changes) == 2, changes
+    assert changes[0].startswith('/calls: was 0, is 7'), changes
+    assert changes[1].startswith('/l1/note added'), changes
+    taken.restore()
+    assert taken.changes() == []
+    assert model.calls == 0 and model.seen == [] and set(model.stats) == {'k'}
+    numpy.testing.assert_array_equal(model.stats['k'][0], numpy.arange(3.0))
+    numpy.testing.assert_array_equal(model.total, [0])
+    assert numpy.random.RandomState(5).rand() == model.rng.rand()
+    assert model.meter.extra == {'a': 1} and not hasattr(model.meter, 'fresh')
+    assert 'note' not in vars(model.l1)
+
+
+@pytest.mark.parametrize('change, words', [
+    (lambda m: m.seen.append(3), 'a list of 0 items, 1 now'),
+    (lambda m: m.stats.update(a=1), "a dict whose keys changed (+'a')"),
+    (lambda m: m.total.__iadd__(1), 'an array changed in place'),
+    (lambda m: m.rng.rand(), 'a RandomState the forward draws random numbers from'),
+    (lambda m: m.gen.random(), 'a Generator the forward draws random numbers from'),
+    (lambda m: setattr(m.meter, 'n', 1), '.n: was 0, is 1'),
+    (lambda m: m.nested['inner'].append(1), "['inner'] a list of 1 items, 2 now"),
+    (lambda m: setattr(m, 'seen', []), 'rebound (a list before, a list now)'),
+])
+def test_each_kind_of_change_is_named(change, words):
+    model = Stateful('list')
+    taken = _state.PythonState(model)
+    change(model)
+    changes = taken.changes()
+    assert len(changes) == 1 and changes[0].endswith(words), changes
+
+
+def test_what_the_cache_and_chainer_keep_on_the_chain_is_not_state():
+    """Chainer's static graph keeps its schedules on the chain; parameters
+    and persistent arrays change by design (the verification compares the
+    latter); a persistent value that is not an array only Python changes."""
+    model = Stateful('counter')
+    model.add_persistent('count', 0)
+    model.add_persistent('running', numpy.zeros(2, numpy.float32))
+    taken = _state.PythonState(model)
+    model.static_schedule = object()
+    model.schedule_manager = object()
+    model.l1.W.array += 1
+    model.running += 1
+    assert taken.changes() == []
+    model.count = 3
+    assert taken.changes() == ['/count: was 0, is 3']
+
+
+def test_batch_normalizations_finetune_count_is_named():
+    """``finetune=True`` counts the batches in ``N`` in Python: the replay
+    would not count them (the verification caught the decay computed from
+    it, blaming data read in Python)."""
+    class Finetuned(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.l1 = L.Linear(3, 4)
+                self.bn = L.BatchNormalization(4)
+
+        def forward(self, x):
+            return self.bn(self.l1(x), finetune=True)
+
+    ordinary, cached = copies(Finetuned)
+    cache_static_graph(cached)
+    caught = side_by_side(ordinary, cached, _batches(4))
+    assert len(caught) == 1 and '/bn/N: was 0, is ' in caught[0], caught
+    assert cached.bn.N == ordinary.bn.N == 4
+
