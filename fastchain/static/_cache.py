@@ -306,7 +306,12 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0, changes=None):
         return cache(plain, args, kwargs)
     functools.update_wrapper(cached_forward, type(chain).forward)
     name = type(chain).__name__
+    ref = weakref.ref(chain)
+    # a copy of the chain (Link.copy, copy.deepcopy, pickle) is a plain chain:
+    # the schedules are this one's (undone last: after the forward's layer)
+    _patches.leave_out_of_copies(chain, _CHAINER_ATTRIBUTES)
     if changes is not None:
+        changes.call('copies of ' + name, functools.partial(_copies_whole, ref))
         point = changes.wrap(chain, 'forward', 'static_graph', cached_forward)
         changes.attach(chain, STATE, cache)
         changes.call('static graph lease of ' + name, release)
@@ -314,7 +319,6 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0, changes=None):
     else:
         point = _patches.wrap(chain, 'forward', 'static_graph', cached_forward)
         _patches.attach(chain, STATE, cache)
-    ref = weakref.ref(chain)
 
     def undo():
         obj = ref()
@@ -323,7 +327,14 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0, changes=None):
             _patches.detach(obj, STATE, cache)
         cache.forget()
         release()
+        _copies_whole(ref)
     return undo
+
+
+def _copies_whole(ref):
+    chain = ref()
+    if chain is not None:
+        _patches.leave_out_of_copies(chain, ())
 
 
 def _new_cache(chain, forward, verify_steps, verbosity):
@@ -343,6 +354,7 @@ def _cached_method(func, verify_steps):
             cache, _ = _new_cache(self, func, verify_steps, 0)
             cache.method = True
             _patches.attach(self, STATE, cache)
+            _patches.leave_out_of_copies(self, _CHAINER_ATTRIBUTES)
         if not cache.method:
             # The instance's forward is cached as a whole: this call comes from
             # inside that cache.

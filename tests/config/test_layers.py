@@ -6,7 +6,9 @@ tests/distributed/test_layers_mpi.py.
 """
 
 import contextlib
+import copy
 import os
+import pickle
 import warnings
 
 import numpy
@@ -364,3 +366,61 @@ def test_any_sequence_leaves_the_truth_in_the_report_and_chainer_as_it_was(steps
             for name in os.listdir(tmp_path):
                 os.remove(os.path.join(tmp_path, name))
     assert annotator().timeline is None
+
+
+class _Counter:
+    """An object a point is put on (module level: pickle finds it)."""
+
+    def __init__(self):
+        self.n = 1
+
+    def value(self):
+        return self.n
+
+
+def test_a_copy_of_an_object_with_a_point_on_it_is_a_plain_object():
+    """The point's dispatcher sits in the object's __dict__, bound to that
+    object: a copy carried it and called the original's method."""
+    thing = _Counter()
+    _patches.wrap(thing, 'value', 'nvtx', lambda next_: next_() + 100)
+    assert thing.value() == 101
+    for dup in (copy.copy(thing), copy.deepcopy(thing), pickle.loads(pickle.dumps(thing))):
+        dup.n = 2
+        assert dup.value() == 2 and vars(dup) == {'n': 2}
+    assert thing.value() == 101
+    _patches.unwrap(thing, 'value', 'nvtx')
+    assert vars(thing) == {'n': 1}
+
+
+@pytest.mark.parametrize('static', [False, True])
+def test_a_deep_copy_of_a_model_updates_with_its_own_rules_state(static):
+    """Chainer's ParallelUpdater deep-copies the model, its parameters' update
+    rules with it: a copied rule's fused update ran the original rule's
+    (its momentum) on the copy's parameter (silently: every weight off); a
+    model cached by static_graph could not be deep-copied once called."""
+    models = []
+    for options in ({'fused_update': True, 'static_graph': static}, {}):
+        numpy.random.seed(0)
+        model = Small()
+        handle = fastchain.enable(**options) if options else contextlib.nullcontext()
+        with handle:
+            optimizer = chainer.optimizers.MomentumSGD(0.1).setup(model)
+            x = numpy.random.rand(3, 2).astype(numpy.float32)
+            for _ in range(3):
+                optimizer.update(lambda: F.sum(model(x) ** 2))
+            dup = copy.deepcopy(model)
+            for _ in range(3):
+                dup.cleargrads()
+                F.sum(dup(x) ** 3).backward()
+                for p in dup.params():
+                    p.update()
+            if options:
+                assert _update.is_fused(model.fc.W.update_rule)
+                assert is_cached(model) == static and not is_cached(dup)
+        models.append((model, dup))
+    (fast, fast_dup), (plain, plain_dup) = models
+    for (_, p), (_, q) in zip(sorted(plain.namedparams()), sorted(fast.namedparams())):
+        numpy.testing.assert_array_equal(q.array, p.array)
+    for (_, p), (_, q) in zip(sorted(plain_dup.namedparams()), sorted(fast_dup.namedparams())):
+        numpy.testing.assert_array_equal(q.array, p.array)
+        numpy.testing.assert_array_equal(q.update_rule.state['v'], p.update_rule.state['v'])

@@ -5,6 +5,8 @@ user's that the forward changes would stay as the recording left it. The
 cache refuses such a model on its first verified call, puts the state back,
 and the model trains as plain Chainer does, its state included."""
 
+import copy
+import pickle
 import warnings
 
 import numpy
@@ -15,7 +17,7 @@ import chainer.functions as F
 import chainer.links as L
 
 from fastchain.static import StaticGraphFallback, cache_state, cache_static_graph
-from fastchain.static import _state
+from fastchain.static import _state, static_graph as fastchain_static_graph
 
 from tests.helpers import copies, side_by_side
 
@@ -215,3 +217,76 @@ def test_batch_normalizations_finetune_count_is_named():
     assert len(caught) == 1 and '/bn/N: was 0, is ' in caught[0], caught
     assert cached.bn.N == ordinary.bn.N == 4
 
+
+class Small(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 4)
+
+    def forward(self, x):
+        return self.l1(x)
+
+
+@fastchain_static_graph
+class _Decorated(Small):
+    pass
+
+
+class _MethodCached(Small):
+    @fastchain_static_graph
+    def forward(self, x):
+        return self.l1(x)
+
+
+def _copy(model, how):
+    if how == 'pickle':
+        return pickle.loads(pickle.dumps(model))
+    if how == 'deepcopy':
+        return copy.deepcopy(model)
+    return model.copy(how)
+
+
+@pytest.mark.parametrize('how', ['share', 'copy', 'init', 'deepcopy', 'pickle'])
+@pytest.mark.parametrize('make', [Small, _Decorated, _MethodCached])
+@pytest.mark.parametrize('called', [False, True])
+def test_a_copy_of_a_cached_model_computes_with_its_own_parameters(how, make, called):
+    """The copy carried the original's cached forward: ``model.copy('init')``
+    computed with the original's parameters (silently), and a deep copy of a
+    model that had been called raised (``cannot pickle 'module' object``)."""
+    numpy.random.seed(0)
+    model = make()
+    if make is Small:
+        cache_static_graph(model)
+    x = numpy.random.rand(2, 3).astype(numpy.float32)
+    if called:
+        for _ in range(4):
+            model.cleargrads()
+            F.sum(model(x)).backward()
+    dup = _copy(model, how)
+    dup.l1.b.array = dup.l1.b.array + 10       # its own (a new array: 'share' keeps W)
+    for _ in range(4):
+        dup.cleargrads()
+        y = dup(x)
+        F.sum(y).backward()
+        numpy.testing.assert_array_equal(y.array, dup.l1(x).array)
+        assert dup.l1.W.grad is not None
+    # nothing of the original's left on the copy (a cached copy has its own)
+    guard = vars(dup).get('__reduce_ex__')
+    assert guard is None or guard._ref() is dup
+    assert 'forward' not in vars(dup)
+    for name in ('schedule_manager', 'static_schedule'):
+        assert vars(dup).get(name) is not vars(model).get(name) or name not in vars(dup)
+    if called:
+        assert cache_state(model)['fallback'] is None
+        numpy.testing.assert_array_equal(model(x).array, model.l1(x).array)
+
+
+def test_disabling_the_cache_leaves_nothing_on_the_chain():
+    model = Small()
+    before = set(vars(model))
+    undo = cache_static_graph(model)
+    assert '__reduce_ex__' in vars(model)
+    model(numpy.ones((2, 3), numpy.float32))
+    undo()
+    assert set(vars(model)) == before

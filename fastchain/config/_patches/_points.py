@@ -11,6 +11,7 @@ _RANK = {name: i for i, name in enumerate(ORDER)}
 _class_points = {}                              # (owner, name) -> Point
 _object_points = weakref.WeakKeyDictionary()    # obj -> {name: Point}
 _orphans = weakref.WeakSet()    # points replaced in their registry, maybe still called
+_left_out = weakref.WeakKeyDictionary()         # obj -> attribute names its copies leave out
 
 
 def _is_object(owner):
@@ -108,6 +109,8 @@ class Point:
 
     def _install(self):
         setattr(self.owner, self.name, self.value)
+        if self.is_object:
+            _guard(self.owner)
 
     def _restore(self):
         owner = self.owner
@@ -117,6 +120,8 @@ class Point:
             setattr(owner, self.name, self.own)
         else:
             delattr(owner, self.name)
+        if self.is_object:
+            _unguard(owner)
 
     def __repr__(self):
         return '<fastchain point {} [{}]>'.format(self.label, ', '.join(self.order()))
@@ -211,6 +216,75 @@ def _point(owner, name, create):
         point = Point(owner, name)
         points[name] = point
     return point
+
+
+class _CopyGuard:
+    """An object's own ``__reduce_ex__`` while fastchain has a point on it.
+
+    A point on an object puts a dispatcher in the object's ``__dict__``,
+    bound to that very object: a copy (``copy.copy``, ``copy.deepcopy``,
+    ``Link.copy``, pickle: all reduce through ``__reduce_ex__``, looked up on
+    the object) carried it, and a call of the copy's method ran the
+    original's (a copied cached model computed with the original's
+    parameters, silently; a deep copy raised on what Chainer's static graph
+    keeps). The copy's state leaves out the dispatchers, this guard and the
+    names given to :func:`leave_out_of_copies`: a copy is a plain object,
+    without fastchain's layers.
+    """
+
+    __slots__ = ('_ref', '__weakref__')
+
+    def __init__(self, obj):
+        self._ref = weakref.ref(obj)
+
+    def __call__(self, protocol):
+        obj = self._ref()
+        reduced = type(obj).__reduce_ex__(obj, protocol)
+        if not isinstance(reduced, tuple) or len(reduced) < 3:
+            return reduced
+        state = reduced[2]
+        slots = None
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+        if not isinstance(state, dict):
+            return reduced
+        ours = {id(self)}
+        for point in (_object_points.get(obj) or {}).values():
+            ours.update((id(point.value), id(point.dispatch)))
+        names = _left_out.get(obj, ())
+        state = {k: v for k, v in state.items() if id(v) not in ours and k not in names}
+        if slots is not None:
+            state = (state, slots)
+        return reduced[:2] + (state,) + reduced[3:]
+
+
+def _guard(obj):
+    own = vars(obj)
+    if not isinstance(own.get('__reduce_ex__'), _CopyGuard):
+        own['__reduce_ex__'] = _CopyGuard(obj)
+
+
+def _unguard(obj):
+    """Take the guard away once nothing of fastchain's is left on ``obj``."""
+    if _left_out.get(obj):
+        return
+    if any(point.installed() for point in (_object_points.get(obj) or {}).values()):
+        return
+    own = vars(obj)
+    if isinstance(own.get('__reduce_ex__'), _CopyGuard):
+        del own['__reduce_ex__']
+
+
+def leave_out_of_copies(obj, names):
+    """Copies of ``obj`` (see :class:`_CopyGuard`) leave out its attributes
+    ``names`` (what they hold belongs to ``obj`` alone); ``()`` ends it."""
+    with _lock:
+        if names:
+            _left_out[obj] = frozenset(names)
+            _guard(obj)
+        else:
+            _left_out.pop(obj, None)
+            _unguard(obj)
 
 
 def _check_layer(layer):
