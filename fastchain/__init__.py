@@ -23,7 +23,7 @@ _EXPORTS = {
     'active_handles': 'fastchain.config._enable',
     'report': 'fastchain.doctor._report',
     'DynamicLossScaler': 'fastchain.precision._scaler',
-    'static_graph': 'fastchain.static._cache',
+    'static_graph': 'fastchain.static._mark',
     'FastchainWarning': 'fastchain.config._enable',
     'StaticGraphFallback': 'fastchain.static._cache',
 }

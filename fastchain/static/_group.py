@@ -62,8 +62,8 @@ def _setup_layer(changes, next_, optimizer, link):
     import warnings
     import chainer
     import chainer.links as L
-    from fastchain.static._cache import (StaticGraphFallback, cache_static_graph,
-                                         is_cached, not_a_chain)
+    from fastchain.static._cache import StaticGraphFallback, is_cached
+    from fastchain.static._mark import cache_static_graph, not_a_chain
     result = next_(optimizer, link)
     chain = link.predictor if isinstance(link, L.Classifier) else link
     if not isinstance(chain, chainer.Chain):
