@@ -180,7 +180,7 @@ class _Cache:
                 out = self._replay(chain, key, args, building)
         except Exception as e:      # the caching machinery could not handle it
             drew = before.random_moved()
-            changed = before.python.changes()
+            changed = before.python.changes(made=building)
             before.restore()
             refused = _functions.refusal(recorder.names) if building else None
             if refused is not None:
@@ -213,13 +213,16 @@ class _Cache:
                 return self._redo(plain, args,
                                   *_reasons.sequence_reason(recorder.calls, recorded))
         schedule = chain.static_schedule
-        after = _verify.Snapshot(chain, grads=False)
+        after = _verify.Snapshot(chain, grads=False, python=building)
         before.put_back()
         reference = _verify.Reference(chain, plain, args)
         reached = _verify.Snapshot(chain, grads=False)
         after.put_back()
-        changed = before.python.changes()
-        if changed:     # the recording's or the reference's Python changed the model
+        # The recording's or the reference's Python changed the model (the
+        # recording may make a constant the reference then leaves alone).
+        changed = before.python.changes(made=building) or (
+            after.python.changes() if building else [])
+        if changed:
             before.restore()
             return self._redo(plain, args, *_reasons.python_reason(changed))
         found = self._compare_forward(key, building, out, after, reference, reached)

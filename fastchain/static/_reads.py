@@ -79,7 +79,16 @@ def _getter_layer(next_, variable):
 
 def _report_layer(next_, *args, **kwargs):
     found = _recording.get(threading.get_ident())
-    if found is not None and len(found.reports) < 3:
+    if found is not None and found.stand_in is not None and args and args[0] is found.stand_in:
+        _note_report(found)
+        return None     # no reporter of the user's was current: nothing to report to
+    if found is not None:
+        _note_report(found)
+    return next_(*args, **kwargs)
+
+
+def _note_report(found):
+    if len(found.reports) < 3:
         _, dispatch = _folders()
         frame = sys._getframe(1)
         while frame is not None and (frame.f_code.co_filename.startswith(dispatch)
@@ -89,7 +98,6 @@ def _report_layer(next_, *args, **kwargs):
             where = '{}:{}'.format(os.path.basename(frame.f_code.co_filename), frame.f_lineno)
             if where not in found.reports:
                 found.reports.append(where)
-    return next_(*args, **kwargs)
 
 
 def _reporter():
@@ -104,6 +112,7 @@ class Found(list):
     def __init__(self):
         super().__init__()
         self.reports = []
+        self.stand_in = None    # the reporter made current while none of the user's is
 
 
 def _report_points():
@@ -130,9 +139,18 @@ def watching():
             for owner, name in _report_points():
                 _patches.wrap(owner, name, 'static_graph', _report_layer)
         _recording[me] = found
+    if not chainer.reporter._get_reporters():
+        # A report with no reporter current does nothing, and calls nothing
+        # a layer sees when its name was imported before the layer was put
+        # on (``from chainer.reporter import report``); a later step may have
+        # a reporter. A stand-in made current receives it (and drops it).
+        found.stand_in = chainer.Reporter()
+        found.stand_in.__enter__()
     try:
         yield found
     finally:
+        if found.stand_in is not None:
+            found.stand_in.__exit__(None, None, None)
         with _lock:
             del _recording[me]
             if not _recording:

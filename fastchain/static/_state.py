@@ -13,24 +13,42 @@ BatchNormalization's ``N``, which ``finetune=True`` counts in Python);
 reference run changed, and :meth:`PythonState.restore` puts it back, so the
 define-by-run call that follows starts where plain Chainer's would.
 
-What is looked at: attributes rebound, added or removed; the items of lists,
-tuples, dicts and sets (nested, a few levels down); arrays (NumPy, CuPy) and
-variables' arrays by value; NumPy ``RandomState`` and ``Generator`` by their
-state; the ``__dict__`` of plain objects of the user's own classes. Anything
-else (a module, a function, another link, an object of a library) by identity.
-State outside the links (a module's global, a closure) is not seen.
+What is looked at: attributes rebound, added or removed (one that was None or
+absent and is made by the recording call, and left alone by the reference run
+after it, is a constant made on the first call, not a change); values; arrays
+(NumPy, CuPy) and variables' arrays by value (a NumPy array over 16 MiB by a
+digest, which cannot be put back); the items of lists, tuples (one made again
+with equal items is the same), deques, dicts and sets, and the attributes and
+slots of objects of the user's own classes (callable ones too), 4 levels down,
+at most 10,000 values an attribute (past that a container by its length);
+NumPy's ``RandomState`` and ``Generator`` and ``random.Random`` by their
+state. Anything else (a module, a function, another link, an object of a
+library such as ``itertools.count``) by identity. State outside the links
+(a module's global, a closure) is not seen; what is not seen is advanced by
+both the recording and the reference run on a verified call (as before).
 """
+
+import collections
+import hashlib
+import random
+import types
 
 import numpy
 
 import chainer
 
+from fastchain.config import _patches
+
 # Chainer's static graph keeps its schedules on the chain.
 _CHAINER = frozenset(('schedule_manager', 'static_schedule', '_out_vars_unflatten_inds'))
-_DEPTH = 3          # how far into containers and objects
-_BUDGET = 20000     # values looked at per snapshot (the rest by identity)
+_DEPTH = 4          # how far into containers and objects
+_BUDGET = 10000     # values looked at per attribute (then containers by length)
+_COPIED = 16 << 20  # bytes: a larger NumPy array is compared by a digest (not put back)
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, numpy.generic)
-_LIBRARIES = ('chainer', 'fastchain', 'numpy', 'cupy', 'builtins', 'cupyx')
+_LIBRARIES = ('chainer', 'fastchain', 'numpy', 'cupy', 'builtins', 'cupyx', 'collections',
+              'itertools', 'functools', 'random', 'threading', 'weakref')
+_NOT_OBJECTS = (chainer.Link, type, types.FunctionType, types.MethodType,
+                types.BuiltinFunctionType, types.ModuleType)
 
 
 class _Node:
@@ -41,31 +59,53 @@ class _Node:
 
 
 def _own_object(value):
-    """A plain object of a user's class (looked into), not a library's."""
+    """An object of a user's class (looked into), not a library's."""
     module = type(value).__module__ or ''
-    return (hasattr(value, '__dict__') and not isinstance(value, (chainer.Link, type))
-            and not callable(value) and module.split('.')[0] not in _LIBRARIES)
+    return not isinstance(value, _NOT_OBJECTS) and module.split('.')[0] not in _LIBRARIES
+
+
+def _slots(value):
+    names = []
+    for cls in type(value).__mro__:
+        found = cls.__dict__.get('__slots__', ())
+        names += [found] if isinstance(found, str) else list(found)
+    return [n for n in names if n not in ('__dict__', '__weakref__') and hasattr(value, n)]
+
+
+def _array(value):
+    if isinstance(value, numpy.ndarray) and value.nbytes > _COPIED:
+        return _Node('digest', value, (value.shape, value.dtype, _digest(value)))
+    return _Node('array', value, value.copy())
+
+
+def _digest(array):
+    return hashlib.blake2b(numpy.ascontiguousarray(array).view(numpy.uint8)).digest()
 
 
 def _take(value, depth, budget, seen):
     budget[0] -= 1
     if isinstance(value, _SCALARS):
         return _Node('value', value)
-    if budget[0] <= 0 or id(value) in seen:
+    if id(value) in seen:
         return _Node('ref', value)
     if isinstance(value, chainer.get_array_types()):
-        return _Node('array', value, value.copy())
+        return _array(value)
     if isinstance(value, chainer.Variable):
         array = value.array
-        return _Node('variable', value, None if array is None else array.copy())
+        return _Node('variable', value, None if array is None else _array(array))
     if isinstance(value, numpy.random.RandomState):
         return _Node('random', value, value.get_state())
     if isinstance(value, numpy.random.Generator):
         return _Node('generator', value, value.bit_generator.state)
-    if depth >= _DEPTH:
+    if isinstance(value, random.Random):
+        return _Node('pyrandom', value, value.getstate())
+    sized = isinstance(value, (list, tuple, dict, set, frozenset, collections.deque))
+    if sized and (depth >= _DEPTH or len(value) > budget[0]):
+        return _Node('sized', value, len(value))
+    if depth >= _DEPTH or budget[0] <= 0:
         return _Node('ref', value)
     seen = seen | {id(value)}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, collections.deque)):
         return _Node('list', value, [_take(v, depth + 1, budget, seen) for v in value])
     if isinstance(value, dict):
         return _Node('dict', value, {k: _take(v, depth + 1, budget, seen)
@@ -73,8 +113,10 @@ def _take(value, depth, budget, seen):
     if isinstance(value, (set, frozenset)):
         return _Node('set', value, frozenset(value))
     if _own_object(value):
+        items = dict(vars(value)) if hasattr(value, '__dict__') else {}
+        items.update((n, getattr(value, n)) for n in _slots(value))
         return _Node('object', value, {k: _take(v, depth + 1, budget, seen)
-                                       for k, v in list(vars(value).items())})
+                                       for k, v in items.items()})
     return _Node('ref', value)
 
 
@@ -104,18 +146,29 @@ def _change(node, now):
         if type(now) is type(node.obj) and (now is node.obj or _same_value(now, node.obj)):
             return None
         return 'was {!r}, is {!r}'.format(_short(node.obj), _short(now))
-    if now is not node.obj:
+    if now is not node.obj and not (isinstance(now, tuple) and type(now) is type(node.obj)
+                                    and node.kind == 'list'):
+        # (a tuple made again with the same items is the same value)
         return 'rebound (a {} before, a {} now)'.format(type(node.obj).__name__,
                                                         type(now).__name__)
     kind = node.kind
     if kind == 'array':
         return None if _same_array(now, node.saved) else 'an array changed in place'
+    if kind == 'digest':
+        return None if (now.shape, now.dtype, _digest(now)) == node.saved else \
+            'an array changed in place'
     if kind == 'variable':
         array = now.array
         if (array is None) == (node.saved is None) and (
-                array is None or _same_array(array, node.saved)):
+                array is None or _change(node.saved, array) is None):
             return None
         return "a variable's array changed in place"
+    if kind == 'sized':
+        return None if len(now) == node.saved else 'a {} of {} items, {} now'.format(
+            type(now).__name__, node.saved, len(now))
+    if kind == 'pyrandom':
+        return None if now.getstate() == node.saved else \
+            'a random.Random the forward draws random numbers from'
     if kind == 'random':
         return None if _same_value(now.get_state(), node.saved) else \
             'a RandomState the forward draws random numbers from'
@@ -146,8 +199,14 @@ def _change(node, now):
     if kind == 'set':
         return None if frozenset(now) == node.saved else 'a set whose items changed'
     if kind == 'object':
-        return _attributes_change(node.saved, vars(now), '.')
+        return _attributes_change(node.saved, _object_items(now), '.')
     return None
+
+
+def _object_items(value):
+    items = dict(vars(value)) if hasattr(value, '__dict__') else {}
+    items.update((n, getattr(value, n)) for n in _slots(value))
+    return items
 
 
 def _attributes_change(saved, now, dot):
@@ -175,16 +234,20 @@ def _put_back(node):
         if obj.shape == node.saved.shape and obj.flags.writeable:
             obj[...] = node.saved
     elif kind == 'variable':
-        if node.saved is not None and obj.array is not None \
-                and obj.array.shape == node.saved.shape:
-            obj.array[...] = node.saved
+        if node.saved is not None and obj.array is not None:
+            _put_back(_Node(node.saved.kind, obj.array, node.saved.saved))
     elif kind == 'random':
         obj.set_state(node.saved)
     elif kind == 'generator':
         obj.bit_generator.state = node.saved
+    elif kind == 'pyrandom':
+        obj.setstate(node.saved)
     elif kind == 'list':
         if isinstance(obj, list):
             obj[:] = [child.obj for child in node.saved]
+        elif isinstance(obj, collections.deque):
+            obj.clear()
+            obj.extend(child.obj for child in node.saved)
         for child in node.saved:
             _put_back(child)
     elif kind == 'dict':
@@ -196,47 +259,55 @@ def _put_back(node):
         obj.clear()
         obj.update(node.saved)
     elif kind == 'object':
-        _put_back_attributes(vars(obj), node.saved)
-
-
-def _put_back_attributes(now, saved):
-    for name in [n for n in now if n not in saved]:
-        del now[name]
-    for name, child in saved.items():
-        now[name] = child.obj
-        _put_back(child)
+        own = vars(obj) if hasattr(obj, '__dict__') else {}
+        for name in [n for n in own if n not in node.saved]:
+            del own[name]
+        for name, child in node.saved.items():
+            object.__setattr__(obj, name, child.obj)    # (a slot too; no __setattr__ of its own)
+            _put_back(child)
 
 
 def _attributes(link):
     """The attributes to look at: all but the parameters, the persistent
-    arrays (the functions update them, the verification compares them), the
-    child links and Chainer's schedules. A persistent value that is not an
-    array (BatchNormalization's ``N``) only Python code changes."""
+    arrays (the functions update them, the verification compares them; one
+    not made yet is None), the child links, Chainer's schedules and
+    fastchain's own dispatchers. A persistent value that is not an array
+    (BatchNormalization's ``N``) only Python code changes."""
     children = getattr(link, '_children', ())       # a Chain's names; a ChainList's links
     skip = link._params | _CHAINER | (children if isinstance(children, set) else set())
     items = vars(link)
     skip |= {name for name in link._persistent
-             if isinstance(items.get(name), chainer.get_array_types())}
-    return {name: value for name, value in items.items() if name not in skip}
+             if items.get(name) is None or isinstance(items.get(name),
+                                                      chainer.get_array_types())}
+    return {name: value for name, value in items.items()
+            if name not in skip and not _patches.is_ours(link, name)}
 
 
 class PythonState:
     """What the attributes of ``chain``'s links hold, to compare and put back."""
 
     def __init__(self, chain):
-        budget = [_BUDGET]
         self.links = []
         for path, link in chain.namedlinks():
-            saved = {name: _take(value, 1, budget, frozenset())
+            saved = {name: _take(value, 1, [_BUDGET], frozenset())
                      for name, value in _attributes(link).items()}
             self.links.append((link, path.rstrip('/') or '/', saved))
 
-    def changes(self):
+    def changes(self, made=False):
         """``'path/name: what'`` for each link whose state changed (the first
-        change each)."""
+        change each). ``made``: an attribute that was None or absent and now
+        holds a value is not a change (a constant a forward makes on its
+        first call, ``if self.pe is None: self.pe = ...``; the recording
+        call is that call, and the verified calls after it see a forward
+        that makes it again)."""
         found = []
         for link, path, saved in self.links:
-            change = _attributes_change(saved, _attributes(link), '')
+            now = _attributes(link)
+            if made:
+                saved = {n: c for n, c in saved.items()
+                         if not (c.kind == 'value' and c.obj is None)}
+                now = {n: v for n, v in now.items() if n in saved}
+            change = _attributes_change(saved, now, '')
             if change is not None:
                 found.append('{}{}{}'.format(path, '' if path.endswith('/') else '/', change))
         return found

@@ -424,3 +424,22 @@ def test_a_deep_copy_of_a_model_updates_with_its_own_rules_state(static):
     for (_, p), (_, q) in zip(sorted(plain_dup.namedparams()), sorted(fast_dup.namedparams())):
         numpy.testing.assert_array_equal(q.array, p.array)
         numpy.testing.assert_array_equal(q.update_rule.state['v'], p.update_rule.state['v'])
+
+
+class _Nesting(_Counter):
+    """State nested one level down (as MultiprocessIterator's __getstate__)."""
+
+    def __getstate__(self):
+        return {'init': dict(vars(self))}
+
+    def __setstate__(self, state):
+        vars(self).update(state['init'])
+
+
+def test_a_copy_leaves_the_dispatchers_out_of_a_nested_state():
+    thing = _Nesting()
+    _patches.wrap(thing, 'value', 'nvtx', lambda next_: next_() + 100)
+    for dup in (copy.copy(thing), copy.deepcopy(thing), pickle.loads(pickle.dumps(thing))):
+        dup.n = 2
+        assert dup.value() == 2 and vars(dup) == {'n': 2}
+    _patches.unwrap(thing, 'value', 'nvtx')

@@ -5,8 +5,10 @@ user's that the forward changes would stay as the recording left it. The
 cache refuses such a model on its first verified call, puts the state back,
 and the model trains as plain Chainer does, its state included."""
 
+import collections
 import copy
 import pickle
+import random
 import warnings
 
 import numpy
@@ -31,6 +33,31 @@ class _Meter:
         self.n = 0
 
 
+class _Schedule:
+    """A callable helper of the user's (a review: skipped as callable, it
+    advanced twice on the recording step and the refusal left it there)."""
+
+    def __init__(self):
+        self.step = 0
+
+    def __call__(self):
+        self.step += 1
+        return self.step
+
+
+class _Slotted:
+    __slots__ = ('n',)
+
+    def __init__(self):
+        self.n = 0
+
+
+class _Outer:
+    def __init__(self):
+        self.inner = _Meter()
+        self.inner.log = []
+
+
 class Stateful(chainer.Chain):
     """A small network whose forward keeps state of the kind ``kind`` and
     (for most kinds) computes from it, on a period no verified step sees."""
@@ -49,6 +76,14 @@ class Stateful(chainer.Chain):
         self.gen = numpy.random.default_rng(5)
         self.meter = _Meter()
         self.nested = {'inner': [0]}
+        self.recent = collections.deque(maxlen=3)
+        self.pyrng = random.Random(5)
+        self.schedule = _Schedule()
+        self.slotted = _Slotted()
+        self.outer = _Outer()
+        if kind == 'budget':
+            # a large table of values before the state that changes
+            self.vocabulary = {'w{}'.format(i): i for i in range(25000)}
 
     def forward(self, x):
         h = F.tanh(self.l1(x))
@@ -72,17 +107,33 @@ class Stateful(chainer.Chain):
             self.meter.n += 1
         elif kind == 'nested':
             self.nested['inner'][0] += 1
+        elif kind == 'deque':
+            self.recent.append(len(x))
+        elif kind == 'pyrandom':
+            scale = 1.0 + self.pyrng.random()
+        elif kind == 'callable':
+            scale = 2.0 if self.schedule() % 6 == 0 else 1.0
+        elif kind == 'slots':
+            self.slotted.n += 1
+        elif kind == 'deep':
+            self.outer.inner.log.append(1)
+        elif kind == 'budget':
+            self.l2.seen = getattr(self.l2, 'seen', 0) + 1
         return self.l2(h) * scale
 
 
 KINDS = {'counter': 'calls', 'list': 'seen', 'dict': 'stats', 'array': 'total',
-         'random': 'rng', 'generator': 'gen', 'object': 'meter', 'nested': 'nested'}
+         'random': 'rng', 'generator': 'gen', 'object': 'meter', 'nested': 'nested',
+         'deque': 'recent', 'pyrandom': 'pyrng', 'callable': 'schedule', 'slots': 'slotted',
+         'deep': 'outer', 'budget': 'l2/seen'}
 
 
 def _python_state(model):
     return (model.calls, list(model.seen), dict(model.stats), model.total.copy(),
             model.rng.get_state()[2], model.gen.bit_generator.state['state'],
-            model.meter.n, model.nested['inner'][0])
+            model.meter.n, model.nested['inner'][0], list(model.recent),
+            model.pyrng.getstate()[1], model.schedule.step, model.slotted.n,
+            len(model.outer.inner.log), getattr(model.l2, 'seen', 0))
 
 
 def _batches(steps=8):
@@ -290,3 +341,32 @@ def test_disabling_the_cache_leaves_nothing_on_the_chain():
     model(numpy.ones((2, 3), numpy.float32))
     undo()
     assert set(vars(model)) == before
+
+
+class _Quiet(chainer.Chain):
+    """Python state a static model legitimately keeps (a review found each
+    refused): a constant made on the first call, a shape stored again each
+    call, a child whose forward is cached on its own."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.inner = _MethodCached()
+        self.scale = None
+        self.shape = None
+
+    def forward(self, x):
+        if self.scale is None:
+            self.scale = numpy.full((1, 4), 0.5, numpy.float32)
+        self.shape = x.shape
+        return self.inner(x) * self.scale
+
+
+def test_state_a_static_model_keeps_leaves_it_cached():
+    ordinary, cached = copies(_Quiet)
+    cache_static_graph(cached)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        assert side_by_side(ordinary, cached, _batches(6)) == []
+    state = cache_state(cached)
+    assert state['fallback'] is None and sum(state['verified'].values()) == 2

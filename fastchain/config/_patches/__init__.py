@@ -100,11 +100,12 @@ a handle keeps all let their objects be collected.
 
 from fastchain.config._patches._common import MISSING, lock, user_stacklevel
 from fastchain.config._patches._objects import Changes, attach, attached, detach
-from fastchain.config._patches._points import (ORDER, Point, in_force, layers,
+from fastchain.config._patches._points import (ORDER, Point, in_force, is_ours, layers,
                                                leave_out_of_copies, points, sweep, unwrap, wrap)
 from fastchain.config._patches._values import (clear_value, original_value, set_value,
                                                value_labels)
 
 __all__ = ['Changes', 'MISSING', 'ORDER', 'Point', 'attach', 'attached', 'clear_value',
-           'detach', 'in_force', 'layers', 'leave_out_of_copies', 'lock', 'original_value',
-           'points', 'set_value', 'sweep', 'unwrap', 'user_stacklevel', 'value_labels', 'wrap']
+           'detach', 'in_force', 'is_ours', 'layers', 'leave_out_of_copies', 'lock',
+           'original_value', 'points', 'set_value', 'sweep', 'unwrap', 'user_stacklevel',
+           'value_labels', 'wrap']

@@ -253,6 +253,10 @@ class _CopyGuard:
             ours.update((id(point.value), id(point.dispatch)))
         names = _left_out.get(obj, ())
         state = {k: v for k, v in state.items() if id(v) not in ours and k not in names}
+        for k, v in list(state.items()):
+            if isinstance(v, dict) and any(id(x) in ours for x in v.values()):
+                # a __getstate__ that nests the __dict__ (MultiprocessIterator's)
+                state[k] = {a: b for a, b in v.items() if id(b) not in ours and a not in names}
         if slots is not None:
             state = (state, slots)
         return reduced[:2] + (state,) + reduced[3:]
@@ -273,6 +277,18 @@ def _unguard(obj):
     own = vars(obj)
     if isinstance(own.get('__reduce_ex__'), _CopyGuard):
         del own['__reduce_ex__']
+
+
+def is_ours(obj, name):
+    """``obj.name`` (its own attribute) is fastchain's: a point's dispatcher
+    or the copy guard."""
+    value = vars(obj).get(name)
+    if value is None:
+        return False
+    if isinstance(value, _CopyGuard):
+        return True
+    point = (_object_points.get(obj) or {}).get(name)
+    return point is not None and value is point.value
 
 
 def leave_out_of_copies(obj, names):
