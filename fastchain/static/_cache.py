@@ -55,7 +55,6 @@ from fastchain.tune import _tuner
 
 STATE = 'static_cache'      # attachment key: the chain's cache
 VOIDED_LIMIT = 32           # autotune: periods voided by evaluations before it gives up
-_CHAINER_ATTRIBUTES = ('schedule_manager', 'static_schedule', '_out_vars_unflatten_inds')
 LIVE = weakref.WeakSet()    # every cache whose chain lives (for handle.report())
 
 
@@ -280,5 +279,5 @@ class _Cache:
         chain = self.ref()
         managers = None if chain is None else chain.__dict__.get('schedule_manager')
         if getattr(managers, 'owner', None) is self.token:
-            for name in _CHAINER_ATTRIBUTES:
+            for name in _keys.CHAINER_ATTRIBUTES:
                 chain.__dict__.pop(name, None)

@@ -12,6 +12,9 @@ that Chainer never reuses a schedule across keys.
 
 import chainer
 
+# What Chainer's static graph keeps on a cached chain.
+CHAINER_ATTRIBUTES = ('schedule_manager', 'static_schedule', '_out_vars_unflatten_inds')
+
 OWNER = 'static_owner'      # on Chainer's ScheduleManager: the cache it belongs to (weakref)
 CONFIG = ('train', 'dtype', 'use_cudnn', 'cudnn_deterministic', 'use_ideep',
           'cudnn_fast_batch_normalization', 'lazy_grad_sum')

@@ -11,7 +11,8 @@ import chainer
 
 from fastchain.config import _patches
 from fastchain.static import _fixes
-from fastchain.static._cache import _CHAINER_ATTRIBUTES, STATE, _Cache, is_cached
+from fastchain.static._cache import STATE, _Cache, is_cached
+from fastchain.static._keys import CHAINER_ATTRIBUTES
 
 
 def _forward_of(cls):
@@ -41,7 +42,7 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0, changes=None):
     ref = weakref.ref(chain)
     # a copy of the chain (Link.copy, copy.deepcopy, pickle) is a plain chain:
     # the schedules are this one's (undone last: after the forward's layer)
-    _patches.leave_out_of_copies(chain, _CHAINER_ATTRIBUTES)
+    _patches.leave_out_of_copies(chain, CHAINER_ATTRIBUTES)
     if changes is not None:
         changes.call('copies of ' + name, functools.partial(_copies_whole, ref))
         point = changes.wrap(chain, 'forward', 'static_graph', cached_forward)
@@ -86,7 +87,7 @@ def _cached_method(func, verify_steps):
             cache, _ = _new_cache(self, func, verify_steps, 0)
             cache.method = True
             _patches.attach(self, STATE, cache)
-            _patches.leave_out_of_copies(self, _CHAINER_ATTRIBUTES)
+            _patches.leave_out_of_copies(self, CHAINER_ATTRIBUTES)
         if not cache.method:
             # The instance's forward is cached as a whole: this call comes from
             # inside that cache.

@@ -79,11 +79,10 @@ def _getter_layer(next_, variable):
 
 def _report_layer(next_, *args, **kwargs):
     found = _recording.get(threading.get_ident())
-    if found is not None and found.stand_in is not None and args and args[0] is found.stand_in:
-        _note_report(found)
-        return None     # no reporter of the user's was current: nothing to report to
     if found is not None:
         _note_report(found)
+        if found.stand_in is not None and args and args[0] is found.stand_in:
+            return None     # no reporter of the user's was current: nothing to report to
     return next_(*args, **kwargs)
 
 

@@ -45,26 +45,29 @@ def machinery_reason(last, error, drew):
 def kept_reason(kept):
     """(cause, reason): the forward kept variables it made in attributes."""
     return ('not static', 'the model keeps what a call computes: its forward stores a '
-            'variable in {}{} (state from call to call, as L.LSTM keeps h and c, or a value '
+            'variable in {} (state from call to call, as L.LSTM keeps h and c, or a value '
             'kept for later use). The cache verifies and replays a call from its inputs and '
             'parameters to its outputs; a variable kept past the call is outside that (a '
             "later call's gradient through it was lost, measured with L.LSTM). Links that "
             'take their state as inputs and return it (L.StatelessLSTM, L.NStepLSTM) can be '
-            'cached'.format(', '.join(kept[:3]), ' and {} more'.format(len(kept) - 3)
-                            if len(kept) > 3 else ''))
+            'cached'.format(_first_three(kept, ', ')))
 
 
 def python_reason(changed):
     """(cause, reason): the forward changed state its links keep in Python
     (``changed``: ``'path/name: what'``, :mod:`fastchain.static._state`)."""
-    return ('not static', 'the model keeps state in Python that its forward changes ({}{}): '
+    return ('not static', 'the model keeps state in Python that its forward changes ({}): '
             'a counter, a list or dict it fills, an array it changes in place, a random '
             "generator of its own it draws from. The replay runs none of the forward's "
             'Python, so that state would stay as the first call left it, and what the '
             'forward computes from it would be frozen. Keep such state outside the cached '
             'chain (in the training loop or an extension), or leave this model '
-            'uncached'.format('; '.join(changed[:3]), ' and {} more'.format(len(changed) - 3)
-                              if len(changed) > 3 else ''))
+            'uncached'.format(_first_three(changed, '; ')))
+
+
+def _first_three(items, separator):
+    more = ' and {} more'.format(len(items) - 3) if len(items) > 3 else ''
+    return separator.join(items[:3]) + more
 
 
 def value_reason(names, building, what, how, backward=False):

@@ -38,9 +38,8 @@ import numpy
 import chainer
 
 from fastchain.config import _patches
+from fastchain.static._keys import CHAINER_ATTRIBUTES
 
-# Chainer's static graph keeps its schedules on the chain.
-_CHAINER = frozenset(('schedule_manager', 'static_schedule', '_out_vars_unflatten_inds'))
 _DEPTH = 4          # how far into containers and objects
 _BUDGET = 10000     # values looked at per attribute (then containers by length)
 _COPIED = 16 << 20  # bytes: a larger NumPy array is compared by a digest (not put back)
@@ -113,10 +112,8 @@ def _take(value, depth, budget, seen):
     if isinstance(value, (set, frozenset)):
         return _Node('set', value, frozenset(value))
     if _own_object(value):
-        items = dict(vars(value)) if hasattr(value, '__dict__') else {}
-        items.update((n, getattr(value, n)) for n in _slots(value))
         return _Node('object', value, {k: _take(v, depth + 1, budget, seen)
-                                       for k, v in items.items()})
+                                       for k, v in _object_items(value).items()})
     return _Node('ref', value)
 
 
@@ -267,14 +264,20 @@ def _put_back(node):
             _put_back(child)
 
 
+def child_names(link):
+    """The attributes holding ``link``'s child links (a Chain's; a
+    ChainList keeps its links in a list)."""
+    children = getattr(link, '_children', ())
+    return children if isinstance(children, set) else set()
+
+
 def _attributes(link):
     """The attributes to look at: all but the parameters, the persistent
     arrays (the functions update them, the verification compares them; one
     not made yet is None), the child links, Chainer's schedules and
     fastchain's own dispatchers. A persistent value that is not an array
     (BatchNormalization's ``N``) only Python code changes."""
-    children = getattr(link, '_children', ())       # a Chain's names; a ChainList's links
-    skip = link._params | _CHAINER | (children if isinstance(children, set) else set())
+    skip = link._params | child_names(link) | set(CHAINER_ATTRIBUTES)
     items = vars(link)
     skip |= {name for name in link._persistent
              if items.get(name) is None or isinstance(items.get(name),

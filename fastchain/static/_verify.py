@@ -251,8 +251,7 @@ def _same_random(a, b):
 def _held(link):
     """``link``'s attributes holding an array, a variable or None, other than
     its parameters, persistent values and child links."""
-    children = getattr(link, '_children', ())       # a Chain's names; a ChainList's links
-    skip = link._params | link._persistent | (children if isinstance(children, set) else set())
+    skip = link._params | link._persistent | _state.child_names(link)
     return {name: value for name, value in link.__dict__.items()
             if name not in skip and (value is None or isinstance(value, chainer.Variable)
                                      or isinstance(value, chainer.get_array_types()))}
