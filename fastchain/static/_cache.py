@@ -234,6 +234,9 @@ class _Cache:
         return out
 
     def _replay(self, chain, key, args, recording=False):
+        schedule = _keys.next_schedule(chain.schedule_manager.current)
+        if schedule is not None and not schedule.is_empty():
+            _node.supersede(schedule, self.name)
         out = self.replay(chain, *args)
         schedule = chain.static_schedule
         _patches.detach(schedule, _fixes.CHECK)     # an earlier call's, its backward not run

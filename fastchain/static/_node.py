@@ -35,7 +35,9 @@ For a cached chain's schedules (those of fastchain's key managers):
   again, its state put back after) and the chain runs define-by-run from then
   on;
 - a call is handed a schedule no pending graph uses, else a new one
-  (:func:`claim`), and a schedule whose backward was not built on the call
+  (:func:`claim`); the outputs of the call a schedule served last, still
+  alive after their backward, are handed to a stand-in node that refuses a
+  second backward by name (:func:`supersede`); and a schedule whose backward was not built on the call
   that recorded it is not built later from stale arrays (:func:`late`).
 """
 
@@ -63,6 +65,13 @@ TOO_MANY = (
     'more than {} of its calls with the same input shapes have graphs alive at once, none '
     'backpropagated (outputs kept, e.g. in a list, without a backward): each would need '
     'a schedule of its own, holding its arrays'.format(MAX_SCHEDULES))
+
+SUPERSEDED = (
+    'fastchain static_graph: a second backward went through an earlier call of {} after '
+    'the model was called again: the cache gave that call\'s schedule, and the arrays its '
+    'backward needs, to the later call, so the earlier graph cannot be differentiated '
+    'again. Take every backward over a call\'s outputs before calling the model again, '
+    'or run this model without static_graph')
 
 DOUBLE_BACKWARD = (
     'a backward with enable_double_backprop=True went through the chain (a gradient '
@@ -112,6 +121,40 @@ def claim(manager):
             return True
     manager.in_use_count[key] = len(schedules)
     return len(schedules) < MAX_SCHEDULES
+
+
+class Superseded(chainer.FunctionNode):
+    """Stands in the graph of a call whose schedule a later call took, in
+    place of the schedule, with the call's inputs and rank: a backward
+    reaching it raises :data:`SUPERSEDED` (Chainer would run the schedule's
+    backward with the later call's arrays: an AttributeError inside
+    ``linear``, then an AssertionError of its own)."""
+
+    def __init__(self, schedule, name):
+        self.inputs = schedule.inputs
+        self.outputs = schedule.outputs
+        self.rank = schedule.rank
+        self.name = name
+
+    @property
+    def label(self):
+        return 'fastchain static_graph: superseded call of {}'.format(self.name)
+
+    def backward(self, target_input_indexes, grad_outputs):
+        raise RuntimeError(SUPERSEDED.format(self.name))
+
+
+def supersede(schedule, name):
+    """Right before ``schedule`` is applied to a new call (it is not
+    :func:`busy`: a backward went through its last call, or that call's
+    outputs are dead): those outputs, if still alive, get a
+    :class:`Superseded` creator, since the new call rebinds the node."""
+    nodes = [ref() for ref in getattr(schedule, 'outputs', None) or ()]
+    nodes = [node for node in nodes if node is not None and node.creator_node is schedule]
+    if nodes:
+        stand_in = Superseded(schedule, name)
+        for node in nodes:
+            node.creator_node = stand_in
 
 
 def called(schedule, cache, key, args, recording):

@@ -231,6 +231,44 @@ def test_a_call_after_a_backward_over_another_call_leaves_the_first_calls_graph(
     _lockstep(Net, step)
 
 
+@pytest.mark.parametrize('order', ['before', 'after'])
+def test_a_second_backward_over_a_call_after_the_model_was_called_again_is_named(order):
+    """``y1 = model(a)``, a backward over it, ``y2 = model(b)``, then a
+    second backward over ``y1`` (before or after ``y2``'s): the cache has
+    given ``y1``'s schedule to the second call. That raised an
+    AttributeError inside ``linear`` and Chainer's AssertionError; it now
+    names the pattern and the fix. The same steps without the second
+    backward (the old outputs alive while the model is called again) stay
+    bitwise define-by-run's."""
+    ordinary, cached = copies(Net)
+    cache_static_graph(cached)
+    rng = numpy.random.RandomState(0)
+    for _ in range(4):      # past the verified calls
+        x1, x2 = _rand(rng), _rand(rng)
+        grads = []
+        for model in (ordinary, cached):
+            model.cleargrads()
+            y1 = F.sum(model(x1) ** 2)
+            y1.backward()
+            y2 = F.sum(model(x2) ** 2)
+            y2.backward()
+            grads.append([p.grad.copy() for p in model.params()])
+        for a, b in zip(*grads):
+            numpy.testing.assert_array_equal(a, b)
+    ordinary_y1 = F.sum(ordinary(x1) ** 2)
+    ordinary_y1.backward()
+    y1 = F.sum(cached(x1) ** 2)
+    y1.backward()
+    y2 = F.sum(cached(x2) ** 2)
+    if order == 'after':
+        y2.backward()
+    with pytest.raises(RuntimeError, match='a second backward went through an earlier call '
+                       'of Net after the model was called again.*without static_graph'):
+        y1.backward()
+    ordinary_y1.backward()      # Chainer's own second backward works
+    assert cache_state(cached)['fallback'] is None
+
+
 class _Square(chainer.Chain):
     def __init__(self):
         super().__init__()
