@@ -168,6 +168,9 @@ class _Cache:
                                    self.name, len(self.state['sequences'].get(key, ()))))
 
     def _verified(self, chain, plain, key, args, building):
+        refused = _functions.hook_refusal(chain) if building else None
+        if refused is not None:
+            return self._redo(plain, args, 'refused', refused)
         before = _verify.Snapshot(chain, python=True)
         recorder = _functions.Recorder() if building else contextlib.nullcontext()
         statistics = _fixes.building_statistics(chain, _keys.array_inputs(args)) if building else \

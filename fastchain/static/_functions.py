@@ -160,6 +160,29 @@ def refusal(names):
     return None
 
 
+# Link hooks run Python around every call of their link, which a replay skips;
+# those whose Python keeps state (the verification would catch it, blaming
+# the cache) are refused by name before anything records.
+HOOKS = {
+    'chainer.link_hooks.spectral_normalization.SpectralNormalization': (
+        'its power iteration updates the vector u (a persistent of the link) in Python on '
+        "every training call, which the replay skips, so u and the weight's scale would "
+        'stay as the first call left them'),
+}
+
+
+def hook_refusal(chain):
+    """The reason to refuse ``chain`` for the link hooks on its links, or None."""
+    for path, link in sorted(chain.namedlinks(), key=lambda item: item[0]):
+        for name, hook in link.local_link_hooks.items():
+            cls = type(hook)
+            why = HOOKS.get('{}.{}'.format(cls.__module__, cls.__qualname__))
+            if why is not None:
+                return 'the link hook {} on {} cannot be cached: {}'.format(
+                    name, path or '/', why)
+    return None
+
+
 def unknown(names):
     """The functions among ``names`` that the table does not know, short names."""
     return sorted({short(n) for n in names if n not in TABLE})

@@ -268,3 +268,32 @@ def test_dropout_refused_by_verification_alone_as_a_difference():
     finally:
         _functions.TABLE.update(saved)
     assert len(caught) == 1 and 'random numbers' in caught[0]
+
+
+def _hooked(hook):
+    def extra():
+        link = L.Linear(6, 5)
+        link.add_hook(hook())
+        return [link]
+    return ('vec', lambda m, h, t: m.extra[0](h), extra)
+
+
+def test_a_link_hook_that_keeps_state_is_refused_by_name():
+    """SpectralNormalization's power iteration updates ``u`` in Python on
+    every call; the replay skipped it and the verification caught the
+    difference, blaming the cache ('a defect ... Please report it')."""
+    from chainer.link_hooks import SpectralNormalization
+    cached, caught = train_side_by_side(*_hooked(SpectralNormalization))
+    assert len(caught) == 1, caught
+    assert caught[0].startswith('fastchain static_graph: Net runs define-by-run from now on: '
+                                'the link hook SpectralNormalization on /extra/0 cannot be '
+                                'cached: its power iteration updates the vector u'), caught
+    assert cache_state(cached)['cause'] == 'refused'
+    assert cache_state(cached)['sequences'] == {}
+
+
+def test_a_link_hook_without_state_is_cached():
+    from chainer.link_hooks import TimerHook
+    cached, caught = train_side_by_side(*_hooked(TimerHook))
+    assert not caught
+    assert cache_state(cached)['fallback'] is None
