@@ -174,7 +174,8 @@ HOOKS = {
 def hook_refusal(chain):
     """The reason to refuse ``chain`` for the link hooks on its links, or None."""
     for path, link in sorted(chain.namedlinks(), key=lambda item: item[0]):
-        for name, hook in link.local_link_hooks.items():
+        # Chainer's property would make the table on a link that has none
+        for name, hook in (link.__dict__.get('_local_link_hooks') or {}).items():
             cls = type(hook)
             why = HOOKS.get('{}.{}'.format(cls.__module__, cls.__qualname__))
             if why is not None:
