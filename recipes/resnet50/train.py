@@ -345,19 +345,58 @@ class ValidationSkips(training.Extension):
         pass        # counts per evaluation: nothing to carry over a resume
 
 
-def write_skipped(args, iterators, comm, rank):
-    """With --skip-bad-images: the images left out (every process's), by file
-    and with the error, in ``skipped.json`` under --out, and one line saying
+class SkippedBefore(training.Extension):
+    """With --skip-bad-images and snapshots, on every process: what every
+    process left out so far, gathered just before each snapshot and saved in
+    it, so that a resumed run's ``skipped.json`` lists the whole training's
+    images (a resumed run's loaders start their lists afresh; the ones left
+    out before the snapshot were missing, and the log's counts disagreed)."""
+
+    priority = -99      # just before Chainer's snapshot (-100), the same trigger
+
+    def __init__(self, iterators, comm):
+        self.iterators, self.comm = iterators, comm
+        self.before = {name: [] for name in iterators}  # loaded: all processes', earlier runs
+        self.gathered = None
+
+    def everyone(self):
+        """Every process's lists so far, this run's, with those loaded."""
+        found = {name: it.skipped for name, it in self.iterators.items()}
+        every = self.comm.allgather_obj(found, what='gathering the images left out') \
+            if self.comm is not None else [found]
+        return {name: list(self.before.get(name, ())) + [e for process in every
+                                                          for e in process[name]]
+                for name in self.iterators}
+
+    def __call__(self, trainer):
+        self.gathered = self.everyone()
+
+    def serialize(self, serializer):
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            try:
+                saved = serializer('skipped_json', None)
+            except KeyError:        # a snapshot of a run without --skip-bad-images
+                return
+            self.before = json.loads(bytes(numpy.asarray(saved, numpy.uint8)).decode())
+            return
+        text = json.dumps(self.gathered if self.gathered is not None else self.before)
+        serializer('skipped_json', numpy.frombuffer(text.encode(), numpy.uint8))
+
+
+def write_skipped(args, iterators, comm, rank, before=None):
+    """With --skip-bad-images: the images left out (every process's, and
+    those a resumed snapshot holds from before it: ``before``), by file and
+    with the error, in ``skipped.json`` under --out, and one line saying
     how many (the log's counts say when, not which)."""
-    found = {name: it.skipped for name, it in iterators.items()}
-    every = comm.allgather_obj(found, what='gathering the images left out') \
-        if comm is not None else [found]
+    if before is None:
+        before = SkippedBefore(iterators, comm)
+    everyone = before.everyone()
     if rank != 0:
         return
     listing, said = {}, []
     for name in iterators:
         files = {}
-        for entry in (e for process in every for e in process[name]):
+        for entry in everyone[name]:
             key = entry['path'] or 'example {}'.format(entry['index'])
             files.setdefault(key, {'file': key, 'error': entry['error'], 'times': 0})
             files[key]['times'] += 1
@@ -576,8 +615,13 @@ def main(argv=None):
     if comm is not None:
         evaluator = distributed.create_multi_node_evaluator(evaluator, comm)
     trainer.extend(evaluator, trigger=eval_every)
+    skipped_before = None
     if args.skip_bad_images:
         trainer.extend(ValidationSkips(val_it, comm), trigger=eval_every)
+        if not args.no_snapshots:
+            skipped_before = SkippedBefore({'training': train_it, 'validation': val_it}, comm)
+            trainer.extend(skipped_before, trigger=snapshot_trigger(args, iters_per_epoch,
+                                                                    total))
     meter = SpeedMeter(args.batch_size)
     trainer.extend(meter)
     if rank == 0:
@@ -637,7 +681,8 @@ def main(argv=None):
     finally:
         val_it.finalize()
     if args.skip_bad_images:
-        write_skipped(args, {'training': train_it, 'validation': val_it}, comm, rank)
+        write_skipped(args, {'training': train_it, 'validation': val_it}, comm, rank,
+                      skipped_before)
     log = trainer.get_extension('LogReport') if rank == 0 else None
     if rank == 0:
         write_config(args, handle, world, 'at the end of training')
@@ -699,6 +744,11 @@ def write_config(args, handle, world, when):
         json.dump(config, f, indent=2, sort_keys=True, default=repr)
 
 
+def snapshot_trigger(args, iters_per_epoch, total):
+    """Every --snapshot-every epochs, and at the last iteration."""
+    return LogTrigger(max(1, int(args.snapshot_every * iters_per_epoch)), total)
+
+
 def add_reporting(trainer, args, total, iters_per_epoch):
     """Logs, plots, progress and snapshots: rank 0's job."""
     every = LogTrigger(args.log_every, total)
@@ -706,10 +756,9 @@ def add_reporting(trainer, args, total, iters_per_epoch):
     trainer.extend(log)
     trainer.extend(extensions.observe_lr(), trigger=every)
     if not args.no_snapshots:
-        snap_every = max(1, int(args.snapshot_every * iters_per_epoch))
         trainer.extend(extensions.snapshot(filename='snapshot_iter_{.updater.iteration}',
                                            n_retains=args.keep_snapshots or -1),
-                       trigger=LogTrigger(snap_every, total))   # and the last iteration
+                       trigger=snapshot_trigger(args, iters_per_epoch, total))
     if extensions.PlotReport.available():
         trainer.extend(extensions.PlotReport(
             ['main/loss', 'validation/main/loss'], 'iteration',

@@ -230,6 +230,36 @@ def test_bad_images_stop_with_the_fix_or_are_skipped_and_counted(tmp_path):
         'listed in' in r.stdout, r.stdout[-2000:]
 
 
+@pytest.mark.parametrize('processes', [1, 2])
+def test_a_resumed_run_lists_the_images_left_out_before_its_snapshot(tmp_path, processes):
+    """skipped.json of a run resumed at epoch 2 of 4 equals the uninterrupted
+    run's: the loaders' lists start afresh on a resume, and held only the
+    images left out after it (2 of the 4 times, with the log saying 4).
+    Under MPI every process's are gathered into rank 0's snapshot."""
+    _image_folders(tmp_path / 'ds', broken='a/3.jpg', broken_val='b/1.jpg')
+    cmd = [sys.executable, RECIPE, '--data', str(tmp_path / 'ds'), '--epochs', '4',
+           '--skip-bad-images'] + TINY
+    if processes > 1:
+        from fastchain.backends import mpi
+        cmd = [mpi.mpiexec_path(), '-n', str(processes)] + cmd + ['--batch-size', '4']
+    said = []
+    for out, more in (('whole', []), ('half', ['--epochs', '2']),
+                      ('resumed', ['--resume', str(tmp_path / 'half' / 'snapshot_iter_4')])):
+        r = subprocess.run(cmd + ['--out', str(tmp_path / out)] + more, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        said.append(r.stdout.splitlines())
+    listed = [json.loads((tmp_path / out / 'skipped.json').read_text())
+              for out in ('whole', 'resumed')]
+    times = [[(f['file'][-7:], f['times']) for f in found['training'] + found['validation']]
+             for found in listed]
+    assert times[0] == [('a/3.jpg', 4), ('b/1.jpg', 4)], times
+    assert times[1] == times[0]
+    line = [x for x in said[2] if x.startswith('--skip-bad-images: left out')]
+    assert line and line[0].startswith('--skip-bad-images: left out 1 training image (4 times) '
+                                       'and 1 validation image (4 times)'), said[2][-5:]
+
+
 def test_a_list_format_dataset_beside_a_train_folder_is_read_as_lists(tmp_path):
     """train.txt takes precedence: a train/ folder beside it without val/
     is not an error (the validation images may live elsewhere)."""
