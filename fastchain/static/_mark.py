@@ -28,6 +28,8 @@ def cache_static_graph(chain, verify_steps=2, verbosity=0, changes=None):
     ``changes``: record the cache there (a handle's), instead of keeping it
     until the undo is called or the chain is collected.
     """
+    if not isinstance(chain, chainer.Chain):     # Chainer's static graph asserts it
+        raise TypeError(not_a_chain(chain))
     if is_cached(chain):
         raise ValueError('{} is already cached'.format(type(chain).__name__))
     if 'forward' in vars(chain):

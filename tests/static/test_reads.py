@@ -131,6 +131,10 @@ def test_what_is_not_a_chain_is_refused_with_the_fix():
         fastchain.static_graph(chainer.Sequential(L.Linear(4, 3)))
     with pytest.raises(TypeError):
         fastchain.static_graph(42)
+    # the lower-level call too (it fell back at the first call with Chainer's
+    # bare AssertionError)
+    with pytest.raises(TypeError, match='Sequential is a ChainList: wrap it in a Chain'):
+        cache_static_graph(chainer.Sequential(L.Linear(4, 3)))
 
 
 def test_enable_skips_a_model_that_is_not_a_chain_and_says_so():
