@@ -50,7 +50,7 @@ import chainer
 
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
-from fastchain.static import _fixes, _functions, _keys, _node, _reads, _reasons, _verify
+from fastchain.static import _fixes, _functions, _keys, _node, _reads, _reasons, _verify, _watch
 from fastchain.tune import _tuner
 
 STATE = 'static_cache'      # attachment key: the chain's cache
@@ -102,6 +102,7 @@ class _Cache:
         self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)  # autotune: a step a turn
         self.structures = {}        # autotune: key -> the choice's key
         self.lazy = {}              # key -> the parameters unmade before its define-by-run step
+        self.watch = _watch.Watch(chain)    # the state of the links' attributes: in the key
         LIVE.add(self)
 
     def __call__(self, plain, args, kwargs):
@@ -117,6 +118,18 @@ class _Cache:
             # replay would)
             return plain(*args, **kwargs)
         key = _keys.key(args) if not kwargs else None
+        if key is not None:
+            state = self.watch.state()
+            if state is None:
+                return self._redo(plain, args, *_reasons.attributes_reason(
+                    self.watch.last_change, _watch.MAX_STATES))
+            key += (state,)
+        try:
+            return self._call(plain, args, kwargs, key)
+        finally:
+            self.watch.settle()
+
+    def _call(self, plain, args, kwargs, key):
         if key is None:
             self.fall_back('unsupported', 'the cache replays calls whose arguments are '
                            'arrays or variables (nested in lists or tuples), without keyword '

@@ -40,7 +40,9 @@ up their hooks that attach gradients, :mod:`fastchain.static._node`),
 node), ``StaticScheduleFunction.backward`` (their gradients returned; a double
 backward define-by-run; a schedule with a pending check attached under
 :data:`CHECK` runs it: :class:`fastchain.static._verify.BackwardCheck`) and
-the ``print`` of Chainer's static_graph module, held while any chain is
+the ``print`` of Chainer's static_graph module, and on ``Link.__setattr__``
+and ``__delattr__`` (what the training loop sets on a cached chain's links,
+:mod:`fastchain.static._watch`), held while any chain is
 cached: each cached chain holds a lease (:func:`acquire`), released when the
 cache is undone or the chain is collected, and the layers leave with the last
 lease. Once a schedule is built the same layer binds lean kernels into it
@@ -55,7 +57,7 @@ import threading
 
 from fastchain.config import _patches
 from fastchain.kernels import _bind
-from fastchain.static import _flat, _live, _node
+from fastchain.static import _flat, _live, _node, _watch
 
 # _patches' own lock (reentrant): a chain collected while it is held
 # releases its lease from inside (weakref.finalize runs wherever the
@@ -73,6 +75,7 @@ def installed():
 
 
 def _targets():
+    import chainer
     from chainer.functions.normalization import batch_normalization as bn
     from chainer.graph_optimizations import static_graph as sg
     return ((bn.BatchNormalization, 'backward', _live.batch_normalization_backward),
@@ -80,7 +83,9 @@ def _targets():
             (sg.StaticScheduleFunction, 'build_schedule', _build_then_fix),
             (sg.StaticScheduleFunction, 'apply', _node.apply_with_parameters),
             (sg.StaticScheduleFunction, 'backward', _backward_then_check),
-            (sg, 'print', _quiet_print))
+            (sg, 'print', _quiet_print),
+            (chainer.Link, '__setattr__', _watch.setattr_layer),
+            (chainer.Link, '__delattr__', _watch.delattr_layer))
 
 
 def acquire():

@@ -37,8 +37,9 @@ For a cached chain's schedules (those of fastchain's key managers):
 - a call is handed a schedule no pending graph uses, else a new one
   (:func:`claim`); the outputs of the call a schedule served last, still
   alive after their backward, are handed to a stand-in node that refuses a
-  second backward by name (:func:`supersede`); and a schedule whose backward was not built on the call
-  that recorded it is not built later from stale arrays (:func:`late`).
+  second backward by name (:func:`supersede`); and a schedule whose
+  backward was not built on the call that recorded it is not built later
+  from stale arrays (:func:`late`).
 """
 
 import contextlib

@@ -103,9 +103,13 @@ def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_bra
     # fifth call: state a replay does not advance, on a period the verified
     # steps may not reach
     counter = allow_calls and draw(st.integers(0, 7)) == 0
+    # a value of the model's the training loop sets before each step, from the
+    # batch (a curriculum switch, a loss weight): halving the output on some
+    # steps, first on one the verified steps may not reach
+    knob = allow_calls and draw(st.integers(0, 5)) == 0
     return {'input': spec_input, 'layers': tuple(layers), 'extra_input': extra,
             'branch': branch, 'lazy_head': lazy, 'calls': calls, 'recurrent': recurrent,
-            'tied': tied, 'counter': counter}
+            'tied': tied, 'counter': counter, 'knob': knob}
 
 
 class Net(chainer.Chain):
@@ -145,6 +149,7 @@ class Net(chainer.Chain):
             if spec['branch']:
                 self.other = L.Linear(c, CLASSES, initialW=init)
         self.calls = 0
+        self.knob = 1.0
 
     def serialize(self, serializer):
         super().serialize(serializer)
@@ -183,6 +188,8 @@ class Net(chainer.Chain):
             self.calls += 1
             if self.calls % 5 == 0:
                 y = y * 0.5
+        if self.spec.get('knob'):
+            y = y * self.knob
         return y
 
 
@@ -197,6 +204,8 @@ def loss_of(model, arrays):
     it: a resumed run starts from none, as Chainer's own would)."""
     if model.spec.get('recurrent'):
         model.rec.reset_state()
+    if model.spec.get('knob'):
+        model.knob = 0.5 if int(arrays[-1].sum()) % 3 == 0 else 1.0
     loss = 0
     tied = model.spec.get('tied')
     for _ in range(model.spec.get('calls', 1)):

@@ -138,15 +138,37 @@ class Branchy(chainer.Chain):
         return layer(x)
 
 
-def test_a_model_that_is_not_static_falls_back_and_stays_correct():
+def test_a_flag_set_on_the_model_between_calls_is_a_state_of_its_own():
+    """``model.flip = ...`` between calls, before and after the verified
+    ones: each state of the attributes records its own schedule (the flag
+    set after them was replayed with the old branch, silently)."""
     ordinary, cached, _ = pair(Branchy)
+    t = numpy.zeros(2, numpy.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        for sign in [1, 1, -1, 1, 1, 1, 1, -1, -1, 1]:
+            x = numpy.full((2, 4), sign, numpy.float32)
+            ordinary.flip = cached.flip = sign < 0
+            step(ordinary, x, t)
+            step(cached, x, t)
+            assert_same(ordinary, cached)
+    assert cache_state(cached)['fallback'] is None
+    assert len(cache_state(cached)['sequences']) == 2
+
+
+def test_a_model_that_is_not_static_falls_back_and_stays_correct():
+    """The same flag on the class, which no attribute of the model's shows:
+    the verification sees the other branch."""
+    class ClassFlag(Branchy):
+        pass
+    ordinary, cached, _ = pair(ClassFlag)
     t = numpy.zeros(2, numpy.int32)
     with pytest.warns(StaticGraphFallback, match='not static: on a later call its forward '
                       'applied LinearFunction.* to /b/W.* where the recorded graph has '
                       'LinearFunction.* to /a/W'):
         for sign in [1.0, 1.0, -1.0, 1.0]:
             x = numpy.full((2, 4), sign, numpy.float32)
-            ordinary.flip = cached.flip = sign < 0
+            ClassFlag.flip = sign < 0
             step(ordinary, x, t)
             step(cached, x, t)
             assert_same(ordinary, cached)       # never silently wrong
@@ -368,9 +390,17 @@ def test_decorated_method_of_a_model_that_is_not_static_falls_back():
             return Branchy.forward(self, x)
     model = BranchyMethod()
     t = numpy.zeros(2, numpy.int32)
-    with pytest.warns(StaticGraphFallback, match='not static'):
+    with warnings.catch_warnings():     # a flag of the model's own: a state of its own
+        warnings.simplefilter('error', StaticGraphFallback)
         for sign in [1.0, 1.0, -1.0]:
             model.flip = sign < 0
+            step(model, numpy.full((2, 4), sign, numpy.float32), t)
+    assert len(cache_state(model)['sequences']) == 2
+    del model.flip
+    model = BranchyMethod()
+    with pytest.warns(StaticGraphFallback, match='not static'):
+        for sign in [1.0, 1.0, -1.0]:
+            BranchyMethod.flip = sign < 0       # on the class: no attribute of the model's
             step(model, numpy.full((2, 4), sign, numpy.float32), t)
     assert cache_state(model)['cause'] == 'not static'
 

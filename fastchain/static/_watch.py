@@ -1,0 +1,169 @@
+"""What a cached chain's links hold, set from outside between calls.
+
+A replay runs none of the forward's Python, so what the forward reads from
+its links' attributes is frozen at what the recording saw: a weight it
+multiplies by (``self.alpha``, a KL beta), a flag it branches on, an array it
+was given (``self.mask = new``, a persistent rebound), a parameter added with
+``add_param``. The verified calls catch what the forward itself changes
+(:mod:`fastchain.static._state`); a change the training loop made after them
+was replayed stale, silently (a new-user trial measured it: a loss 0.16 off
+from the step a flag was set, the layer behind the flag never trained).
+
+While a chain is cached, Chainer's ``Link.__setattr__`` and ``__delattr__``
+carry a layer that notes the watched links set (Chainer's own schedule
+attributes aside): nothing is looked at on a call unless one was. A cached
+call then takes what the set links hold (:func:`stamp`: values, small tuples,
+lists and dicts of values by value, anything else by identity) and keys its
+schedule by the state: a state not seen before records and is verified like
+a new input shape, and one seen before replays its own schedules (a flag
+toggled back and forth keeps two). What the forward changes on a call that
+runs it (a constant made on the first call) belongs to the state the call
+started in. Past :data:`MAX_STATES` states the chain runs define-by-run,
+naming what kept changing.
+
+Not seen: an attribute set around ``__setattr__`` (``vars(link)[name] =
+...``), a change inside an object a link holds (``self.cfg['beta'] = ...``,
+``self.opts.alpha = ...``), a link added to a ``ChainList`` after the
+recording, and state outside the links (a module's global).
+"""
+
+import weakref
+
+import numpy
+
+from fastchain.config import _patches
+from fastchain.static._keys import CHAINER_ATTRIBUTES
+
+MAX_STATES = 6      # states of one cached chain's attributes before it gives up
+_SMALL = 32         # a tuple, list or dict up to this long, of values, is taken by value
+_VALUES = (type(None), bool, int, float, complex, str, bytes, numpy.generic)
+_IGNORED = frozenset(CHAINER_ATTRIBUTES)
+
+_generation = [0]
+_set_at = weakref.WeakKeyDictionary()   # watched link -> the generation it was last set at
+_watched = weakref.WeakSet()
+
+
+def _note(link, name):
+    if name not in _IGNORED and link in _watched:
+        _generation[0] += 1
+        _set_at[link] = _generation[0]
+
+
+def setattr_layer(next_, link, name, value):
+    """``Link.__setattr__`` (all links, while a chain is cached)."""
+    next_(link, name, value)
+    _note(link, name)
+
+
+def delattr_layer(next_, link, name):
+    """``Link.__delattr__``."""
+    next_(link, name)
+    _note(link, name)
+
+
+def _value(value):
+    if isinstance(value, _VALUES):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) <= _SMALL and all(
+            isinstance(v, _VALUES) for v in value):
+        return (type(value).__name__, id(value) if isinstance(value, list) else None,
+                tuple(value))
+    if isinstance(value, dict) and len(value) <= _SMALL and all(
+            isinstance(k, _VALUES) and isinstance(v, _VALUES) for k, v in value.items()):
+        return ('dict', id(value), tuple(value.items()))
+    return (type(value).__name__, id(value))
+
+
+def stamp(link):
+    """What ``link``'s attributes hold, to compare (hashable)."""
+    return tuple(sorted((name, _value(value)) for name, value in vars(link).items()
+                        if name not in _IGNORED and not _patches.is_ours(link, name)))
+
+
+def _shown(value):
+    text = repr(value[-1] if isinstance(value, tuple) and len(value) == 3 else
+                value if isinstance(value, _VALUES) else '<{} object>'.format(value[0]))
+    return text if len(text) <= 40 else text[:37] + '...'
+
+
+def difference(path, before, after):
+    """``'path/name: before -> after'`` for the first attribute that differs."""
+    a, b = dict(before), dict(after)
+    for name in sorted(set(a) | set(b)):
+        if a.get(name, _Absent) != b.get(name, _Absent):
+            return '{}{}{}: {} -> {}'.format(
+                path, '' if path.endswith('/') else '/', name,
+                'absent' if name not in a else _shown(a[name]),
+                'absent' if name not in b else _shown(b[name]))
+    return path
+
+
+class _Absent:
+    pass
+
+
+class Watch:
+    """One cached chain's states: the key part of each call (:meth:`state`)."""
+
+    def __init__(self, chain):
+        self.ref = weakref.ref(chain)
+        self.links = []
+        self.stamps = {}        # path -> stamp
+        self.states = {}        # the stamps of every link, in order -> state number
+        self.current = 0
+        self.count = 1          # states numbered (more stamps may map to one)
+        self.seen = _generation[0]
+        self.last_change = None
+        self._take(chain)
+        self.states[self._whole()] = 0
+
+    def _take(self, chain):
+        # weakly: the cache that holds this may be held globally (the lease)
+        links = [(path.rstrip('/') or '/', link) for path, link in chain.namedlinks()]
+        for _, link in links:
+            _watched.add(link)
+        self.links = [(path, weakref.ref(link)) for path, link in links]
+        self.stamps = {path: stamp(link) for path, link in links}
+
+    def _whole(self):
+        return tuple(self.stamps[path] for path, _ in self.links)
+
+    def state(self):
+        """The state this call starts in (a number), or None past
+        :data:`MAX_STATES` (:attr:`last_change` names the last change)."""
+        if _generation[0] == self.seen:
+            return self.current
+        chain = self.ref()
+        changed = [path for path, ref in self.links
+                   if ref() is None or _set_at.get(ref(), 0) > self.seen]
+        self.seen = _generation[0]
+        if chain is None or not changed:
+            return self.current
+        before = dict(self.stamps)
+        self._take(chain)       # a link may have been added or replaced
+        if self.stamps == before:
+            return self.current
+        path = next((p for p, _ in self.links if self.stamps.get(p) != before.get(p)),
+                    changed[0])
+        self.last_change = difference(path, before.get(path, ()), self.stamps.get(path, ()))
+        whole = self._whole()
+        number = self.states.get(whole)
+        if number is None:
+            if self.count >= MAX_STATES:
+                return None
+            number = self.states[whole] = self.count
+            self.count += 1
+        self.current = number
+        return number
+
+    def settle(self):
+        """After a call that ran the forward's Python (recording, verified
+        or define-by-run): what it set belongs to the state it started in."""
+        if _generation[0] == self.seen:
+            return
+        self.seen = _generation[0]
+        chain = self.ref()
+        if chain is not None:
+            self._take(chain)
+            self.states.setdefault(self._whole(), self.current)

@@ -1,0 +1,141 @@
+"""What the training loop sets on a cached model between calls
+(fastchain/static/_watch.py): each state of the links' attributes records
+and verifies its own schedule, so a value the forward reads is never
+replayed stale, before or after the verified calls. Found by a new-user
+trial: a flag set at step 15 (the loss 0.16 off, the layer behind it never
+trained), a weight annealed from step 20, a mask rebound, a parameter added
+with ``add_param``: each replayed with the recording's value, silently."""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from fastchain.static import StaticGraphFallback, _watch, cache_state, cache_static_graph
+from tests.helpers import copies
+
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(4, 6)
+            self.l2 = L.Linear(6, 3)
+            self.aux = L.Linear(6, 3)
+        self.alpha = 1.0
+        self.use_aux = False
+        self.add_persistent('mask', numpy.ones(6, numpy.float32))
+        self.constant = None
+
+    def forward(self, x):
+        if self.constant is None:       # made on the first call: not a change
+            self.constant = numpy.full(3, 0.5, numpy.float32)
+        h = F.relu(self.l1(x)) * self.mask
+        y = self.l2(h) * self.alpha + self.constant
+        if self.use_aux:
+            y = y + self.aux(h)
+        if hasattr(self, 'extra'):
+            y = y + F.broadcast_to(self.extra, y.shape)
+        return y
+
+
+def _lockstep(change, steps=12):
+    """Train a plain and a cached copy alike; ``change(model, i)`` before
+    step ``i`` on both. Gradients and weights equal bit for bit each step.
+    Returns the cached model and the fallback warnings."""
+    ordinary, cached = copies(Net)
+    cache_static_graph(cached)
+    optimizers = [chainer.optimizers.MomentumSGD(0.1).setup(m) for m in (ordinary, cached)]
+    rng = numpy.random.RandomState(0)
+    caught = []
+    for i in range(steps):
+        x = rng.randn(5, 4).astype(numpy.float32)
+        for model, optimizer in zip((ordinary, cached), optimizers):
+            change(model, i)
+            model.cleargrads()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter('always')
+                F.sum(model(x) ** 2).backward()
+            caught += [str(m.message) for m in w if m.category is StaticGraphFallback]
+            optimizer.update()
+        for (name, a), (_, b) in zip(sorted(ordinary.namedparams()),
+                                     sorted(cached.namedparams())):
+            numpy.testing.assert_array_equal(b.grad, a.grad, err_msg='{} step {}'.format(name, i))
+            numpy.testing.assert_array_equal(b.array, a.array, err_msg=name)
+    return cached, caught
+
+
+def test_a_flag_set_after_the_verified_calls_records_its_own_schedule():
+    def change(model, i):
+        model.use_aux = i >= 6
+    cached, caught = _lockstep(change)
+    assert caught == [] and cache_state(cached)['fallback'] is None
+    assert len(cache_state(cached)['sequences']) == 2
+
+
+def test_a_flag_toggled_back_and_forth_keeps_two_schedules():
+    def change(model, i):
+        model.use_aux = i % 4 >= 2
+    cached, caught = _lockstep(change, steps=16)
+    assert caught == [] and len(cache_state(cached)['sequences']) == 2
+
+
+def test_a_value_set_again_unchanged_is_the_same_state():
+    def change(model, i):
+        model.alpha = 1.0
+        model.mask = model.mask     # the same array
+    cached, caught = _lockstep(change)
+    assert caught == [] and len(cache_state(cached)['sequences']) == 1
+
+
+@pytest.mark.parametrize('what', ['mask', 'add_param', 'alpha'])
+def test_a_change_after_the_verified_calls_is_not_replayed_stale(what):
+    def change(model, i):
+        if i != 7:
+            return
+        if what == 'mask':      # a persistent rebound (in place would be seen as it is)
+            model.mask = numpy.linspace(0, 1, 6).astype(numpy.float32)
+        elif what == 'add_param':
+            with model.init_scope():
+                model.extra = chainer.Parameter(numpy.full(1, 0.25, numpy.float32))
+        else:
+            model.alpha = 0.5
+    cached, caught = _lockstep(change)
+    assert caught == [] and len(cache_state(cached)['sequences']) == 2
+
+
+def test_a_value_set_every_step_gives_the_cache_up_naming_it():
+    def change(model, i):
+        model.alpha = 1.0 - 0.05 * max(0, i - 4)
+    cached, caught = _lockstep(change, steps=16)
+    assert len(caught) == 1, caught
+    assert "links were set between calls to more than {} different states (the last " \
+        'change: /alpha: 0.75 -> 0.7)'.format(_watch.MAX_STATES) in caught[0], caught
+    assert cache_state(cached)['cause'] == 'not static'
+
+
+def test_nothing_is_looked_at_on_a_call_unless_an_attribute_was_set(monkeypatch):
+    """The cost on a call is a comparison of two counters; a Classifier
+    setting its own attributes each step (outside the cached chain) does
+    not count."""
+    model = L.Classifier(Net())
+    cache_static_graph(model.predictor)
+    taken = []
+    real = _watch.stamp
+    monkeypatch.setattr(_watch, 'stamp', lambda link: taken.append(link) or real(link))
+    x, t = numpy.ones((5, 4), numpy.float32), numpy.zeros(5, numpy.int32)
+    for i in range(8):
+        model.cleargrads()
+        model(x, t).backward()
+        if i == 3:
+            taken.clear()
+    assert taken == []
+    model.predictor.alpha = 2.0
+    model(x, t)
+    assert model.predictor in taken
