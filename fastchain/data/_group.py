@@ -128,6 +128,32 @@ IN_MEMORY_NOTE = ('{} workers; an updater whose dataset is arrays in memory alre
                   'would add copying: loader_workers=N uses workers for it anyway')
 
 
+DRAWS_RANDOM = (
+    "fastchain loader: the dataset's examples draw random numbers from {} (an "
+    "augmentation: a random crop, a flip). In the loader's workers each example draws from a seed of its own, so this "
+    "run's augmentation is not the one plain Chainer's SerialIterator would draw: "
+    "repeatable under numpy.random.seed and the same for any number of workers, but not "
+    "bitwise plain Chainer's training. loader_workers=0 keeps Chainer's iterator and its "
+    "draws")
+
+
+def _draws_random(iterator):
+    """The global generators the first example of ``iterator``'s order draws
+    from (loaded here, the generators put back): [] if none, or it fails."""
+    from fastchain.data._workers import KeptGenerators
+    if not len(iterator.dataset):
+        return []
+    order = iterator._state.order
+    index = int(order[iterator.current_position % len(order)]) if order is not None \
+        else iterator.current_position % len(iterator.dataset)
+    with KeptGenerators() as kept:
+        try:
+            iterator.dataset[index]
+        except Exception:
+            pass        # a bad example is the loader's to report, in its batch
+    return kept.drew
+
+
 def in_memory(dataset):
     """True for a dataset whose examples are in memory already: a NumPy
     array or a list, a TupleDataset or DictDataset of arrays, or a SubDataset
@@ -180,7 +206,13 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
         return
     if not asked and in_memory(main.dataset):
         return      # nothing for workers to do (IN_MEMORY_NOTE)
+    drew = _draws_random(main)
     main = upgrade_iterator(main, workers)
+    if drew:
+        import warnings
+        from fastchain.config._warning import FastchainWarning
+        warnings.warn(DRAWS_RANDOM.format(' and '.join(drew)), FastchainWarning,
+                      stacklevel=_patches.user_stacklevel())
     if chosen:
         main.tune_workers()     # with autotune: how many of them load
     if prefetch:

@@ -106,14 +106,16 @@ class MultiprocessIterator(iterator_module.Iterator):
        loaded here, at construction, until one loads: its arrays give the
        layout of the shared memory. If none of the first 16 loads, the
        constructor raises :class:`DataLoadError` for the first of them.
-       Any random numbers they draw leave NumPy's global RNG as it was.
+       Any random numbers they draw leave NumPy's global RNG and Python's
+       ``random`` as they were.
 
     .. note::
        With ``rng='global'``, examples loaded here (``n_workers=0``) draw
        their random numbers from NumPy's global RNG, as SerialIterator's do;
-       those loaded by workers draw from ``numpy.random`` seeded for each
-       example from ``seed``: the same under the same ``numpy.random.seed``,
-       but not the numbers SerialIterator's examples would get.
+       those loaded by workers draw from ``numpy.random`` and Python's
+       ``random`` seeded for each example from ``seed``: the same under the
+       same ``numpy.random.seed``, but not the numbers SerialIterator's
+       examples would get.
     """
 
     _pool = None
@@ -329,15 +331,12 @@ class MultiprocessIterator(iterator_module.Iterator):
         memory. A bad one is not reported here but by the batch it is in,
         as without workers: a run resumed from a snapshot may never load it."""
         first = None
-        state = numpy.random.get_state()    # an example may draw from it
-        try:
+        with _workers.KeptGenerators():     # an example may draw from them
             for index in self._schedule.order(self.epoch)[:SIZING_TRIES]:
                 try:
                     return self.dataset[int(index)]
                 except Exception as e:
                     first = first or (int(index), e)
-        finally:
-            numpy.random.set_state(state)
         index, error = first
         kind, message, path = _workers.describe_error(error)
         raise DataLoadError(index, self._path_of(index, path), kind, (
@@ -361,20 +360,17 @@ class MultiprocessIterator(iterator_module.Iterator):
     def _load_here(self, indices):
         if self.rng == 'global':        # that RNG, as SerialIterator's examples
             return self._load_examples(indices, [None] * len(indices))
-        # 'seed': each example seeded as in a worker; the global RNG is left
-        # as it was (dropout masks and the rest of the script draw from it).
-        state = numpy.random.get_state()
-        try:
+        # 'seed': each example seeded as in a worker; the global RNGs are left
+        # as they were (dropout masks and the rest of the script draw from them).
+        with _workers.KeptGenerators():
             return self._load_examples(indices, self._schedule.seeds(
                 self.epoch, self.current_position, len(indices)))
-        finally:
-            numpy.random.set_state(state)
 
     def _load_examples(self, indices, seeds):
         batch = []
         for index, seed in zip(indices, seeds):
             if seed is not None:
-                numpy.random.seed(seed)
+                _workers.seed_example(seed)
             try:
                 batch.append(self.dataset[index])
             except Exception as e:

@@ -1,7 +1,8 @@
 """The worker side of the multiprocess iterator, and its shared memory.
 
 A worker receives ``(batch id, slot, indices, seeds)`` on its own pipe,
-loads each example with ``numpy.random`` seeded per example, writes the
+loads each example with ``numpy.random`` and Python's ``random`` seeded per
+example (:func:`seed_example`), writes the
 example's arrays into its slot of the shared memory, and sends back one small
 message: the non-array fields, any example that did not fit the slot layout,
 and the errors (index, type, message). It ignores SIGINT (the main process
@@ -14,6 +15,7 @@ rank's group leaves it that moment).
 import _posixshmem
 import errno
 import os
+import random
 import signal
 import time
 import traceback
@@ -191,12 +193,40 @@ def launched_by_mpi():
     return launch_rank()[0] is not None
 
 
+def seed_example(seed):
+    """Seed the generators an example's augmentation draws from: NumPy's
+    global RNG and Python's ``random`` (each worker is a fork of the main
+    process: unseeded, every worker drew the same numbers of ``random``)."""
+    numpy.random.seed(seed)
+    random.seed(seed)
+
+
+class KeptGenerators:
+    """NumPy's global RNG and Python's ``random`` as they were, put back on
+    exit; :attr:`drew` names those the code inside drew from."""
+
+    def __enter__(self):
+        self.numpy = numpy.random.get_state()
+        self.python = random.getstate()
+        self.drew = []
+        return self
+
+    def __exit__(self, *exc):
+        now = numpy.random.get_state()
+        if now[2:] != self.numpy[2:] or not numpy.array_equal(now[1], self.numpy[1]):
+            self.drew.append('numpy.random')
+        if random.getstate() != self.python:
+            self.drew.append("Python's random")
+        numpy.random.set_state(self.numpy)
+        random.setstate(self.python)
+
+
 def _load(dataset, task, shm, layout):
     batch_id, slot, indices, seeds = task
     views = layout.views(shm.buf, slot) if shm is not None else None
     extras, errors = {}, []
     for j, (index, seed) in enumerate(zip(indices, seeds)):
-        numpy.random.seed(seed)
+        seed_example(seed)
         try:
             example = dataset[index]
         except Exception as e:

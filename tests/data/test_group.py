@@ -365,3 +365,57 @@ def test_asked_for_workers_an_updater_whose_iterator_stays_says_so(make, warned)
             iterator, chainer.iterators.SerialIterator)
     if hasattr(iterator, 'finalize'):
         iterator.finalize()
+
+
+class _PythonNoisy(Indexed):
+    """Draws from Python's ``random``, as an augmentation may."""
+
+    def get_example(self, i):
+        import random
+        x, t = super().get_example(i)
+        return x + numpy.float32(random.random()), t
+
+
+@pytest.mark.parametrize('make, drew', [
+    (Noisy, 'numpy.random'), (_PythonNoisy, "Python's random"), (Indexed, None)])
+def test_a_dataset_that_draws_random_numbers_is_said_when_the_loader_takes_it(make, drew):
+    """A new-user trial: a random crop and flip in get_example trained
+    differently under enable() (loss 0.57 off at the first step), with
+    nothing said at run time. The probe puts the generators back."""
+    import random
+    numpy.random.seed(3)
+    random.seed(3)
+    serial(make(), 4)       # what plain Chainer draws: its first order
+    before = numpy.random.get_state()[1].copy(), random.getstate()
+    numpy.random.seed(3)
+    random.seed(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        main, _ = _main_iterator_under(make(), loader_workers=1, prefetch_to_device=False)
+    said = [str(w.message) for w in caught if 'draw random numbers' in str(w.message)]
+    if drew is None:
+        assert said == []
+    else:
+        assert said == [data._group.DRAWS_RANDOM.format(drew)]
+        assert 'loader_workers=0 keeps Chainer\'s iterator' in said[0]
+    assert (numpy.random.get_state()[1] == before[0]).all() and random.getstate() == before[1]
+    main.finalize()
+
+
+def test_pythons_random_in_workers_is_seeded_per_example():
+    """Each worker is a fork of the main process: unseeded, Python's
+    ``random`` gave every worker the same numbers (two examples in a batch
+    of 2 workers with one augmentation), and another for another worker
+    count. Seeded per example, as NumPy's global RNG is: the same for any
+    count, different from example to example."""
+    def run(workers):
+        numpy.random.seed(5)
+        it = upgraded(_PythonNoisy(), 4, workers, False)
+        try:
+            return [[float(x[0]) - float(t) for x, t in it.next()] for _ in range(3)]
+        finally:
+            it.finalize()
+    one = run(1)
+    assert run(2) == one and run(3) == one
+    drawn = [v for batch in one for v in batch]
+    assert len(set(drawn)) == len(drawn)
