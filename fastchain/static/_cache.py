@@ -134,7 +134,8 @@ class _Cache:
             self.fall_back('unsupported', 'the cache replays calls whose arguments are '
                            'arrays or variables (nested in lists or tuples), without keyword '
                            'arguments; this call has {}'.format(
-                               'keyword arguments' if kwargs else 'another argument'))
+                               'keyword arguments ({})'.format(', '.join(sorted(kwargs)))
+                               if kwargs else _keys.not_an_array(args)))
             return plain(*args, **kwargs)
         chain = self.ref()
         managers = chain.__dict__.get('schedule_manager')

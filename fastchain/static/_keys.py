@@ -35,6 +35,17 @@ def _array_key(x):
     return type(a), a.shape, a.dtype, getattr(device, 'id', device), needs
 
 
+def not_an_array(args):
+    """'argument N, a T' for the first argument (counted from 1, past
+    ``self``) that is not an array or variable, nor a list or tuple of them."""
+    for i, x in enumerate(args):
+        if _array_key(x) is None:
+            return 'argument {}: {!r}'.format(i + 1, x) if x is None or isinstance(
+                x, (bool, int, float, str)) else 'argument {}, a {}'.format(
+                    i + 1, type(x).__name__)
+    return 'another argument'
+
+
 def array_inputs(args):
     """The positions, in Chainer's flattened order of a call's arguments, of
     those whose gradient nobody reads: arrays, and variables that require

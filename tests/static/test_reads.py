@@ -203,3 +203,53 @@ def test_a_forward_that_reports_is_refused_and_every_step_reports(how, in_scope)
     assert len(fallbacks) == 1 and 'reports values from inside its forward' in fallbacks[0]
     assert re.search(r'chainer\.report at test_reads\.py:\d+', fallbacks[0]), fallbacks[0]
     assert cache_state(cached)['cause'] == 'unsupported'
+
+
+class _TakesState(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 3)
+
+    def forward(self, x, h, scale=1.0):
+        h = h['h'] if isinstance(h, dict) else h
+        return self.l1(x) * scale + (0 if h is None else h)
+
+
+@pytest.mark.parametrize('call, named', [
+    (lambda m, x: m(x, None), 'this call has argument 2: None'),
+    (lambda m, x: m(x, x, scale=2.0), 'this call has keyword arguments (scale)'),
+    (lambda m, x: m(x, {'h': x}), 'this call has argument 2, a dict'),
+])
+def test_an_argument_the_cache_cannot_replay_is_named(call, named):
+    """(A new-user trial: an LSTM's usual None initial state was 'another
+    argument'.)"""
+    model = _TakesState()
+    cache_static_graph(model)
+    x = numpy.ones((2, 3), numpy.float32)
+    with pytest.warns(StaticGraphFallback, match=re.escape(named)):
+        call(model, x)
+    assert cache_state(model)['cause'] == 'unsupported'
+
+
+class _Noise(chainer.Chain):
+    """Chainer's DCGAN discriminator adds noise drawn in Python."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.l1(x)
+        return h + 0.1 * numpy.random.randn(*h.shape)
+
+
+def test_noise_drawn_in_python_is_named_without_chainers_error_after_it():
+    model = _Noise()
+    cache_static_graph(model)
+    with pytest.warns(StaticGraphFallback) as caught:
+        model(numpy.ones((2, 3), numpy.float32))
+    said = [str(w.message) for w in caught if w.category is StaticGraphFallback]
+    assert len(said) == 1 and "NumPy's random state advanced in the call" in said[0]
+    assert 'Error' not in said[0], said[0]
