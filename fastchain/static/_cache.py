@@ -51,7 +51,7 @@ import chainer
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
 from fastchain.static import _fixes, _functions, _keys, _node, _reads, _reasons, _verify, _watch
-from fastchain.tune import _tuner
+from fastchain.tune import _steps, _tuner
 
 STATE = 'static_cache'      # attachment key: the chain's cache
 VOIDED_LIMIT = 32           # autotune: periods voided by evaluations before it gives up
@@ -103,6 +103,7 @@ class _Cache:
         self.structures = {}        # autotune: key -> the choice's key
         self.lazy = {}              # key -> the parameters unmade before its define-by-run step
         self.watch = _watch.Watch(chain)    # the state of the links' attributes: in the key
+        self.turn_form = None       # autotune: (optimizer updates seen, the step's form)
         LIVE.add(self)
 
     def __call__(self, plain, args, kwargs):
@@ -177,9 +178,16 @@ class _Cache:
         if structure is None:
             structure = self.structures[key] = (self.name, hashlib.sha1(repr(
                 self.state['sequences'].get(key)).encode()).hexdigest())
-        return self.turns.step('static_graph', structure, ('cached', 'define-by-run'),
+        # One form for every call of a step (from one optimizer update to the
+        # next): a graph mixing replayed and define-by-run calls, one's state
+        # into the next (truncated backprop), sums gradients in another order.
+        if self.turn_form is not None and self.turn_form[0] == _steps.updates:
+            return self.turn_form[1]
+        form = self.turns.step('static_graph', structure, ('cached', 'define-by-run'),
                                label=lambda: '{} ({} functions recorded)'.format(
                                    self.name, len(self.state['sequences'].get(key, ()))))
+        self.turn_form = (_steps.updates, form)
+        return form
 
     def _verified(self, chain, plain, key, args, building):
         refused = _functions.hook_refusal(chain) if building else None

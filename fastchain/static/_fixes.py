@@ -146,6 +146,12 @@ def _backward_then_check(next_, schedule, indexes, grad_outputs):
             _patches.detach(schedule, CHECK)
             return _node.late_backward(schedule, grad_outputs, call)
         setattr(schedule, _node.CALL, None)
+        if call is not None and any(g is None for g in grad_outputs):
+            _patches.detach(schedule, CHECK)    # it compares every output's path
+            if schedule.backward_schedule_func is None:
+                drop_input_gradients(schedule)
+            return _node.unused_outputs_backward(next_, schedule, indexes, grad_outputs,
+                                                 call)
         run = functools.partial(_node.backward, next_)
     else:
         run = next_

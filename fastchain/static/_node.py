@@ -330,6 +330,28 @@ def _detached(x):
     return x
 
 
+def unused_outputs_backward(next_, schedule, indexes, grad_outputs, call):
+    """Some outputs of the call reached no backward (their gradient is None:
+    an LSTM's final state the loss leaves out). Chainer's backward schedule
+    takes an array for every output: its build failed (``None.data``, the
+    cache gave up blaming itself) and a replay raised inside its program
+    (``None + array``, the user's step crashed). This call's gradients are
+    define-by-run's (:func:`_recompute`: exact, the forward once more; a
+    zero in place of a missing gradient is not: a parameter only the unused
+    output reaches would get zeros instead of None, which momentum updates).
+    A backward not built yet is built here from zeros in their place, for
+    the calls that use every output."""
+    if schedule.backward_schedule_func is None:
+        xp = chainer.backend.get_array_module(
+            next(g for g in grad_outputs if g is not None).array)
+        nodes = [ref() for ref in schedule.outputs]
+        filled = tuple(g if g is not None else chainer.Variable(
+            xp.zeros(node.shape, node.dtype)) for g, node in zip(grad_outputs, nodes))
+        backward(next_, schedule, indexes, filled)
+    _, grads = _recompute(schedule, grad_outputs, call, False)
+    return grads
+
+
 def double_backward(schedule, grad_outputs, call):
     """The node's gradients for a double backward, define-by-run; the cache
     gives up."""

@@ -49,11 +49,13 @@ class _Check:
 
 
 _check = _Check()
+updates = 0     # optimizer updates seen while autotune is on: the steps' count
 
 
 def tick(optimizer):
     """At the start of each ``optimizer.update()`` while autotune is on."""
-    global _check
+    global _check, updates
+    updates += 1
     check = _check
     if check.forgotten != _tuner.forgotten:
         check = _check = _Check()               # forget(): measure everything again
