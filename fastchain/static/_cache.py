@@ -104,6 +104,7 @@ class _Cache:
         self.lazy = {}              # key -> the parameters unmade before its define-by-run step
         self.watch = _watch.Watch(chain)    # the state of the links' attributes: in the key
         self.turn_form = None       # autotune: (optimizer updates seen, the step's form)
+        self.unverifiable = {}      # key -> verified calls whose outputs reached no backward
         LIVE.add(self)
 
     def __call__(self, plain, args, kwargs):
@@ -283,6 +284,13 @@ class _Cache:
             self.state['names'].get(key, ()), building, *found)
 
     def _backward_result(self, key, building, found):
+        if found is not None and found[0] == _verify.UNUSED:
+            # Not verified. Past verify_steps such calls and none verified (the
+            # output is never used), the cache costs more than it saves.
+            times = self.unverifiable[key] = self.unverifiable.get(key, 0) + 1
+            if times > self.verify_steps and not self.state['verified'].get(key):
+                self.fall_back(*_reasons.unused_reason(found[1], times))
+            return
         if found is None:
             if not building:
                 self.state['verified'][key] = self.state['verified'].get(key, 0) + 1

@@ -41,8 +41,9 @@ node), ``StaticScheduleFunction.backward`` (their gradients returned; a double
 backward define-by-run; a schedule with a pending check attached under
 :data:`CHECK` runs it: :class:`fastchain.static._verify.BackwardCheck`) and
 the ``print`` of Chainer's static_graph module, and on ``Link.__setattr__``
-and ``__delattr__`` (what the training loop sets on a cached chain's links,
-:mod:`fastchain.static._watch`), held while any chain is
+and ``__delattr__``, ``serialize`` and ``add_persistent`` (what the training
+loop sets on a cached chain's links, :mod:`fastchain.static._watch`), held
+while any chain is
 cached: each cached chain holds a lease (:func:`acquire`), released when the
 cache is undone or the chain is collected, and the layers leave with the last
 lease. Once a schedule is built the same layer binds lean kernels into it
@@ -57,7 +58,7 @@ import threading
 
 from fastchain.config import _patches
 from fastchain.kernels import _bind
-from fastchain.static import _flat, _live, _node, _watch
+from fastchain.static import _flat, _live, _node, _verify, _watch
 
 # _patches' own lock (reentrant): a chain collected while it is held
 # releases its lease from inside (weakref.finalize runs wherever the
@@ -85,7 +86,9 @@ def _targets():
             (sg.StaticScheduleFunction, 'backward', _backward_then_check),
             (sg, 'print', _quiet_print),
             (chainer.Link, '__setattr__', _watch.setattr_layer),
-            (chainer.Link, '__delattr__', _watch.delattr_layer))
+            (chainer.Link, '__delattr__', _watch.delattr_layer),
+            (chainer.Link, 'serialize', _watch.noted_layer),
+            (chainer.Link, 'add_persistent', _watch.noted_layer))
 
 
 def acquire():
@@ -147,11 +150,16 @@ def _backward_then_check(next_, schedule, indexes, grad_outputs):
             return _node.late_backward(schedule, grad_outputs, call)
         setattr(schedule, _node.CALL, None)
         if call is not None and any(g is None for g in grad_outputs):
-            _patches.detach(schedule, CHECK)    # it compares every output's path
             if schedule.backward_schedule_func is None:
                 drop_input_gradients(schedule)
-            return _node.unused_outputs_backward(next_, schedule, indexes, grad_outputs,
-                                                 call)
+            grads = _node.unused_outputs_backward(next_, schedule, indexes, grad_outputs,
+                                                  call)
+            check = _patches.attached(schedule, CHECK)
+            if check is not None:       # it compares every output's path: not this call
+                _patches.detach(schedule, CHECK, check)
+                check.report((_verify.UNUSED, [i + 1 for i, g in enumerate(grad_outputs)
+                                               if g is None]))
+            return grads
         run = functools.partial(_node.backward, next_)
     else:
         run = next_

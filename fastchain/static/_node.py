@@ -344,9 +344,9 @@ def unused_outputs_backward(next_, schedule, indexes, grad_outputs, call):
     if schedule.backward_schedule_func is None:
         xp = chainer.backend.get_array_module(
             next(g for g in grad_outputs if g is not None).array)
-        nodes = [ref() for ref in schedule.outputs]
+        # (the outputs' shapes as recorded: a dropped output's node is gone)
         filled = tuple(g if g is not None else chainer.Variable(
-            xp.zeros(node.shape, node.dtype)) for g, node in zip(grad_outputs, nodes))
+            xp.zeros(y.shape, y.dtype)) for g, y in zip(grad_outputs, schedule.out_vars))
         backward(next_, schedule, indexes, filled)
     _, grads = _recompute(schedule, grad_outputs, call, False)
     return grads

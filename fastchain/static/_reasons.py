@@ -77,6 +77,19 @@ def attributes_reason(change, states):
             'it to the forward as an input array'.format(states, change))
 
 
+def unused_reason(outputs, times):
+    """(cause, reason): on ``times`` calls the cache was to verify, the call's
+    ``outputs`` (numbers from 1) reached no backward."""
+    return ('unsupported', 'output{} {} of the call reached no backward on {} of the calls the '
+            'cache was to verify (the loss leaves {}: {} gradient is None). Chainer\'s replay '
+            'of the backward needs a gradient for every output, so such a call takes its '
+            'backward define-by-run after its forward once more, slower than define-by-run '
+            'alone. Return only what the loss uses'.format(
+                's' if len(outputs) > 1 else '', ', '.join('#{}'.format(i) for i in outputs),
+                times, 'them out' if len(outputs) > 1 else 'it out',
+                'their' if len(outputs) > 1 else 'its'))
+
+
 def _first_three(items, separator):
     more = ' and {} more'.format(len(items) - 3) if len(items) > 3 else ''
     return separator.join(items[:3]) + more

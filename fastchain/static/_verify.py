@@ -48,6 +48,7 @@ from fastchain.static import _functions, _state
 ULPS = 32
 INEXACT = 2.0 ** -10     # relative, float32, once onednn is in force (_inexact)
 RAISED = 'raised'       # what a difference is "in" when the replay's backward raised
+UNUSED = 'unused'       # a verified call's outputs that reached no backward: not verifiable
 
 
 def allowed(dtype):

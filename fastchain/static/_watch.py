@@ -38,6 +38,7 @@ MAX_STATES = 6      # states of one cached chain's attributes before it gives up
 _SMALL = 32         # a tuple, list or dict up to this long, of values, is taken by value
 _VALUES = (type(None), bool, int, float, complex, str, bytes, numpy.generic)
 _IGNORED = frozenset(CHAINER_ATTRIBUTES)
+_DEVICES = ()       # chainer's Device, compared by value (to_device makes a new one each time)
 
 _generation = [0]
 _set_at = weakref.WeakKeyDictionary()   # watched link -> the generation it was last set at
@@ -62,17 +63,53 @@ def delattr_layer(next_, link, name):
     _note(link, name)
 
 
+def noted_layer(next_, link, *args, **kwargs):
+    """``Link.serialize`` and ``Link.add_persistent``, which write the
+    link's ``__dict__`` directly (a snapshot loaded into the model, a
+    persistent value added): the link counts as set."""
+    result = next_(link, *args, **kwargs)
+    _note(link, '')
+    return result
+
+
+class _Same:
+    """An object compared by identity: held weakly where it can be (a
+    link, anything a model may point back from), else strongly. By ``id``
+    alone, a freed object's id given to a later one made a new state look
+    like an old, verified one, which replayed the old value (a review:
+    ``model.opts = SimpleNamespace(beta=v)`` every few steps, 0.73 off)."""
+
+    __slots__ = ('kind', 'ref', 'key')
+
+    def __init__(self, value):
+        self.kind = type(value).__name__
+        self.key = id(value)
+        try:
+            self.ref = weakref.ref(value)
+        except TypeError:
+            self.ref = lambda value=value: value
+
+    def __eq__(self, other):
+        if not isinstance(other, _Same):
+            return NotImplemented
+        mine = self.ref()
+        return mine is not None and mine is other.ref()
+
+    def __hash__(self):
+        return self.key
+
+
 def _value(value):
-    if isinstance(value, _VALUES):
+    if isinstance(value, _VALUES) or isinstance(value, _DEVICES):
         return value
     if isinstance(value, (tuple, list)) and len(value) <= _SMALL and all(
             isinstance(v, _VALUES) for v in value):
-        return (type(value).__name__, id(value) if isinstance(value, list) else None,
+        return (type(value).__name__, _Same(value) if isinstance(value, list) else None,
                 tuple(value))
     if isinstance(value, dict) and len(value) <= _SMALL and all(
             isinstance(k, _VALUES) and isinstance(v, _VALUES) for k, v in value.items()):
-        return ('dict', id(value), tuple(value.items()))
-    return (type(value).__name__, id(value))
+        return ('dict', _Same(value), tuple(value.items()))
+    return _Same(value)
 
 
 def stamp(link):
@@ -82,8 +119,9 @@ def stamp(link):
 
 
 def _shown(value):
-    text = repr(value[-1] if isinstance(value, tuple) and len(value) == 3 else
-                value if isinstance(value, _VALUES) else '<{} object>'.format(value[0]))
+    if isinstance(value, _Same):
+        return '<{} object>'.format(value.kind)
+    text = repr(value[-1] if isinstance(value, tuple) and len(value) == 3 else value)
     return text if len(text) <= 40 else text[:37] + '...'
 
 
@@ -103,10 +141,18 @@ class _Absent:
     pass
 
 
+def _devices():
+    global _DEVICES
+    if not _DEVICES:
+        from chainer.backend import Device
+        _DEVICES = (Device,)
+
+
 class Watch:
     """One cached chain's states: the key part of each call (:meth:`state`)."""
 
     def __init__(self, chain):
+        _devices()
         self.ref = weakref.ref(chain)
         self.links = []
         self.stamps = {}        # path -> stamp

@@ -156,6 +156,9 @@ def test_enable_upgrades_a_plain_scripts_serial_iterator(images, tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter('error')
+        # RandomCrop draws: said once (tests/data/test_group.py), nothing else
+        warnings.filterwarnings('ignore', message="fastchain loader: the dataset's examples "
+                                "draw random numbers from numpy.random")
         with fastchain.enable(loader_workers=2) as h:
             assert h.states['loader'].active and h.states['prefetch_to_device'].active
             updater, log = script(tmp_path / 'on')
