@@ -171,8 +171,9 @@ class _Cache:
     def _tuned(self, key):
         """autotune: the replay or define-by-run for this step. Once a key
         is verified the two give the same bits; which is faster is measured
-        over whole steps (from this forward to the next one of the key:
-        backward, update and loading included), taking turns."""
+        over whole steps (from a step's first forward of the key to the next
+        step's: backward, update and loading included), taking turns, one
+        form for all the calls of a step."""
         # Keyed by what was recorded (as a kernel's choice is by its shapes):
         # a rebuilt model of the same structure takes the first one's choice.
         structure = self.structures.get(key)
