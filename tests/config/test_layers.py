@@ -443,3 +443,27 @@ def test_a_copy_leaves_the_dispatchers_out_of_a_nested_state():
         dup.n = 2
         assert dup.value() == 2 and vars(dup) == {'n': 2}
     _patches.unwrap(thing, 'value', 'nvtx')
+
+
+class _OwnDeepCopy(_Counter):
+    """A class with a __deepcopy__ of its own that copies __dict__."""
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        vars(new).update(copy.deepcopy(vars(self), memo))
+        return new
+
+
+def test_a_deep_copy_through_the_classs_own_deepcopy_is_a_plain_object():
+    """copy.deepcopy looks ``__deepcopy__`` up before ``__reduce_ex__``: a
+    class's own carried the dispatcher bound to the original (the copy's
+    value() was the original's, 101 where 2 was right)."""
+    thing = _OwnDeepCopy()
+    _patches.wrap(thing, 'value', 'nvtx', lambda next_: next_() + 100)
+    dup = copy.deepcopy(thing)
+    dup.n = 2
+    assert dup.value() == 2 and vars(dup) == {'n': 2}
+    assert thing.value() == 101             # the original keeps its layer
+    _patches.unwrap(thing, 'value', 'nvtx')
+    assert vars(thing) == {'n': 1}

@@ -249,6 +249,9 @@ class _CopyGuard:
         if not isinstance(state, dict):
             return reduced
         ours = {id(self)}
+        deep = vars(obj).get('__deepcopy__')
+        if isinstance(deep, _DeepCopyGuard):
+            ours.add(id(deep))
         for point in (_object_points.get(obj) or {}).values():
             ours.update((id(point.value), id(point.dispatch)))
         names = _left_out.get(obj, ())
@@ -262,10 +265,37 @@ class _CopyGuard:
         return reduced[:2] + (state,) + reduced[3:]
 
 
+class _DeepCopyGuard:
+    """An object's own ``__deepcopy__`` while guarded, where its class has
+    one (``copy.deepcopy`` looks it up on the object, before
+    ``__reduce_ex__``): the class's runs with fastchain's attributes taken
+    out of the object for the while (a class's own ``__deepcopy__`` that
+    copies ``__dict__`` carried the dispatchers bound to the original)."""
+
+    __slots__ = ('_ref', '__weakref__')
+
+    def __init__(self, obj):
+        self._ref = weakref.ref(obj)
+
+    def __call__(self, memo):
+        obj = self._ref()
+        own = vars(obj)
+        names = set(_left_out.get(obj, ()))
+        taken = {name: own.pop(name) for name in list(own)
+                 if name in names or is_ours(obj, name)}
+        try:
+            return type(obj).__deepcopy__(obj, memo)
+        finally:
+            own.update(taken)
+
+
 def _guard(obj):
     own = vars(obj)
     if not isinstance(own.get('__reduce_ex__'), _CopyGuard):
         own['__reduce_ex__'] = _CopyGuard(obj)
+    if getattr(type(obj), '__deepcopy__', None) is not None and \
+            not isinstance(own.get('__deepcopy__'), _DeepCopyGuard):
+        own['__deepcopy__'] = _DeepCopyGuard(obj)
 
 
 def _unguard(obj):
@@ -277,6 +307,8 @@ def _unguard(obj):
     own = vars(obj)
     if isinstance(own.get('__reduce_ex__'), _CopyGuard):
         del own['__reduce_ex__']
+    if isinstance(own.get('__deepcopy__'), _DeepCopyGuard):
+        del own['__deepcopy__']
 
 
 def is_ours(obj, name):
@@ -285,7 +317,7 @@ def is_ours(obj, name):
     value = vars(obj).get(name)
     if value is None:
         return False
-    if isinstance(value, _CopyGuard):
+    if isinstance(value, (_CopyGuard, _DeepCopyGuard)):
         return True
     point = (_object_points.get(obj) or {}).get(name)
     return point is not None and value is point.value
