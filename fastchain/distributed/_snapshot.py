@@ -1,4 +1,6 @@
-"""A snapshot that holds every rank's learner state.
+"""A snapshot that holds every rank's own state: its learner's, its
+iterators' places and orders, its models' persistent values
+(:mod:`fastchain.distributed._rank_state`).
 
 Chainer's snapshot extension runs on rank 0 (the ``if comm.rank == 0``
 of a data-parallel script) and writes what rank 0 has. That is the whole
@@ -10,7 +12,10 @@ that holds them all; ``load_npz(path, trainer)`` on every rank then gives
 each rank its own part back.
 """
 
+import chainer
 from chainer.training import extension
+
+from fastchain.distributed import _rank_state
 
 
 def multi_node_snapshot(comm, snapshot=None, **kwargs):
@@ -48,8 +53,13 @@ class _MultiNodeSnapshot(extension.Extension):
         self.priority = getattr(snapshot, 'priority', extension.PRIORITY_READER)
         self.name = 'multi_node_' + getattr(snapshot, 'default_name',
                                              type(snapshot).__name__)
+        self._gathered = None
+        self._pending = None
 
     def initialize(self, trainer):
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            _rank_state.apply(pending, trainer)
         if self.comm.rank == 0 and hasattr(self.snapshot, 'initialize'):
             self.snapshot.initialize(trainer)
 
@@ -59,8 +69,22 @@ class _MultiNodeSnapshot(extension.Extension):
             learner = learner_of(optimizer)
             if learner is not None:
                 learner.gather_for_snapshot()
-        if self.comm.rank == 0:
-            self.snapshot(trainer)
+        self._gathered = _rank_state.gather(self.comm, trainer)
+        try:
+            if self.comm.rank == 0:
+                self.snapshot(trainer)
+        finally:
+            self._gathered = None
+
+    def serialize(self, serializer):
+        """Every rank's iterators and persistent values (gathered just
+        before rank 0 writes); on load, each rank takes its own."""
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            # applied when the run starts: the snapshot is loaded before
+            # the trainer runs, and iterators restart their loading then
+            self._pending = _rank_state.read(serializer, self.comm)
+        elif self._gathered is not None:
+            _rank_state.save(serializer, self._gathered)
 
     def on_error(self, trainer, exc, tb):
         if self.comm.rank == 0 and hasattr(self.snapshot, 'on_error'):

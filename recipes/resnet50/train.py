@@ -624,6 +624,14 @@ def main(argv=None):
                                                                     total))
     meter = SpeedMeter(args.batch_size)
     trainer.extend(meter)
+    if not args.no_snapshots:
+        snapshot = extensions.snapshot(filename='snapshot_iter_{.updater.iteration}',
+                                       n_retains=args.keep_snapshots or -1)
+        if comm is not None:
+            # on every rank: each rank's BatchNormalization statistics and
+            # loader place go into rank 0's file, and come back to each
+            snapshot = distributed.multi_node_snapshot(comm, snapshot)
+        trainer.extend(snapshot, trigger=snapshot_trigger(args, iters_per_epoch, total))
     if rank == 0:
         add_reporting(trainer, args, total, iters_per_epoch)
     if args.resume:
@@ -750,15 +758,11 @@ def snapshot_trigger(args, iters_per_epoch, total):
 
 
 def add_reporting(trainer, args, total, iters_per_epoch):
-    """Logs, plots, progress and snapshots: rank 0's job."""
+    """Logs, plots and progress: rank 0's job."""
     every = LogTrigger(args.log_every, total)
     log = extensions.LogReport(trigger=every)
     trainer.extend(log)
     trainer.extend(extensions.observe_lr(), trigger=every)
-    if not args.no_snapshots:
-        trainer.extend(extensions.snapshot(filename='snapshot_iter_{.updater.iteration}',
-                                           n_retains=args.keep_snapshots or -1),
-                       trigger=snapshot_trigger(args, iters_per_epoch, total))
     if extensions.PlotReport.available():
         trainer.extend(extensions.PlotReport(
             ['main/loss', 'validation/main/loss'], 'iteration',

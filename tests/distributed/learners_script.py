@@ -222,13 +222,18 @@ def warm_start():
     done()
 
 
-def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0, lazy=False):
+def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0, lazy=False,
+                 rank_order=False):
     numpy.random.seed(seed)
     model = L.Classifier(MLP(bn=True, lazy=lazy))
     opt = chainer.optimizers.MomentumSGD(0.05)
     opt.setup(model)
     shard = distributed.scatter_dataset(data(96), comm, shuffle=True, seed=1)
-    it = chainer.iterators.SerialIterator(shard, BATCH, shuffle=True)
+    # rank_order: each rank shuffles its shard with a generator of its own
+    sampler = chainer.iterators.ShuffleOrderSampler(numpy.random.RandomState(7 + rank)) \
+        if rank_order else None
+    it = chainer.iterators.SerialIterator(shard, BATCH, shuffle=None if rank_order else True,
+                                          order_sampler=sampler)
     updater = distributed.DataParallelUpdater(it, opt, comm, learner=learner,
                                               distributed_after=2 * BATCH * size)
     trainer = training.Trainer(updater, (stop, 'iteration'), out=out)
@@ -271,6 +276,37 @@ def resume(lazy=False):
     assert report['bytes_sent'] > 0 and report['bytes_per_sample'] == \
         report['bytes_sent'] / (4 * BATCH), report
     done(mid_block=not identical_everywhere(model2) if LEARNER != '1bit' else None)
+
+
+def resume_rank_state():
+    """Each rank shuffles with its own generator and keeps its own
+    BatchNormalization statistics: a resumed run through multi_node_snapshot
+    ends where the straight one does on every rank, statistics and the
+    iterator's place included (every rank loaded rank 0's: rank 1 walked
+    its shard in rank 0's order, its statistics became rank 0's)."""
+    out = os.path.join(OUT, 'train')
+    trainer, model, _ = make_trainer(out, 11, LEARNERS[LEARNER](), rank_order=True)
+    trainer.run()
+    straight = persistents_and_params(model)
+    position = trainer.updater.get_iterator('main').current_position
+    comm.barrier()
+    resumed, model2, _ = make_trainer(os.path.join(OUT, 'resumed'), 11, LEARNERS[LEARNER](),
+                                      seed=99, rank_order=True)
+    chainer.serializers.load_npz(os.path.join(out, 'snap_5'), resumed)   # every rank
+    resumed.run()
+    for name, value in persistents_and_params(model2).items():
+        numpy.testing.assert_array_equal(value, straight[name], err_msg=name)
+    assert resumed.updater.get_iterator('main').current_position == position
+    differ = gather(persistents_and_params(model2)['/predictor/bn/avg_mean'].tolist())
+    done(statistics_differ=differ[0] != differ[1])
+
+
+def persistents_and_params(model):
+    found = params(model)
+    for path, link in model.namedlinks():
+        for name in link._persistent:
+            found['{}/{}'.format(path.rstrip('/'), name)] = numpy.array(link.__dict__[name])
+    return found
 
 
 def bmuf_formula():
@@ -419,6 +455,6 @@ def raising():
 SCENARIOS = {'error_feedback': error_feedback, 'model_averaging': model_averaging,
              'warm_start': warm_start, 'resume': resume,
              'resume_lazy': lambda: resume(lazy=True), 'bmuf_formula': bmuf_formula,
-             'resume_rank0': resume_rank0,
+             'resume_rank0': resume_rank0, 'resume_rank_state': resume_rank_state,
              'trainer': trainer_run, 'fp16_skip': fp16_skip, 'raise': raising}
 SCENARIOS[SCENARIO]()
