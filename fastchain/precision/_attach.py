@@ -241,9 +241,14 @@ def check_model_dtype(link):
     dtypes = {sub.__dict__[name].dtype for sub in link.links() if not isinstance(sub, kept)
               for name in sub._params if sub.__dict__[name].array is not None}
     if dtypes and numpy.dtype(numpy.float16) not in dtypes:
+        # (it said the model 'trains in float32'; the batches are cast to
+        # float16 all the same, and the first step failed: a new-user trial)
         warnings.warn(
-            'fastchain: fp16 is enabled but {} has no float16 parameters, so it '
-            'trains in {}. Build the model after fastchain.enable(fp16=True).'
+            'fastchain: fp16 is enabled but {} has no float16 parameters (it was built before '
+            'fastchain.enable(fp16=True)): its weights stay {}, while the batches are cast '
+            "to float16, so the first step fails with Chainer's 'float32 != float16' type "
+            'error unless the model casts its inputs itself. Build the model after '
+            'fastchain.enable(fp16=True).'
             .format(type(link).__name__, ', '.join(sorted(d.name for d in dtypes))),
             FastchainWarning, stacklevel=_patches.user_stacklevel())
 

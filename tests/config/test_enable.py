@@ -317,9 +317,10 @@ def test_an_optimizer_set_up_before_fp16_or_static_graph_is_named():
                     str(w.message)]
         assert [m.split(' acts')[0] for m in messages] == ['fastchain: fp16',
                                                           'fastchain: static_graph']
-        assert all('SGD of _SetUpBefore' in m and 'call fastchain.enable() before' in m
+        assert all('SGD of _SetUpBefore' in m and 'Call fastchain.enable() before' in m
                    for m in messages), messages
         assert 'SGD of _Decorated' in messages[0] and 'SGD of _Decorated' not in messages[1]
+        assert "'float32 != float16'" in messages[0] and 'float16' not in messages[1]
         after = chainer.optimizers.SGD().setup(_SetUpAfter())
         with warnings.catch_warnings(record=True) as again:
             warnings.simplefilter('always')

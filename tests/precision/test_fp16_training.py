@@ -343,3 +343,22 @@ def test_a_converter_returning_a_named_tuple_keeps_it():
     cast = cast_floating(Batch(numpy.ones(2, numpy.float32), numpy.zeros(2, numpy.int32)),
                          numpy.float16)
     assert type(cast) is Batch and cast.x.dtype == numpy.float16 and cast.t.dtype == numpy.int32
+
+
+@pytest.mark.parametrize('when', ['built before', 'set up before'])
+def test_a_model_made_before_fp16_is_said_to_fail_at_its_first_step(when):
+    """The warning said it 'trains in float32' (or that the optimizer was
+    'unchanged'); the batches are cast to float16 all the same, and the
+    first step failed with Chainer's type error (a new-user trial)."""
+    model = L.Classifier(L.Linear(3, 2))
+    optimizer = chainer.optimizers.SGD().setup(model) if when == 'set up before' else None
+    with pytest.warns(FastchainWarning, match="first step (will fail|fails) with Chainer's "
+                      "'float32 != float16' type error"):
+        with fastchain.enable(fp16=True, loader_workers=0):
+            optimizer = optimizer or chainer.optimizers.SGD().setup(model)
+            batch = chainer.dataset.concat_examples(
+                [(numpy.ones(3, numpy.float32), numpy.int32(0))] * 2)
+            assert batch[0].dtype == numpy.float16        # cast by the converter
+            with pytest.raises(chainer.utils.type_check.InvalidType,
+                               match='float32 != float16|float16 != float32'):
+                optimizer.update(model, *batch)
