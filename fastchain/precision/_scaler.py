@@ -78,6 +78,8 @@ class DynamicLossScaler:
         self.stepped = None         # last step: True applied, False skipped
         self._found_inf = None
         self._reduce = None
+        self._stuck = 0             # steps skipped in a row at min_scale
+        self._stuck_said = False
 
     def set_found_inf_reducer(self, reduce):
         """Make every process reach the same skip decision.
@@ -112,8 +114,19 @@ class DynamicLossScaler:
         if self._found_inf:
             self.skipped_steps += 1
             self.good_steps = 0
+            at_min = self.scale <= self.min_scale
             self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+            self._stuck = self._stuck + 1 if at_min else 0
+            if self._stuck >= STUCK_STEPS and not self._stuck_said:
+                # (every step skipped, NaN losses, and only NumPy's
+                # RuntimeWarnings said anything: a new-user trial)
+                self._stuck_said = True
+                import warnings
+                from fastchain.config._warning import FastchainWarning
+                warnings.warn(STUCK.format(self._stuck, self.min_scale), FastchainWarning,
+                              stacklevel=3)
         else:
+            self._stuck = 0
             self.steps += 1
             self.good_steps += 1
             if self.good_steps >= self.growth_interval:
@@ -142,6 +155,14 @@ class DynamicLossScaler:
         return ('DynamicLossScaler(scale={:g}, steps={}, skipped_steps={}, '
                 'good_steps={}/{})'.format(self.scale, self.steps, self.skipped_steps,
                                            self.good_steps, self.growth_interval))
+
+
+STUCK_STEPS = 5
+STUCK = ('fastchain fp16: {} steps in a row were skipped at the smallest loss scale ({:g}): '
+         'the gradients are inf or NaN in float16 whatever the scale, so nothing is '
+         'learning. The loss or the activations overflow float16 (inputs far from unit '
+         'scale, a learning rate that diverged); scale the inputs, lower the learning rate, '
+         'or train in fp32 (fp16=False)')
 
 
 def _positive(name, value):

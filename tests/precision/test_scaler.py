@@ -94,3 +94,30 @@ def test_state_round_trips_through_npz(tmp_path):
     u = DynamicLossScaler()
     u.load_state_dict(s.state_dict())
     assert repr(u) == repr(s).replace('/5', '/1000')
+
+
+def test_steps_skipped_at_the_smallest_scale_are_said_once():
+    """Every step overflowing even at min_scale: nothing learns, and only
+    NumPy's RuntimeWarnings said anything (a new-user trial: 29 of 30 steps
+    skipped, the loss NaN)."""
+    import warnings
+    from fastchain.precision._scaler import STUCK_STEPS
+    inf = [numpy.array([numpy.inf], numpy.float16)]
+    ok = [numpy.ones(1, numpy.float16)]
+    s = DynamicLossScaler(init_scale=4.0, min_scale=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        # down to 1, one good step, not quite enough at 1, a good step again
+        for grads in [inf] * 2 + [ok] + [inf] * (STUCK_STEPS - 1) + [ok] + \
+                [inf] * (STUCK_STEPS - 1):
+            s.step(grads)
+            s.update()
+        before = [str(w.message) for w in caught]
+        assert [m for m in before if 'smallest loss scale' in m] == []
+        for _ in range(10):
+            s.step(inf)
+            s.update()
+    said = [str(w.message) for w in caught if 'smallest loss scale' in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(
+        'fastchain fp16: {} steps in a row were skipped at the smallest loss scale (1)'.format(
+            STUCK_STEPS)), said
