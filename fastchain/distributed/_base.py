@@ -282,7 +282,9 @@ class CommunicatorBase(abc.ABC):
             else:
                 why = ('has ended its process (sys.exit() or the end of its script) while '
                        "this rank waits for it in {}. Aborting the job; rank {}'s own output "
-                       'says why it ended.'.format(what, rank))
+                       'says why it ended (if it ended normally, the ranks ran different '
+                       'numbers of steps: shards of unequal length? distributed.'
+                       'scatter_dataset gives each rank the same number).'.format(what, rank))
             message = 'fastchain: rank {} of {}: rank {} {}'.format(self.rank, self.size,
                                                                    rank, why)
             print(message, file=sys.stderr, flush=True)
