@@ -245,14 +245,10 @@ def _warn_set_up_before(handle):
             for _ in range(2):      # not one that is only garbage not collected yet
                 gc.collect()        # (a second pass frees what the first let go)
         missed_now = missed(name)
-        if missed_now:
-            # fp16: the converter casts every batch to float16 from now on,
-            # which a float32 model's first layer refuses (a new-user trial:
-            # the warning said the optimizer was unchanged, then the first
-            # step raised Chainer's 'float32 != float16')
-            fp16 = (' Its model keeps its float32 weights, and the batches are cast to '
-                    "float16 from now on: the first step will fail with Chainer's "
-                    "'float32 != float16' type error.") if name == 'fp16' else ''
+        if missed_now:  # with fp16, said to fail (a new-user trial met it unannounced)
+            fp16 = (" Its model keeps its float32 weights, and the batches are cast to float16 "
+                    "now: the first step will fail with Chainer's 'float32 != float16' type "
+                    'error.') if name == 'fp16' else ''
             warnings.warn(
                 'fastchain: {} acts when an optimizer is set up; {} set up before this '
                 'enable() ({}) {} unchanged.{} Call fastchain.enable() before building the '
@@ -261,8 +257,7 @@ def _warn_set_up_before(handle):
                     '{} optimizers'.format(len(missed_now)),
                     ', '.join('{} of {}'.format(type(o).__name__, type(o.target).__name__)
                               for o in missed_now[::-1][:3]),      # the newest first
-                    'is' if len(missed_now) == 1 else 'are', fp16), FastchainWarning,
-                stacklevel=3)
+                    'is' if len(missed_now) == 1 else 'are', fp16), FastchainWarning, stacklevel=3)
 
 
 def _applied(name, optimizer):

@@ -100,8 +100,9 @@ a handle keeps all let their objects be collected.
 
 from fastchain.config._patches._common import MISSING, lock, user_stacklevel
 from fastchain.config._patches._objects import Changes, attach, attached, detach
-from fastchain.config._patches._points import (ORDER, Point, in_force, is_ours, layers,
-                                               leave_out_of_copies, points, sweep, unwrap, wrap)
+from fastchain.config._patches._copies import is_ours, leave_out_of_copies
+from fastchain.config._patches._points import (ORDER, Point, in_force, layers, points, sweep,
+                                               unwrap, wrap)
 from fastchain.config._patches._values import (clear_value, original_value, set_value,
                                                value_labels)
 

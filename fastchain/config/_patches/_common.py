@@ -2,9 +2,12 @@
 
 import os
 import threading
+import weakref
 
 MISSING = object()      # an attribute or value that was not there
 lock = threading.RLock()
+object_points = weakref.WeakKeyDictionary()     # obj -> {name: Point} (_points)
+left_out = weakref.WeakKeyDictionary()          # obj -> attribute names its copies leave out
 
 
 def user_stacklevel():
