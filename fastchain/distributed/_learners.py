@@ -49,6 +49,7 @@ import numpy
 import chainer
 
 from fastchain.config import _patches
+from fastchain.distributed import _rank_state
 
 SERIAL_KEY = 'fastchain_learner'
 
@@ -292,10 +293,8 @@ class Learner:
     def _section_keys(self, sub):
         """The keys saved under ``sub``: read from the file where the
         deserializer shows it (npz), else those this rank's state has now."""
-        npz, path = getattr(sub, 'npz', None), getattr(sub, 'path', None)
-        if npz is not None and path is not None:
-            return sorted(k[len(path):] for k in npz.files if k.startswith(path))
-        return sorted(self.local_state())
+        keys = _rank_state.saved_keys(sub)
+        return keys if keys is not None else sorted(self.local_state())
 
     def _warn_once(self, key, message):
         if key not in self._warned:

@@ -89,11 +89,18 @@ def read(serializer, comm):
                          'this job has {}: resume it with mpiexec -n {}'.format(
                              saved, comm.size, saved))
     sub = serializer['rank{}'.format(comm.rank)]
+    keys = saved_keys(sub)
+    return None if keys is None else {k: numpy.asarray(sub(k, None)) for k in keys}
+
+
+def saved_keys(sub):
+    """The keys saved under the deserializer section ``sub`` (an npz file's
+    or a dict's), or None where it does not show them."""
     npz, path = getattr(sub, 'npz', None), getattr(sub, 'path', None)
     if npz is None or path is None:
         return None
-    keys = npz.files if hasattr(npz, 'files') else list(npz)
-    return {k[len(path):]: numpy.asarray(npz[k]) for k in keys if k.startswith(path)}
+    names = npz.files if hasattr(npz, 'files') else list(npz)
+    return sorted(k[len(path):] for k in names if k.startswith(path))
 
 
 def apply(state, trainer):

@@ -1,6 +1,9 @@
 """Dynamic loss scaling that never lets inf/NaN reach the weights."""
 
 import math
+import warnings
+
+from fastchain.config._warning import FastchainWarning
 
 
 # Largest power of two an fp16 loss can carry: Chainer seeds backward with
@@ -121,8 +124,6 @@ class DynamicLossScaler:
                 # (every step skipped, NaN losses, and only NumPy's
                 # RuntimeWarnings said anything: a new-user trial)
                 self._stuck_said = True
-                import warnings
-                from fastchain.config._warning import FastchainWarning
                 warnings.warn(STUCK.format(self._stuck, self.min_scale), FastchainWarning,
                               stacklevel=3)
         else:

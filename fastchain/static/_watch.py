@@ -30,6 +30,7 @@ recording, and state outside the links (a module's global).
 import weakref
 
 import numpy
+from chainer.backend import Device
 
 from fastchain.config import _patches
 from fastchain.static._keys import CHAINER_ATTRIBUTES
@@ -38,7 +39,6 @@ MAX_STATES = 6      # states of one cached chain's attributes before it gives up
 _SMALL = 32         # a tuple, list or dict up to this long, of values, is taken by value
 _VALUES = (type(None), bool, int, float, complex, str, bytes, numpy.generic)
 _IGNORED = frozenset(CHAINER_ATTRIBUTES)
-_DEVICES = ()       # chainer's Device, compared by value (to_device makes a new one each time)
 
 _generation = [0]
 _set_at = weakref.WeakKeyDictionary()   # watched link -> the generation it was last set at
@@ -100,7 +100,8 @@ class _Same:
 
 
 def _value(value):
-    if isinstance(value, _VALUES) or isinstance(value, _DEVICES):
+    # (a Device by value: to_device makes a new one each time)
+    if isinstance(value, _VALUES) or isinstance(value, Device):
         return value
     if isinstance(value, (tuple, list)) and len(value) <= _SMALL and all(
             isinstance(v, _VALUES) for v in value):
@@ -129,7 +130,7 @@ def difference(path, before, after):
     """``'path/name: before -> after'`` for the first attribute that differs."""
     a, b = dict(before), dict(after)
     for name in sorted(set(a) | set(b)):
-        if a.get(name, _Absent) != b.get(name, _Absent):
+        if a.get(name, _patches.MISSING) != b.get(name, _patches.MISSING):
             return '{}{}{}: {} -> {}'.format(
                 path, '' if path.endswith('/') else '/', name,
                 'absent' if name not in a else _shown(a[name]),
@@ -137,22 +138,10 @@ def difference(path, before, after):
     return path
 
 
-class _Absent:
-    pass
-
-
-def _devices():
-    global _DEVICES
-    if not _DEVICES:
-        from chainer.backend import Device
-        _DEVICES = (Device,)
-
-
 class Watch:
     """One cached chain's states: the key part of each call (:meth:`state`)."""
 
     def __init__(self, chain):
-        _devices()
         self.ref = weakref.ref(chain)
         self.links = []
         self.stamps = {}        # path -> stamp
