@@ -88,7 +88,10 @@ def _targets():
             (chainer.Link, '__setattr__', _watch.setattr_layer),
             (chainer.Link, '__delattr__', _watch.delattr_layer),
             (chainer.Link, 'serialize', _watch.noted_layer),
-            (chainer.Link, 'add_persistent', _watch.noted_layer))
+            (chainer.Link, 'add_persistent', _watch.noted_layer)) + tuple(
+                (owner, name, _watch.noted_layer)
+                for owner in (chainer.ChainList, chainer.Sequential)
+                for name in ('insert', '__setitem__', '__delitem__'))
 
 
 def acquire():

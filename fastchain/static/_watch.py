@@ -21,10 +21,14 @@ runs it (a constant made on the first call) belongs to the state the call
 started in. Past :data:`MAX_STATES` states the chain runs define-by-run,
 naming what kept changing.
 
+A ``ChainList`` or ``Sequential`` whose links or layers are added,
+replaced or removed (``append``, ``insert``, ``del``, ``seq[i] = f``) counts
+as set too; a list attribute is compared item by item.
+
 Not seen: an attribute set around ``__setattr__`` (``vars(link)[name] =
 ...``), a change inside an object a link holds (``self.cfg['beta'] = ...``,
-``self.opts.alpha = ...``), a link added to a ``ChainList`` after the
-recording, and state outside the links (a module's global).
+``self.opts.alpha = ...``, ``self.layers.append(f)`` on a plain list), and
+state outside the links (a module's global).
 """
 
 import weakref
@@ -36,7 +40,8 @@ from fastchain.config import _patches
 from fastchain.static._keys import CHAINER_ATTRIBUTES
 
 MAX_STATES = 6      # states of one cached chain's attributes before it gives up
-_SMALL = 32         # a tuple, list or dict up to this long, of values, is taken by value
+_SMALL = 32         # a dict up to this long, of values, is taken by value
+_LONG = 1024        # a tuple or list up to this long is taken item by item
 _VALUES = (type(None), bool, int, float, complex, str, bytes, numpy.generic)
 _IGNORED = frozenset(CHAINER_ATTRIBUTES)
 
@@ -66,7 +71,11 @@ def delattr_layer(next_, link, name):
 def noted_layer(next_, link, *args, **kwargs):
     """``Link.serialize`` and ``Link.add_persistent``, which write the
     link's ``__dict__`` directly (a snapshot loaded into the model, a
-    persistent value added): the link counts as set."""
+    persistent value added), and ``insert``, ``__setitem__`` and
+    ``__delitem__`` of ``ChainList`` and ``Sequential``, which change the
+    links or layers the forward runs without setting an attribute of the
+    list (``append`` names only the new link, which is not watched yet):
+    the link counts as set."""
     result = next_(link, *args, **kwargs)
     _note(link, '')
     return result
@@ -99,14 +108,17 @@ class _Same:
         return self.key
 
 
-def _value(value):
+def _value(value, nested=False):
     # (a Device by value: to_device makes a new one each time)
     if isinstance(value, _VALUES) or isinstance(value, Device):
         return value
-    if isinstance(value, (tuple, list)) and len(value) <= _SMALL and all(
-            isinstance(v, _VALUES) for v in value):
+    if nested:
+        return _Same(value)
+    if isinstance(value, (tuple, list)) and len(value) <= _LONG:
+        # Each item too (values by value, the rest by identity): a list
+        # changed in place holds what the forward runs (Sequential's layers)
         return (type(value).__name__, _Same(value) if isinstance(value, list) else None,
-                tuple(value))
+                tuple(_value(v, True) for v in value))
     if isinstance(value, dict) and len(value) <= _SMALL and all(
             isinstance(k, _VALUES) and isinstance(v, _VALUES) for k, v in value.items()):
         return ('dict', _Same(value), tuple(value.items()))

@@ -200,3 +200,58 @@ def test_moving_the_model_to_the_device_it_is_on_is_not_a_change():
         model.to_device('@numpy')
     cached, caught = _lockstep(change)
     assert caught == [] and len(cache_state(cached)['sequences']) == 1
+
+
+class Stack(chainer.Chain):
+    """Runs what its lists hold: a ChainList of links and a Sequential
+    that may hold functions (a new-user trial's pattern: layers grown
+    during training)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.blocks = chainer.ChainList(L.Linear(4, 4))
+            self.head = chainer.Sequential(L.Linear(4, 3), F.relu)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = F.tanh(block(x))
+        return self.head(x)
+
+
+def _grown(seed=1):
+    rng = numpy.random.RandomState(seed)
+    return L.Linear(4, 4, initialW=rng.randn(4, 4).astype(numpy.float32))
+
+
+@pytest.mark.parametrize('how', ['append', 'add_link', 'insert', 'setitem', 'delitem',
+                                 'sequential append', 'sequential setitem',
+                                 'sequential del'])
+def test_links_or_layers_added_to_a_list_after_the_verified_calls_are_run(how):
+    """``ChainList.append`` names only the new link (not watched yet) and
+    sets nothing on the list: the replay ran the old links, silently (the
+    new link's weights never trained). A function added to a Sequential
+    changes no link at all."""
+    def change(model, i):
+        if i != 6:
+            return
+        blocks, head = model.blocks, model.head
+        if how == 'append':
+            blocks.append(_grown())
+        elif how == 'add_link':
+            blocks.add_link(_grown())
+        elif how == 'insert':
+            blocks.insert(1, _grown())
+        elif how == 'setitem':
+            blocks[0] = _grown()
+        elif how == 'delitem':
+            del blocks[0]
+        elif how == 'sequential append':
+            head.append(F.sigmoid)
+        elif how == 'sequential setitem':
+            head[1] = F.sigmoid
+        else:
+            del head[1]
+    cached, caught = _lockstep(change, make=Stack)
+    assert caught == [] and cache_state(cached)['fallback'] is None
+    assert len(cache_state(cached)['sequences']) == 2
