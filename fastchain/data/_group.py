@@ -138,15 +138,16 @@ DRAWS_RANDOM = (
 
 
 def _draws_random(iterator):
-    """The global generators the first example of ``iterator``'s order draws
-    from (loaded here, the generators put back): [] if none, or it fails."""
-    from fastchain.data._workers import KeptGenerators
+    """The generators (global, or the dataset's own) the first example of
+    ``iterator``'s order draws from (loaded here, the generators put back):
+    [] if none, or it fails."""
+    from fastchain.data._generators import KeptGenerators, find
     if not len(iterator.dataset):
         return []
     order = iterator._state.order
     index = int(order[iterator.current_position % len(order)]) if order is not None \
         else iterator.current_position % len(iterator.dataset)
-    with KeptGenerators() as kept:
+    with KeptGenerators(find(iterator.dataset)) as kept:
         try:
             iterator.dataset[index]
         except Exception:

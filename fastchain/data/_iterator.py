@@ -6,6 +6,7 @@ import chainer
 from chainer.dataset import iterator as iterator_module
 
 from fastchain.data import _workers
+from fastchain.data._generators import KeptGenerators, find as find_generators, seed_example
 from fastchain.data._errors import DataLoadError
 from fastchain.data._pool import WorkerPool
 from fastchain.data._schedule import Schedule, order_source, seed_from_global_rng
@@ -106,16 +107,17 @@ class MultiprocessIterator(iterator_module.Iterator):
        loaded here, at construction, until one loads: its arrays give the
        layout of the shared memory. If none of the first 16 loads, the
        constructor raises :class:`DataLoadError` for the first of them.
-       Any random numbers they draw leave NumPy's global RNG and Python's
-       ``random`` as they were.
+       Any random numbers they draw leave NumPy's global RNG, Python's
+       ``random`` and the dataset's own generators as they were.
 
     .. note::
        With ``rng='global'``, examples loaded here (``n_workers=0``) draw
-       their random numbers from NumPy's global RNG, as SerialIterator's do;
-       those loaded by workers draw from ``numpy.random`` and Python's
-       ``random`` seeded for each example from ``seed``: the same under the
-       same ``numpy.random.seed``, but not the numbers SerialIterator's
-       examples would get.
+       their random numbers as SerialIterator's do; those loaded by workers
+       draw from ``numpy.random``, Python's ``random`` and the generators the
+       dataset holds (``self.rng``, a transform's) seeded for each example
+       from ``seed``: the same under the same ``numpy.random.seed`` for any
+       number of workers, but not the numbers SerialIterator's examples
+       would get.
     """
 
     _pool = None
@@ -129,6 +131,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         _check_args(dataset, batch_size, n_workers, prefetch, on_error)
         rng, sampler = order_source(rng, shuffle, order_sampler, order)
         self.dataset = dataset
+        self._own = find_generators(dataset)     # the dataset's own generators
         self.batch_size = batch_size
         self.n_workers = n_workers
         self.prefetch = prefetch
@@ -331,7 +334,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         memory. A bad one is not reported here but by the batch it is in,
         as without workers: a run resumed from a snapshot may never load it."""
         first = None
-        with _workers.KeptGenerators():     # an example may draw from them
+        with KeptGenerators(self._own):     # an example may draw from them
             for index in self._schedule.order(self.epoch)[:SIZING_TRIES]:
                 try:
                     return self.dataset[int(index)]
@@ -362,7 +365,7 @@ class MultiprocessIterator(iterator_module.Iterator):
             return self._load_examples(indices, [None] * len(indices))
         # 'seed': each example seeded as in a worker; the global RNGs are left
         # as they were (dropout masks and the rest of the script draw from them).
-        with _workers.KeptGenerators():
+        with KeptGenerators(self._own):
             return self._load_examples(indices, self._schedule.seeds(
                 self.epoch, self.current_position, len(indices)))
 
@@ -370,7 +373,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         batch = []
         for index, seed in zip(indices, seeds):
             if seed is not None:
-                _workers.seed_example(seed)
+                seed_example(seed, self._own)
             try:
                 batch.append(self.dataset[index])
             except Exception as e:

@@ -1,8 +1,9 @@
 """The worker side of the multiprocess iterator, and its shared memory.
 
 A worker receives ``(batch id, slot, indices, seeds)`` on its own pipe,
-loads each example with ``numpy.random`` and Python's ``random`` seeded per
-example (:func:`seed_example`), writes the
+loads each example with ``numpy.random``, Python's ``random`` and the
+dataset's own generators seeded per example
+(:func:`fastchain.data._generators.seed_example`), writes the
 example's arrays into its slot of the shared memory, and sends back one small
 message: the non-array fields, any example that did not fit the slot layout,
 and the errors (index, type, message). It ignores SIGINT (the main process
@@ -15,13 +16,13 @@ rank's group leaves it that moment).
 import _posixshmem
 import errno
 import os
-import random
 import signal
 import time
 import traceback
 
 import numpy
 
+from fastchain.data._generators import find as find_generators, seed_example
 from fastchain.data._images import ImageDecodeError
 
 POLL_SECONDS = 1.0
@@ -133,6 +134,7 @@ def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
         # Attaching registers the name with the resource tracker the main
         # process shares with us (a set: no-op); the main process unlinks it.
         shm = shared_memory.SharedMemory(name=shm_name)
+    own = find_generators(dataset)      # this process's copies
     orphaned = False
     try:
         while True:
@@ -144,7 +146,7 @@ def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
             task = task_conn.recv()
             if task is None:
                 return
-            result_conn.send(_load(dataset, task, shm, layout))
+            result_conn.send(_load(dataset, task, shm, layout, own))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         # A killed main process's pipes close a moment before it is gone.
         deadline = time.monotonic() + 1.0
@@ -193,40 +195,12 @@ def launched_by_mpi():
     return launch_rank()[0] is not None
 
 
-def seed_example(seed):
-    """Seed the generators an example's augmentation draws from: NumPy's
-    global RNG and Python's ``random`` (each worker is a fork of the main
-    process: unseeded, every worker drew the same numbers of ``random``)."""
-    numpy.random.seed(seed)
-    random.seed(seed)
-
-
-class KeptGenerators:
-    """NumPy's global RNG and Python's ``random`` as they were, put back on
-    exit; :attr:`drew` names those the code inside drew from."""
-
-    def __enter__(self):
-        self.numpy = numpy.random.get_state()
-        self.python = random.getstate()
-        self.drew = []
-        return self
-
-    def __exit__(self, *exc):
-        now = numpy.random.get_state()
-        if now[2:] != self.numpy[2:] or not numpy.array_equal(now[1], self.numpy[1]):
-            self.drew.append('numpy.random')
-        if random.getstate() != self.python:
-            self.drew.append("Python's random")
-        numpy.random.set_state(self.numpy)
-        random.setstate(self.python)
-
-
-def _load(dataset, task, shm, layout):
+def _load(dataset, task, shm, layout, own=()):
     batch_id, slot, indices, seeds = task
     views = layout.views(shm.buf, slot) if shm is not None else None
     extras, errors = {}, []
     for j, (index, seed) in enumerate(zip(indices, seeds)):
-        seed_example(seed)
+        seed_example(seed, own)
         try:
             example = dataset[index]
         except Exception as e:

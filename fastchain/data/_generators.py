@@ -1,0 +1,162 @@
+"""The random generators an example's augmentation draws from, seeded per
+example where the loader's workers load it.
+
+Each worker is a fork of the main process (or an unpickled copy of the
+dataset): a generator it holds starts, in every worker, from the state it
+had there. Unseeded, every worker draws the same numbers: two examples of a
+batch got the same crop from 2 workers (Python's ``random``, a new-user
+trial), and a dataset's own ``self.rng = numpy.random.RandomState(0)`` did
+too, and gave another run for another worker count. So each example is
+loaded with NumPy's global RNG, Python's ``random`` and the generators the
+dataset holds itself (:func:`find`: a ``RandomState``, a ``Generator``, a
+``random.Random``, reached through its attributes, a transform's closure or
+bound object, lists and dicts) seeded from the example's seed: the same for
+any number of workers, repeatable under ``numpy.random.seed``.
+"""
+
+import functools
+import random
+import types
+
+import numpy
+
+_OWN = (numpy.random.RandomState, numpy.random.Generator, random.Random)
+_DEPTH = 6          # attribute hops from the dataset
+_NODES = 4000       # objects looked at, at most
+_ITEMS = 64         # a longer list, tuple or dict (file names, labels) is not entered
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), numpy.ndarray, numpy.generic,
+           type, types.ModuleType, types.BuiltinFunctionType)
+
+
+def _is_global(generator):
+    # NumPy's global RandomState and Python's module-level Random: seeded
+    # as themselves (seed_example)
+    return generator is numpy.random.mtrand._rand or generator is random._inst
+
+
+def _children(value):
+    if isinstance(value, (list, tuple)):
+        return [('[{}]'.format(i), v) for i, v in enumerate(value)] \
+            if len(value) <= _ITEMS else []
+    if isinstance(value, dict):
+        return [('[{!r}]'.format(k), v) for k, v in value.items()] \
+            if len(value) <= _ITEMS else []
+    if isinstance(value, functools.partial):
+        return [('.func', value.func), ('.args', value.args),
+                ('.keywords', value.keywords)]
+    if isinstance(value, types.MethodType):
+        return [('.__self__', value.__self__), ('.__func__', value.__func__)]
+    if isinstance(value, types.FunctionType):
+        cells = value.__closure__ or ()
+        return [('.<{}>'.format(name), cell.cell_contents)
+                for name, cell in zip(value.__code__.co_freevars, cells)
+                if _filled(cell)]
+    try:
+        attributes = vars(value)
+    except TypeError:
+        return []
+    return [('.' + str(k), v) for k, v in list(attributes.items())]
+
+
+def _filled(cell):
+    try:
+        cell.cell_contents
+    except ValueError:      # an empty cell
+        return False
+    return True
+
+
+def find(dataset, name='dataset'):
+    """``[(path, generator)]``: the generators ``dataset`` holds (not the
+    global ones), each once, in the order a breadth-first walk meets them."""
+    found, seen = [], {id(dataset)}
+    level, looked = [(name, dataset)], 0
+    for _ in range(_DEPTH + 1):
+        below = []
+        for path, value in level:
+            if isinstance(value, _OWN):
+                if not _is_global(value):
+                    found.append((path, value))
+                continue
+            for part, child in _children(value):
+                looked += 1
+                if looked > _NODES:
+                    return found
+                if not isinstance(child, _LEAVES) and id(child) not in seen:
+                    seen.add(id(child))
+                    below.append((path + part, child))
+        level = below
+    return found
+
+
+def _state(generator):
+    if isinstance(generator, numpy.random.RandomState):
+        return generator.get_state(legacy=False)
+    if isinstance(generator, numpy.random.Generator):
+        return generator.bit_generator.state
+    return generator.getstate()
+
+
+def _set_state(generator, state):
+    if isinstance(generator, numpy.random.RandomState):
+        generator.set_state(state)
+    elif isinstance(generator, numpy.random.Generator):
+        generator.bit_generator.state = state
+    else:
+        generator.setstate(state)
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, numpy.ndarray):
+        return numpy.array_equal(a, b)
+    return a == b
+
+
+def _reseed(generator, seed):
+    if isinstance(generator, numpy.random.RandomState):
+        generator.seed(seed)
+    elif isinstance(generator, numpy.random.Generator):
+        generator.bit_generator.state = type(generator.bit_generator)(seed).state
+    else:
+        generator.seed(seed)
+
+
+def seed_example(seed, own=()):
+    """Seed the generators an example's augmentation draws from: NumPy's
+    global RNG, Python's ``random`` and ``own`` (:func:`find`'s), each
+    generator of its own stream."""
+    numpy.random.seed(seed)
+    random.seed(seed)
+    for k, (_, generator) in enumerate(own):
+        _reseed(generator, (seed + 0x9E3779B1 * (k + 1)) % 2**32)
+
+
+class KeptGenerators:
+    """NumPy's global RNG, Python's ``random`` and ``own`` (:func:`find`'s)
+    as they were, put back on exit; :attr:`drew` names those the code inside
+    drew from."""
+
+    def __init__(self, own=()):
+        self.own = list(own)
+
+    def __enter__(self):
+        self.numpy = numpy.random.get_state()
+        self.python = random.getstate()
+        self.states = [_state(g) for _, g in self.own]
+        self.drew = []
+        return self
+
+    def __exit__(self, *exc):
+        now = numpy.random.get_state()
+        if now[2:] != self.numpy[2:] or not numpy.array_equal(now[1], self.numpy[1]):
+            self.drew.append('numpy.random')
+        if random.getstate() != self.python:
+            self.drew.append("Python's random")
+        numpy.random.set_state(self.numpy)
+        random.setstate(self.python)
+        for (path, generator), state in zip(self.own, self.states):
+            if not _same(_state(generator), state):
+                self.drew.append('its own {} ({})'.format(type(generator).__name__, path))
+            _set_state(generator, state)

@@ -1,0 +1,148 @@
+"""A dataset's own random generators in the loader's workers
+(fastchain/data/_generators.py): seeded per example like NumPy's global RNG,
+so every worker count draws the same numbers and no two workers repeat each
+other's; said when the loader takes the dataset under enable()."""
+
+import functools
+import random
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.links as L
+
+import fastchain
+from fastchain import data
+from fastchain.data import _generators
+from tests.helpers import Indexed
+
+
+def _make(kind, seed=0):
+    return {'RandomState': lambda: numpy.random.RandomState(seed),
+            'Generator': lambda: numpy.random.default_rng(seed),
+            'Random': lambda: random.Random(seed)}[kind]()
+
+
+def _draw(generator):
+    return generator.random() if not isinstance(generator, numpy.random.RandomState) \
+        else generator.rand()
+
+
+class OwnNoisy(Indexed):
+    """Augments from a generator of its own, as many scripts do
+    (``self.rng = numpy.random.RandomState(seed)``)."""
+
+    def __init__(self, kind='RandomState'):
+        self.rng = _make(kind)
+
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        return x + numpy.float32(_draw(self.rng)), t
+
+
+class Augment:
+    def __init__(self, kind):
+        self.generator = _make(kind)
+
+    def __call__(self, example):
+        x, t = example
+        return x + numpy.float32(_draw(self.generator)), t
+
+
+def _transformed(kind, how):
+    """The generator held by a transform: a bound object's, a closure's, a
+    partial's argument."""
+    if how == 'object':
+        transform = Augment(kind)
+    elif how == 'closure':
+        generator = _make(kind)
+
+        def transform(example):
+            x, t = example
+            return x + numpy.float32(_draw(generator)), t
+    else:
+        transform = functools.partial(
+            lambda example, g: (example[0] + numpy.float32(_draw(g)), example[1]),
+            g=_make(kind))
+    return chainer.datasets.TransformDataset(Indexed(), transform)
+
+
+def test_the_generators_a_dataset_holds_are_found_with_their_paths():
+    dataset = OwnNoisy()
+    assert [p for p, _ in _generators.find(dataset)] == ['dataset.rng']
+    closure = _transformed('Generator', 'closure')
+    assert [p for p, _ in _generators.find(closure)] == ['dataset._transform.<generator>']
+    bound = chainer.datasets.TransformDataset(Indexed(), Augment('Random').__call__)
+    assert [p for p, _ in _generators.find(bound)] == [
+        'dataset._transform.__self__.generator']
+    # the global generators are seeded as themselves; a long list is not entered;
+    # a cycle ends
+    dataset.globals = [numpy.random.mtrand._rand, random._inst]
+    dataset.files = [numpy.random.RandomState(1)] + list(range(100))
+    dataset.me = dataset
+    assert [p for p, _ in _generators.find(dataset)] == ['dataset.rng']
+    assert _generators.find(Indexed()) == []
+
+
+def _values(it, batches=3):
+    try:
+        return [[float(x[0]) - float(t) for x, t in it.next()] for _ in range(batches)]
+    finally:
+        it.finalize()
+
+
+@pytest.mark.parametrize('kind, how', [
+    ('RandomState', 'attribute'), ('Generator', 'attribute'), ('Random', 'attribute'),
+    ('RandomState', 'object'), ('Generator', 'closure'), ('Random', 'partial')])
+def test_a_datasets_own_generator_draws_the_same_for_any_number_of_workers(kind, how):
+    """Every worker held a copy of the generator in the state it had: with 2
+    workers, pairs of examples got the same draw, and each worker count gave
+    another run. Seeded per example: the same for any count and without
+    workers (rng='seed'), different from example to example, and the main
+    process's generator untouched."""
+    def run(workers):
+        dataset = OwnNoisy(kind) if how == 'attribute' else _transformed(kind, how)
+        kept = [_generators._state(g) for _, g in _generators.find(dataset)]
+        values = _values(data.MultiprocessIterator(dataset, 4, seed=11, n_workers=workers))
+        after = [_generators._state(g) for _, g in _generators.find(dataset)]
+        assert all(_generators._same(a, b) for a, b in zip(after, kept))
+        return values
+    one = run(1)
+    assert run(0) == one and run(2) == one and run(3) == one
+    drawn = [v for batch in one for v in batch]
+    assert len(set(drawn)) == len(drawn)
+
+
+def test_the_dataset_generators_are_not_the_global_streams():
+    """Each generator gets a stream of its own: seeded with the example's
+    seed itself, a dataset's RandomState drew the numbers NumPy's global RNG
+    gives the same example."""
+    own, mine = [('a', numpy.random.RandomState())], numpy.random.RandomState()
+    _generators.seed_example(5, own)
+    mine.seed(5)
+    assert own[0][1].rand() != mine.rand()
+    _generators.seed_example(5, own)
+    assert numpy.random.rand() == numpy.random.RandomState(5).rand()
+
+
+@pytest.mark.parametrize('kind', ['RandomState', 'Generator', 'Random'])
+def test_the_loader_taking_a_dataset_with_its_own_generator_says_so(kind):
+    """Under enable() the loader takes a SerialIterator's place: a dataset
+    drawing from ``self.rng`` trained differently from plain Chainer, with
+    nothing said (the look saw only the global generators)."""
+    dataset = OwnNoisy(kind)
+    state = _generators._state(dataset.rng)
+    model = L.Classifier(L.Linear(3, 2))
+    optimizer = chainer.optimizers.SGD(0.1).setup(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with fastchain.enable(loader_workers=1, prefetch_to_device=False):
+            updater = chainer.training.StandardUpdater(
+                chainer.iterators.SerialIterator(dataset, 4), optimizer)
+    updater.finalize()
+    said = [str(w.message) for w in caught if 'draw random numbers' in str(w.message)]
+    assert said == [data._group.DRAWS_RANDOM.format(
+        'its own {} (dataset.rng)'.format(type(dataset.rng).__name__))]
+    assert _generators._same(_generators._state(dataset.rng), state)    # put back
