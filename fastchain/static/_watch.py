@@ -23,16 +23,24 @@ naming what kept changing.
 
 A ``ChainList`` or ``Sequential`` whose links or layers are added,
 replaced or removed (``append``, ``insert``, ``del``, ``seq[i] = f``) counts
-as set too; a list attribute is compared item by item.
+as set too; a list attribute is compared item by item. A config a link
+holds, a dict or an object whose attributes are all values (up to 32 of
+them: ``self.cfg['beta'] = ...``, ``self.args.alpha = ...`` on an
+``argparse.Namespace``), is changed inside without setting anything on the
+link: such links are looked at on every call (what their configs hold,
+about 10 us for 20 values).
 
 Not seen: an attribute set around ``__setattr__`` (``vars(link)[name] =
-...``), a change inside an object a link holds (``self.cfg['beta'] = ...``,
-``self.opts.alpha = ...``, ``self.layers.append(f)`` on a plain list), and
-state outside the links (a module's global).
+...``), a change inside any other object a link holds (one holding arrays
+or other objects, a config inside a config, ``self.layers.append(f)`` on a
+plain list), and state outside the links (a module's global).
 """
 
+import functools
+import types
 import weakref
 
+import chainer
 import numpy
 from chainer.backend import Device
 
@@ -44,6 +52,9 @@ _SMALL = 32         # a dict up to this long, of values, is taken by value
 _LONG = 1024        # a tuple or list up to this long is taken item by item
 _VALUES = (type(None), bool, int, float, complex, str, bytes, numpy.generic)
 _IGNORED = frozenset(CHAINER_ATTRIBUTES)
+# never looked inside: watched themselves, or not a config
+_OPAQUE = (chainer.Link, chainer.Variable, Device, type, types.ModuleType, types.FunctionType,
+           types.MethodType, types.BuiltinFunctionType, functools.partial)
 
 _generation = [0]
 _set_at = weakref.WeakKeyDictionary()   # watched link -> the generation it was last set at
@@ -119,10 +130,41 @@ def _value(value, nested=False):
         # changed in place holds what the forward runs (Sequential's layers)
         return (type(value).__name__, _Same(value) if isinstance(value, list) else None,
                 tuple(_value(v, True) for v in value))
-    if isinstance(value, dict) and len(value) <= _SMALL and all(
-            isinstance(k, _VALUES) and isinstance(v, _VALUES) for k, v in value.items()):
-        return ('dict', _Same(value), tuple(value.items()))
+    inside = _inside(value)
+    if inside is not None:
+        return ('dict' if isinstance(value, dict) else type(value).__name__, _Same(value),
+                inside)
     return _Same(value)
+
+
+def _inside(value):
+    """What a dict of values, or an object whose attributes are all values
+    (a config: ``argparse.Namespace``, ``SimpleNamespace``, a small class),
+    holds, up to :data:`_SMALL` of them; None for anything else."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, _OPAQUE) or not hasattr(value, '__dict__'):
+        return None
+    else:
+        try:
+            items = vars(value).items()
+        except TypeError:
+            return None
+    if len(items) > _SMALL or not all(
+            isinstance(k, _VALUES) and isinstance(v, _VALUES) for k, v in items):
+        return None
+    return tuple(sorted(items, key=lambda item: repr(item[0])))
+
+
+def _configs(link):
+    """The names of ``link``'s attributes that hold a config."""
+    return tuple(name for name, value in vars(link).items()
+                 if name not in _IGNORED and _inside(value) is not None)
+
+
+def _insides(link, names):
+    attributes = vars(link)
+    return tuple(_inside(attributes.get(name)) for name in names)
 
 
 def stamp(link):
@@ -143,11 +185,31 @@ def difference(path, before, after):
     a, b = dict(before), dict(after)
     for name in sorted(set(a) | set(b)):
         if a.get(name, _patches.MISSING) != b.get(name, _patches.MISSING):
-            return '{}{}{}: {} -> {}'.format(
-                path, '' if path.endswith('/') else '/', name,
-                'absent' if name not in a else _shown(a[name]),
+            old, new = a.get(name, _patches.MISSING), b.get(name, _patches.MISSING)
+            if _config(old) and _config(new) and old[:2] == new[:2]:
+                # the same config, changed inside: its first item that differs
+                return difference(_join(path, name), _items(old), _items(new))
+            return '{}: {} -> {}'.format(
+                _join(path, name), 'absent' if name not in a else _shown(a[name]),
                 'absent' if name not in b else _shown(b[name]))
     return path
+
+
+def _join(path, name):
+    if name.startswith(('[', '.')) or path.endswith('/'):
+        return path + name
+    return path + '/' + name
+
+
+def _config(value):
+    # a stamp's value of a config (_inside): (type name, _Same, ((key, value), ...))
+    return isinstance(value, tuple) and len(value) == 3 and value[0] not in (
+        'list', 'tuple') and isinstance(value[2], tuple)
+
+
+def _items(value):
+    form = '[{!r}]' if value[0] == 'dict' else '.{}'
+    return [(form.format(k), v) for k, v in value[2]]
 
 
 class Watch:
@@ -172,6 +234,15 @@ class Watch:
             _watched.add(link)
         self.links = [(path, weakref.ref(link)) for path, link in links]
         self.stamps = {path: stamp(link) for path, link in links}
+        # links holding a config (a dict or object of values): changed
+        # inside, no attribute of the link is set, so they are looked at
+        # on every call
+        self.configs = [(path, weakref.ref(link), names, _insides(link, names))
+                        for path, link in links for names in [_configs(link)] if names]
+
+    def _inside_changed(self):
+        return [path for path, ref, names, inside in self.configs
+                if ref() is not None and _insides(ref(), names) != inside]
 
     def _whole(self):
         return tuple(self.stamps[path] for path, _ in self.links)
@@ -179,11 +250,12 @@ class Watch:
     def state(self):
         """The state this call starts in (a number), or None past
         :data:`MAX_STATES` (:attr:`last_change` names the last change)."""
-        if _generation[0] == self.seen:
+        inside = self._inside_changed() if self.configs else []
+        if _generation[0] == self.seen and not inside:
             return self.current
         chain = self.ref()
-        changed = [path for path, ref in self.links
-                   if ref() is None or _set_at.get(ref(), 0) > self.seen]
+        changed = inside + [path for path, ref in self.links
+                            if ref() is None or _set_at.get(ref(), 0) > self.seen]
         self.seen = _generation[0]
         if chain is None or not changed:
             return self.current
@@ -207,7 +279,7 @@ class Watch:
     def settle(self):
         """After a call that ran the forward's Python (recording, verified
         or define-by-run): what it set belongs to the state it started in."""
-        if _generation[0] == self.seen:
+        if _generation[0] == self.seen and not (self.configs and self._inside_changed()):
             return
         self.seen = _generation[0]
         chain = self.ref()

@@ -105,8 +105,10 @@ def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_bra
     counter = allow_calls and draw(st.integers(0, 7)) == 0
     # a value of the model's the training loop sets before each step, from the
     # batch (a curriculum switch, a loss weight): halving the output on some
-    # steps, first on one the verified steps may not reach
+    # steps, first on one the verified steps may not reach; set as an
+    # attribute, or inside a config dict the model holds
     knob = allow_calls and draw(st.integers(0, 5)) == 0
+    knob = draw(st.sampled_from(['attribute', 'config'])) if knob else False
     return {'input': spec_input, 'layers': tuple(layers), 'extra_input': extra,
             'branch': branch, 'lazy_head': lazy, 'calls': calls, 'recurrent': recurrent,
             'tied': tied, 'counter': counter, 'knob': knob}
@@ -150,6 +152,7 @@ class Net(chainer.Chain):
                 self.other = L.Linear(c, CLASSES, initialW=init)
         self.calls = 0
         self.knob = 1.0
+        self.cfg = {'knob': 1.0}
 
     def serialize(self, serializer):
         super().serialize(serializer)
@@ -189,7 +192,7 @@ class Net(chainer.Chain):
             if self.calls % 5 == 0:
                 y = y * 0.5
         if self.spec.get('knob'):
-            y = y * self.knob
+            y = y * (self.knob if self.spec['knob'] == 'attribute' else self.cfg['knob'])
         return y
 
 
@@ -205,7 +208,11 @@ def loss_of(model, arrays):
     if model.spec.get('recurrent'):
         model.rec.reset_state()
     if model.spec.get('knob'):
-        model.knob = 0.5 if int(arrays[-1].sum()) % 3 == 0 else 1.0
+        value = 0.5 if int(arrays[-1].sum()) % 3 == 0 else 1.0
+        if model.spec['knob'] == 'attribute':
+            model.knob = value
+        else:
+            model.cfg['knob'] = value
     loss = 0
     tied = model.spec.get('tied')
     for _ in range(model.spec.get('calls', 1)):

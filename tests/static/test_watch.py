@@ -255,3 +255,73 @@ def test_links_or_layers_added_to_a_list_after_the_verified_calls_are_run(how):
     cached, caught = _lockstep(change, make=Stack)
     assert caught == [] and cache_state(cached)['fallback'] is None
     assert len(cache_state(cached)['sequences']) == 2
+
+
+class Configured(chainer.Chain):
+    """Reads its schedule from a config it holds: a dict and a namespace,
+    which the loop changes inside (no attribute of the link is set)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(4, 3)
+        self.cfg = {'beta': 1.0, 'name': 'kl'}
+        self.opts = types.SimpleNamespace(shift=0.0, use_shift=False)
+
+    def forward(self, x):
+        y = self.l1(x) * self.cfg['beta']
+        return y + self.opts.shift if self.opts.use_shift else y
+
+
+@pytest.mark.parametrize('what', ['dict', 'namespace'])
+def test_a_config_changed_inside_after_the_verified_calls_is_not_replayed_stale(what):
+    """``model.cfg['beta'] = 0.5`` sets no attribute of the link: the
+    replay kept multiplying by 1.0, silently."""
+    def change(model, i):
+        if i == 7 and what == 'dict':
+            model.cfg['beta'] = 0.5
+        elif i == 7:
+            model.opts.use_shift, model.opts.shift = True, 0.25
+    cached, caught = _lockstep(change, make=Configured)
+    assert caught == [] and len(cache_state(cached)['sequences']) == 2
+    model = Configured()
+    before = _watch.stamp(model)
+    change(model, 7)
+    assert _watch.difference('/', before, _watch.stamp(model)) == (
+        "/cfg['beta']: 1.0 -> 0.5" if what == 'dict' else '/opts.shift: 0.0 -> 0.25')
+
+
+def test_a_config_changed_on_every_step_gives_the_cache_up_naming_it():
+    def change(model, i):
+        model.cfg['beta'] = 1.0 - 0.05 * i
+    cached, caught = _lockstep(change, steps=12, make=Configured)
+    assert len(caught) == 1 and "(the last change: /cfg['beta']: 0.75 -> 0.7)" in caught[0], \
+        caught
+    assert cache_state(cached)['cause'] == 'not static'
+
+
+def test_only_the_links_holding_a_config_are_looked_at_on_each_call(monkeypatch):
+    class Outer(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.inner = Configured()
+                self.head = L.Linear(3, 2)
+
+        def forward(self, x):
+            return self.head(self.inner(x))
+
+    model = Outer()
+    cache_static_graph(model)
+    taken = []
+    real = _watch._insides
+    monkeypatch.setattr(_watch, '_insides',
+                        lambda link, names: taken.append(link) or real(link, names))
+    x = numpy.ones((5, 4), numpy.float32)
+    for i in range(8):
+        model.cleargrads()
+        F.sum(model(x)).backward()
+        if i == 3:
+            taken.clear()       # past the recording and the verified calls
+    assert len(taken) >= 4 and set(map(id, taken)) == {id(model.inner)}
+    assert cache_state(model)['fallback'] is None
