@@ -27,6 +27,7 @@ from fastchain.config import _patches
 from fastchain.distributed import _learners
 from fastchain.distributed._learners import AllReduce, Learner
 from fastchain.distributed._quantize import QuantizedSGD
+from fastchain.distributed._same_batches import SameBatches, of_gradients, of_inputs
 from fastchain.distributed._sync import GradientCapture, GradientSync
 
 COMMUNICATOR = 'communicator'       # attachment key: the optimizer's communicator
@@ -144,6 +145,7 @@ def _attach(optimizer, comm, options):
     _patches.attach(optimizer, _all_ranks_any_key(),
                     functools.partial(comm.any, what='loss-scale agreement'))
     state = {'pending': False, 'exact': True}
+    same = SameBatches(comm)        # ranks all training on the same batches
     # Capturing gradients during backward serves only to start buckets early;
     # where nothing overlaps (MPI on the CPU, a world of one) the hook is
     # left out: it only costs a function hook on every backward.
@@ -153,6 +155,9 @@ def _attach(optimizer, comm, options):
         learner.before_step()
         exact = state['exact'] = learner.averages_exactly()
         batch = _batch_size(args, kwds)
+        if same.tries:
+            same.look(of_inputs(args, kwds) if lossfun is not None
+                      else of_gradients(target.params()))
         if lossfun is None:
             # Gradients were computed by the caller: average them all now.
             state['pending'] = True

@@ -253,6 +253,40 @@ def failing(how):
     done()
 
 
+def same_batches():
+    """Every rank on the whole dataset, in the same order (scatter_dataset
+    forgotten): rank 0 says so once, through update(lossfun, *inputs) and
+    through update() after the script's own backward; scattered, nothing."""
+    from fastchain.distributed._same_batches import SAME_BATCHES
+    full = data(40, seed=5)
+    for scattered in (False, True):
+        for direct in (False, True):
+            numpy.random.seed(0)        # the same order on every rank
+            model = L.Classifier(MLP())
+            opt = distributed.create_multi_node_optimizer(
+                chainer.optimizers.SGD(0.1), comm).setup(model)
+            shard = distributed.scatter_dataset(full, comm, shuffle=True, seed=1) \
+                if scattered else full
+            it = chainer.iterators.SerialIterator(shard, 4)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter('always')
+                for _ in range(4):
+                    x, t = chainer.dataset.concat_examples(it.next())
+                    if direct:
+                        model.cleargrads()
+                        model(x, t).backward()
+                        opt.update()
+                    else:
+                        opt.update(model, x, t)
+            said = [str(w.message) for w in caught if 'had the same batch' in str(w.message)]
+            expected = [SAME_BATCHES.format(n=2, steps=2)] if rank == 0 and not scattered \
+                else []
+            assert said == expected, (scattered, direct, said)
+            assert all(w.filename == __file__ for w in caught
+                       if 'had the same batch' in str(w.message))   # the script's line
+    done()
+
+
 def mismatch():
     model = L.Classifier(MLP(hidden=16 if rank == 0 else 17))
     distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), comm).setup(model)
@@ -264,5 +298,6 @@ SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': eval
              'no_gradient': no_gradient, 'loss_scale_agreement': loss_scale_agreement,
              'raise': lambda: failing('raise'), 'kill': lambda: failing('kill'),
              'hang': lambda: failing('hang'), 'exit': lambda: failing('exit'),
-             'exit0': lambda: failing('exit0'), 'mismatch': mismatch}
+             'exit0': lambda: failing('exit0'), 'mismatch': mismatch,
+             'same_batches': same_batches}
 SCENARIOS[SCENARIO]()
