@@ -17,24 +17,34 @@ any number of workers, repeatable under ``numpy.random.seed``.
 import functools
 import random
 import types
+import weakref
 
 import numpy
 
 _OWN = (numpy.random.RandomState, numpy.random.Generator, random.Random)
-_DEPTH = 6          # attribute hops from the dataset
+_DEPTH = 10         # attribute hops from the dataset
 _NODES = 4000       # objects looked at, at most
 _ITEMS = 64         # a longer list, tuple or dict (file names, labels) is not entered
+_by_class = weakref.WeakKeyDictionary()     # class -> its class-attribute generators
 _LEAVES = (str, bytes, int, float, complex, bool, type(None), numpy.ndarray, numpy.generic,
            type, types.ModuleType, types.BuiltinFunctionType)
 
 
 def _is_global(generator):
     # NumPy's global RandomState and Python's module-level Random: seeded
-    # as themselves (seed_example)
-    return generator is numpy.random.mtrand._rand or generator is random._inst
+    # as themselves (seed_example); a SystemRandom has no state to seed
+    return generator is numpy.random.mtrand._rand or generator is random._inst or \
+        isinstance(generator, random.SystemRandom)
 
 
 def _children(value):
+    try:
+        return _parts(value)
+    except Exception:       # a dead proxy, a property or __getattr__ that raises
+        return []
+
+
+def _parts(value):
     if isinstance(value, (list, tuple)):
         return [('[{}]'.format(i), v) for i, v in enumerate(value)] \
             if len(value) <= _ITEMS else []
@@ -50,12 +60,34 @@ def _children(value):
         cells = value.__closure__ or ()
         return [('.<{}>'.format(name), cell.cell_contents)
                 for name, cell in zip(value.__code__.co_freevars, cells)
-                if _filled(cell)]
+                if _filled(cell)] + [
+            ('.<default {}>'.format(i), v) for i, v in enumerate(value.__defaults__ or ())] + [
+            ('.<default {}>'.format(k), v) for k, v in (value.__kwdefaults__ or {}).items()]
     try:
-        attributes = vars(value)
-    except TypeError:
-        return []
-    return [('.' + str(k), v) for k, v in list(attributes.items())]
+        attributes = object.__getattribute__(value, '__dict__')
+    except AttributeError:
+        attributes = {}
+    found = [('.' + str(k), v) for k, v in list(attributes.items())]
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get('__slots__', ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ('__dict__', '__weakref__'):
+                try:
+                    found.append(('.' + name, object.__getattribute__(value, name)))
+                except AttributeError:
+                    pass    # an empty slot
+    return found + _class_generators(type(value))
+
+
+def _class_generators(cls):
+    """The generators ``cls`` and its bases hold as class attributes
+    (``rng = numpy.random.RandomState(0)`` in the class body)."""
+    found = _by_class.get(cls)
+    if found is None:
+        found = _by_class[cls] = [
+            ('.' + str(k), v) for c in cls.__mro__ for k, v in list(vars(c).items())
+            if isinstance(v, _OWN)]
+    return found
 
 
 def _filled(cell):
@@ -74,7 +106,7 @@ def find(dataset, name='dataset'):
     for _ in range(_DEPTH + 1):
         below = []
         for path, value in level:
-            if isinstance(value, _OWN):
+            if _is(value, _OWN):
                 if not _is_global(value):
                     found.append((path, value))
                 continue
@@ -82,11 +114,19 @@ def find(dataset, name='dataset'):
                 looked += 1
                 if looked > _NODES:
                     return found
-                if not isinstance(child, _LEAVES) and id(child) not in seen:
+                if id(child) not in seen and _is(child, object) and not _is(child, _LEAVES):
                     seen.add(id(child))
                     below.append((path + part, child))
         level = below
     return found
+
+
+def _is(value, kinds):
+    """``isinstance``, False where asking fails (a dead weakref proxy)."""
+    try:
+        return isinstance(value, kinds)
+    except Exception:
+        return False
 
 
 def _state(generator):
@@ -116,7 +156,11 @@ def _same(a, b):
 
 def _reseed(generator, seed):
     if isinstance(generator, numpy.random.RandomState):
-        generator.seed(seed)
+        bits = generator._bit_generator
+        if type(bits) is numpy.random.MT19937:
+            generator.seed(seed)        # as numpy.random.seed seeds
+        else:   # RandomState(PCG64(...)): its seed() takes only MT19937
+            bits.state = type(bits)(seed).state
     elif isinstance(generator, numpy.random.Generator):
         generator.bit_generator.state = type(generator.bit_generator)(seed).state
     else:

@@ -164,7 +164,9 @@ class _Cache:
             elif self._tuned(key) == 'define-by-run':
                 return plain(*args)
             with _fixes.verbosity(self.verbosity > 0):
-                return self._replay(chain, key, args)
+                out = self._replay(chain, key, args)
+            self.watch.replayed = True      # none of the forward's Python ran
+            return out
         self.turns.reset()
         return self._verified(chain, plain, key, args, building)
 

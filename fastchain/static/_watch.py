@@ -11,50 +11,43 @@ from the step a flag was set, the layer behind the flag never trained).
 
 While a chain is cached, Chainer's ``Link.__setattr__`` and ``__delattr__``
 carry a layer that notes the watched links set (Chainer's own schedule
-attributes aside): nothing is looked at on a call unless one was. A cached
-call then takes what the set links hold (:func:`stamp`: values, small tuples,
-lists and dicts of values by value, anything else by identity) and keys its
-schedule by the state: a state not seen before records and is verified like
-a new input shape, and one seen before replays its own schedules (a flag
-toggled back and forth keeps two). What the forward changes on a call that
-runs it (a constant made on the first call) belongs to the state the call
-started in. Past :data:`MAX_STATES` states the chain runs define-by-run,
-naming what kept changing.
+attributes aside): nothing but the configs below is looked at on a call
+unless one was. A cached call then takes what the set links hold
+(:func:`stamp`: values by value, configs by what they hold, tuples and lists
+of up to 1024 items item by item and longer ones by length, anything else
+by identity) and keys its schedule by the state: a state not seen before
+records and is verified like a new input shape, and one seen before replays
+its own schedules (a flag toggled back and forth keeps two). What the
+forward changes on a call that runs it (a constant made on the first call)
+belongs to the state the call started in. Past :data:`MAX_STATES` states the
+chain runs define-by-run, naming what kept changing.
 
 A ``ChainList`` or ``Sequential`` whose links or layers are added,
 replaced or removed (``append``, ``insert``, ``del``, ``seq[i] = f``) counts
-as set too; a list attribute is compared item by item. A config a link
-holds, a dict or an object whose attributes are all values (up to 32 of
-them: ``self.cfg['beta'] = ...``, ``self.args.alpha = ...`` on an
-``argparse.Namespace``), is changed inside without setting anything on the
-link: such links are looked at on every call (what their configs hold,
-about 10 us for 20 values).
+as set too. A config a link holds (a dict or an object of plain values:
+``self.cfg['beta'] = ...``, ``self.args.alpha = ...`` on an
+``argparse.Namespace``, a callable object among a ``Sequential``'s layers)
+is changed inside without setting anything on the link: configs are looked
+at on every call, each object once (:mod:`fastchain.static._configs`).
 
 Not seen: an attribute set around ``__setattr__`` (``vars(link)[name] =
 ...``), a change inside any other object a link holds (one holding arrays
-or other objects, a config inside a config, ``self.layers.append(f)`` on a
-plain list), and state outside the links (a module's global).
+or other objects, a config inside a config, a list inside a list), and
+state outside the links (a module's global).
 """
 
-import functools
-import types
 import weakref
 
-import chainer
-import numpy
 from chainer.backend import Device
 
 from fastchain.config import _patches
+from fastchain.static import _configs
 from fastchain.static._keys import CHAINER_ATTRIBUTES
 
 MAX_STATES = 6      # states of one cached chain's attributes before it gives up
-_SMALL = 32         # a dict up to this long, of values, is taken by value
 _LONG = 1024        # a tuple or list up to this long is taken item by item
-_VALUES = (type(None), bool, int, float, complex, str, bytes, numpy.generic)
+_VALUES = _configs.VALUES
 _IGNORED = frozenset(CHAINER_ATTRIBUTES)
-# never looked inside: watched themselves, or not a config
-_OPAQUE = (chainer.Link, chainer.Variable, Device, type, types.ModuleType, types.FunctionType,
-           types.MethodType, types.BuiltinFunctionType, functools.partial)
 
 _generation = [0]
 _set_at = weakref.WeakKeyDictionary()   # watched link -> the generation it was last set at
@@ -123,54 +116,49 @@ def _value(value, nested=False):
     # (a Device by value: to_device makes a new one each time)
     if isinstance(value, _VALUES) or isinstance(value, Device):
         return value
+    if _configs.is_config(value):
+        return ('dict' if isinstance(value, dict) else type(value).__name__, _Same(value),
+                _configs.content(value, _Same))
     if nested:
         return _Same(value)
-    if isinstance(value, (tuple, list)) and len(value) <= _LONG:
-        # Each item too (values by value, the rest by identity): a list
-        # changed in place holds what the forward runs (Sequential's layers)
-        return (type(value).__name__, _Same(value) if isinstance(value, list) else None,
-                tuple(_value(v, True) for v in value))
-    inside = _inside(value)
-    if inside is not None:
-        return ('dict' if isinstance(value, dict) else type(value).__name__, _Same(value),
-                inside)
+    if isinstance(value, (tuple, list)):
+        # Each item too (values by value, configs by what they hold, the
+        # rest by identity): a list changed in place holds what the forward
+        # runs (Sequential's layers). A longer one: its length.
+        items = tuple(_value(v, True) for v in value) if len(value) <= _LONG else len(value)
+        return (type(value).__name__, _Same(value) if isinstance(value, list) else None, items)
     return _Same(value)
 
 
-def _inside(value):
-    """What a dict of values, or an object whose attributes are all values
-    (a config: ``argparse.Namespace``, ``SimpleNamespace``, a small class),
-    holds, up to :data:`_SMALL` of them; None for anything else."""
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, _OPAQUE) or not hasattr(value, '__dict__'):
-        return None
-    else:
-        try:
-            items = vars(value).items()
-        except TypeError:
-            return None
-    if len(items) > _SMALL or not all(
-            isinstance(k, _VALUES) and isinstance(v, _VALUES) for k, v in items):
-        return None
-    return tuple(sorted(items, key=lambda item: repr(item[0])))
+def stamp(link, watched=()):
+    """What ``link``'s attributes hold, to compare (hashable); at the
+    ``watched`` places (:func:`_configs.places`), what a config holds even
+    after an entry stopped being plain."""
+    whole = {name for name, index in watched if index is None}
+    items = {}
+    for name, index in watched:
+        if index is not None:
+            items.setdefault(name, set()).add(index)
+    taken = []
+    for name, value in vars(link).items():
+        if name in _IGNORED or _patches.is_ours(link, name):
+            continue
+        if name in whole:
+            taken.append((name, _held(value)))
+        elif name in items and type(value) is list and len(value) <= _LONG:
+            taken.append((name, ('list', _Same(value), tuple(
+                _held(v) if i in items[name] else _value(v, True)
+                for i, v in enumerate(value)))))
+        else:
+            taken.append((name, _value(value)))
+    return tuple(sorted(taken, key=lambda item: item[0]))
 
 
-def _configs(link):
-    """The names of ``link``'s attributes that hold a config."""
-    return tuple(name for name, value in vars(link).items()
-                 if name not in _IGNORED and _inside(value) is not None)
-
-
-def _insides(link, names):
-    attributes = vars(link)
-    return tuple(_inside(attributes.get(name)) for name in names)
-
-
-def stamp(link):
-    """What ``link``'s attributes hold, to compare (hashable)."""
-    return tuple(sorted((name, _value(value)) for name, value in vars(link).items()
-                        if name not in _IGNORED and not _patches.is_ours(link, name)))
+def _held(value):
+    inside = _configs.content(value, _Same)
+    if inside is None:
+        return _value(value)
+    return ('dict' if isinstance(value, dict) else type(value).__name__, _Same(value), inside)
 
 
 def _shown(value):
@@ -224,6 +212,8 @@ class Watch:
         self.count = 1          # states numbered (more stamps may map to one)
         self.seen = _generation[0]
         self.last_change = None
+        self.configs = _configs.Configs(_Same)
+        self.replayed = False   # set by a call that ran none of the forward's Python
         self._take(chain)
         self.states[self._whole()] = 0
 
@@ -233,16 +223,11 @@ class Watch:
         for _, link in links:
             _watched.add(link)
         self.links = [(path, weakref.ref(link)) for path, link in links]
-        self.stamps = {path: stamp(link) for path, link in links}
-        # links holding a config (a dict or object of values): changed
-        # inside, no attribute of the link is set, so they are looked at
-        # on every call
-        self.configs = [(path, weakref.ref(link), names, _insides(link, names))
-                        for path, link in links for names in [_configs(link)] if names]
-
-    def _inside_changed(self):
-        return [path for path, ref, names, inside in self.configs
-                if ref() is not None and _insides(ref(), names) != inside]
+        # the configs the links hold, changed inside with nothing set on a
+        # link: looked at on every call (_configs)
+        self.configs.take(links, _IGNORED)
+        self.stamps = {path: stamp(link, self.configs.places.get(path, ()))
+                       for path, link in links}
 
     def _whole(self):
         return tuple(self.stamps[path] for path, _ in self.links)
@@ -250,7 +235,7 @@ class Watch:
     def state(self):
         """The state this call starts in (a number), or None past
         :data:`MAX_STATES` (:attr:`last_change` names the last change)."""
-        inside = self._inside_changed() if self.configs else []
+        inside = self.configs.changed() if self.configs.watched else []
         if _generation[0] == self.seen and not inside:
             return self.current
         chain = self.ref()
@@ -279,7 +264,9 @@ class Watch:
     def settle(self):
         """After a call that ran the forward's Python (recording, verified
         or define-by-run): what it set belongs to the state it started in."""
-        if _generation[0] == self.seen and not (self.configs and self._inside_changed()):
+        replayed, self.replayed = self.replayed, False
+        if _generation[0] == self.seen and (
+                replayed or not self.configs.watched or not self.configs.changed()):
             return
         self.seen = _generation[0]
         chain = self.ref()

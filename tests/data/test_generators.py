@@ -146,3 +146,57 @@ def test_the_loader_taking_a_dataset_with_its_own_generator_says_so(kind):
     assert said == [data._group.DRAWS_RANDOM.format(
         'its own {} (dataset.rng)'.format(type(dataset.rng).__name__))]
     assert _generators._same(_generators._state(dataset.rng), state)    # put back
+
+
+class _Slotted(Indexed):
+    __slots__ = ('rng',)
+
+    def __init__(self):
+        self.rng = numpy.random.RandomState(0)
+
+
+class _ClassLevel(Indexed):
+    rng = numpy.random.RandomState(0)
+
+
+class _Wrap:
+    def __init__(self, inner):
+        self.inner = inner
+
+
+def test_generators_in_slots_class_attributes_defaults_and_deep_are_found():
+    """A review's cases the first walk missed (each worker then repeated
+    the others' draws, with nothing said)."""
+    assert [p for p, _ in _generators.find(_Slotted())] == ['dataset.rng']
+    assert [p for p, _ in _generators.find(_ClassLevel())] == ['dataset.rng']
+    rng = numpy.random.RandomState(0)
+    defaults = chainer.datasets.TransformDataset(
+        Indexed(), lambda e, rng=rng: (e[0] + numpy.float32(rng.rand()), e[1]))
+    assert [p for p, _ in _generators.find(defaults)] == ['dataset._transform.<default 0>']
+    deep = rng
+    for _ in range(8):
+        deep = _Wrap(deep)
+    assert [p for p, _ in _generators.find(deep)] == ['dataset' + '.inner' * 8]
+
+
+class _DictRaises:
+    @property
+    def __dict__(self):
+        raise RuntimeError('no')
+
+
+def test_what_cannot_be_seeded_or_walked_loads_as_before():
+    """A SystemRandom has no state (it was taken, and getstate raised, also
+    under enable()); a RandomState over PCG64 cannot be seed()ed (the
+    worker died); a dead weakref proxy and an object whose __dict__ raises
+    broke the walk."""
+    import weakref
+    dataset = OwnNoisy()
+    dataset.system = random.SystemRandom()
+    dataset.rng = numpy.random.RandomState(numpy.random.PCG64(0))
+    dataset.gone = weakref.proxy(Augment('Random'))     # dead at once
+    dataset.odd = _DictRaises()
+    assert [p for p, _ in _generators.find(dataset)] == ['dataset.rng']
+    runs = [_values(data.MultiprocessIterator(dataset, 4, seed=11, n_workers=workers))
+            for workers in (0, 1, 2)]
+    assert runs[1] == runs[0] and runs[2] == runs[0]
