@@ -156,7 +156,7 @@ def _attach(optimizer, comm, options):
         exact = state['exact'] = learner.averages_exactly()
         batch = _batch_size(args, kwds)
         if same.tries:
-            same.look(of_inputs(args, kwds) if lossfun is not None
+            same.look(lambda: of_inputs(args, kwds) if lossfun is not None
                       else of_gradients(target.params()))
         if lossfun is None:
             # Gradients were computed by the caller: average them all now.

@@ -44,13 +44,17 @@ class SameBatches:
         self.tries = TRIES if comm.size > 1 else 0
         self.same = 0
 
-    def look(self, mine):
-        """Compare this step's fingerprint (:func:`of_inputs`,
-        :func:`of_gradients`) over the ranks (a collective: every rank calls
-        it at the same step)."""
+    def look(self, take):
+        """Compare this step's fingerprint, ``take()`` (:func:`of_inputs`,
+        :func:`of_gradients`), over the ranks (a collective: every rank
+        calls it at the same step; a fingerprint that fails is None)."""
         if not self.tries:
             return
         self.tries -= 1
+        try:
+            mine = take()
+        except Exception:   # an input of a kind it does not know: no information
+            mine = None
         everyone = self.comm.allgather_obj(
             mine, what='batch fingerprints (the same-batches check)')
         if any(f is None for f in everyone):
@@ -72,8 +76,8 @@ def of_inputs(args, kwds):
     arrays = []
     for value in list(args) + [kwds[k] for k in sorted(kwds)]:
         value = getattr(value, 'array', value)      # a Variable
-        if getattr(value, 'dtype', None) is not None and getattr(value, 'ndim', 0) > 0 \
-                and value.dtype.kind in 'biuf':
+        if (isinstance(value, numpy.ndarray) or type(value).__module__.startswith('cupy')) \
+                and value.ndim > 0 and value.dtype.kind in 'biuf':
             arrays.append(value.sum(dtype=numpy.float64))
     if not arrays:
         return None
