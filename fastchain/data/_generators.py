@@ -62,7 +62,8 @@ def _parts(value):
                 for name, cell in zip(value.__code__.co_freevars, cells)
                 if _filled(cell)] + [
             ('.<default {}>'.format(i), v) for i, v in enumerate(value.__defaults__ or ())] + [
-            ('.<default {}>'.format(k), v) for k, v in (value.__kwdefaults__ or {}).items()]
+            ('.<default {}>'.format(k), v) for k, v in (value.__kwdefaults__ or {}).items()] + [
+            ('.<global {}>'.format(name), g) for name, g in _globals_of(value)]
     try:
         attributes = object.__getattribute__(value, '__dict__')
     except AttributeError:
@@ -81,13 +82,34 @@ def _parts(value):
 
 def _class_generators(cls):
     """The generators ``cls`` and its bases hold as class attributes
-    (``rng = numpy.random.RandomState(0)`` in the class body)."""
+    (``rng = numpy.random.RandomState(0)`` in the class body), and those of
+    their modules' globals their methods name (``RNG.random()`` in
+    ``get_example``)."""
     found = _by_class.get(cls)
     if found is None:
-        found = _by_class[cls] = [
-            ('.' + str(k), v) for c in cls.__mro__ for k, v in list(vars(c).items())
-            if isinstance(v, _OWN)]
+        found = []
+        for c in cls.__mro__:
+            for k, v in list(vars(c).items()):
+                if isinstance(v, _OWN):
+                    found.append(('.' + str(k), v))
+                elif isinstance(v, (types.FunctionType, staticmethod, classmethod)):
+                    found += [('.{}.<global {}>'.format(k, name), g)
+                              for name, g in _globals_of(getattr(v, '__func__', v))]
+        _by_class[cls] = found
     return found
+
+
+def _globals_of(function):
+    """The generators among the module globals ``function`` (and the
+    functions and lambdas inside it) names."""
+    names, codes = set(), [function.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    space = function.__globals__
+    return [(name, space[name]) for name in sorted(names)
+            if isinstance(space.get(name), _OWN)]
 
 
 def _filled(cell):

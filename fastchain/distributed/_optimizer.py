@@ -27,7 +27,7 @@ from fastchain.config import _patches
 from fastchain.distributed import _learners
 from fastchain.distributed._learners import AllReduce, Learner
 from fastchain.distributed._quantize import QuantizedSGD
-from fastchain.distributed._same_batches import SameBatches, of_gradients, of_inputs
+from fastchain.distributed._same_batches import SameBatches, of_gradients, of_step
 from fastchain.distributed._sync import GradientCapture, GradientSync
 
 COMMUNICATOR = 'communicator'       # attachment key: the optimizer's communicator
@@ -155,9 +155,8 @@ def _attach(optimizer, comm, options):
         learner.before_step()
         exact = state['exact'] = learner.averages_exactly()
         batch = _batch_size(args, kwds)
-        if same.tries:
-            same.look(lambda: of_inputs(args, kwds) if lossfun is not None
-                      else of_gradients(target.params()))
+        if same.tries and lossfun is None:
+            same.look(lambda: of_gradients(target.params()))
         if lossfun is None:
             # Gradients were computed by the caller: average them all now.
             state['pending'] = True
@@ -170,6 +169,8 @@ def _attach(optimizer, comm, options):
 
         def lossfun_then_capture(*a, **k):
             loss = inner(*a, **k)
+            if same.tries:
+                same.look(lambda: of_step(loss, a, k))
             target.cleargrads()             # what update() does next anyway
             if exact:
                 sync.begin_step()

@@ -8,14 +8,16 @@ said (ChainerMN said nothing either). The weights stay right: what is lost
 is the speed-up, and each epoch counts N times the examples it should.
 
 On its first :data:`STEPS` steps, each rank takes a fingerprint of its
-batch (the arrays given to ``update(lossfun, *inputs)``: one float64 sum
-each, on the device, one transfer), or of its own gradients before they are
-averaged where the script computed them (``update()``), and the ranks
-compare them with one small allgather. Equal on every rank for all of them
-(different batches never are), rank 0 warns, naming the fix. A step that
-tells nothing (no array among the inputs; gradients all zero or not finite,
-as fp16's first steps may be) is not counted; after :data:`TRIES` steps the
-check stops.
+step, and the ranks compare them with one small allgather: with
+``update(lossfun, *inputs)``, the loss and one float64 sum per input array
+(on the device, one transfer; the loss tells apart batches whose sums agree,
+and ranks that take their share of one batch inside the loss function), or,
+where the script ran its own backward (``update()``), its own gradients
+before they are averaged. Equal on every rank for all of them, rank 0 warns,
+naming the fixes: ``scatter_dataset``, or, for inputs drawn at random (a
+GAN's noise), a seed of each rank's own. A step that tells nothing (a loss
+or gradients not finite, as fp16's first steps may be; gradients all zero)
+is not counted; after :data:`TRIES` steps the check stops.
 """
 
 import warnings
@@ -29,11 +31,12 @@ STEPS = 2       # steps compared
 TRIES = 8       # steps looked at, at most
 
 SAME_BATCHES = (
-    'fastchain data-parallel: all {n} ranks had the same batch on each of their first '
-    '{steps} steps: every rank trains on the same batches (each has the whole dataset, '
-    'in the same order), so {n} ranks do the work of one and an epoch counts each '
-    'example {n} times. Give each rank its share before building its iterator: '
-    'train = fastchain.distributed.scatter_dataset(train, comm, shuffle=True)')
+    'fastchain data-parallel: all {n} ranks had the same loss and inputs on each of their first '
+    '{steps} steps: they train on the same batches, so {n} ranks do the work of one. If each '
+    'rank has the whole dataset, give each its share before building its iterator: '
+    'train = fastchain.distributed.scatter_dataset(train, comm, shuffle=True); if the inputs '
+    'are drawn at random (a GAN\'s noise), seed each rank differently: '
+    'numpy.random.seed(seed + comm.rank)')
 
 
 class SameBatches:
@@ -70,19 +73,33 @@ class SameBatches:
                               FastchainWarning, stacklevel=_patches.user_stacklevel())
 
 
-def of_inputs(args, kwds):
-    """One float64 sum per array among ``args`` and ``kwds`` (a Variable's
-    array too), or None where there is none."""
+def of_step(loss, args, kwds):
+    """The loss and one float64 sum per array among the inputs (a Variable's
+    array too; in lists, tuples and dicts up to 64 items), or None where the
+    loss is not a finite number. The loss tells batches apart whose sums
+    agree (one-hot inputs) and ranks that take their share of one batch
+    inside the loss function; the inputs, batches of the same loss (a last
+    layer initialised to zero gives log(classes) for any batch)."""
     arrays = []
-    for value in list(args) + [kwds[k] for k in sorted(kwds)]:
-        value = getattr(value, 'array', value)      # a Variable
-        if (isinstance(value, numpy.ndarray) or type(value).__module__.startswith('cupy')) \
-                and value.ndim > 0 and value.dtype.kind in 'biuf':
-            arrays.append(value.sum(dtype=numpy.float64))
+    _arrays(loss, arrays, 0)
     if not arrays:
         return None
+    _arrays(list(args) + [kwds[k] for k in sorted(kwds)], arrays, 0)
     values = _to_host(arrays)
     return tuple(values.tolist()) if numpy.isfinite(values).all() else None
+
+
+def _arrays(value, into, depth):
+    value = getattr(value, 'array', value)      # a Variable
+    if isinstance(value, (list, tuple)) and depth < 3 and len(value) <= 64:
+        for v in value:
+            _arrays(v, into, depth + 1)
+    elif isinstance(value, dict) and depth < 3 and len(value) <= 64:
+        for k in sorted(value, key=repr):
+            _arrays(value[k], into, depth + 1)
+    elif (isinstance(value, (numpy.ndarray, numpy.generic))
+          or type(value).__module__.startswith('cupy')) and value.dtype.kind in 'biuf':
+        into.append(value.sum(dtype=numpy.float64))
 
 
 def of_gradients(params):

@@ -69,12 +69,13 @@ def python_reason(changed):
 def attributes_reason(change, states):
     """(cause, reason): the links' attributes took more than ``states``
     states between calls (``change``: the last, 'path/name: a -> b')."""
-    return ('not static', 'the attributes of the model\'s links were set between calls to '
-            'more than {} different states (the last change: {}): the forward may read them '
-            '(a weight, a flag, an array), so each new state is recorded and verified anew, '
-            'and one that changes on every step leaves nothing to replay. Keep a value that '
-            'changes every step outside the model\'s links (in the training loop), or pass '
-            'it to the forward as an input array'.format(states, change))
+    return ('not static', 'the attributes of the model\'s links were set or changed in place '
+            'between calls to more than {} different states (the last change: {}): the '
+            'forward may read them (a weight, a flag, an array, a config), so each new state '
+            'is recorded and verified anew, and one that changes on every step leaves nothing '
+            'to replay. Keep a value that changes every step (a log, a counter) outside the '
+            'model\'s links (in the training loop), or pass it to the forward as an input '
+            'array'.format(states, change))
 
 
 def unused_reason(outputs, times):

@@ -32,12 +32,14 @@ import collections
 import hashlib
 import random
 import types
+import weakref
 
 import numpy
 
 import chainer
 
 from fastchain.config import _patches
+from fastchain.static import _configs
 from fastchain.static._keys import CHAINER_ATTRIBUTES
 
 _DEPTH = 4          # how far into containers and objects
@@ -57,18 +59,13 @@ class _Node:
         self.kind, self.obj, self.saved = kind, obj, saved
 
 
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+
+
 def _own_object(value):
     """An object of a user's class (looked into), not a library's."""
     module = type(value).__module__ or ''
     return not isinstance(value, _NOT_OBJECTS) and module.split('.')[0] not in _LIBRARIES
-
-
-def _slots(value):
-    names = []
-    for cls in type(value).__mro__:
-        found = cls.__dict__.get('__slots__', ())
-        names += [found] if isinstance(found, str) else list(found)
-    return [n for n in names if n not in ('__dict__', '__weakref__') and hasattr(value, n)]
 
 
 def _array(value):
@@ -83,6 +80,8 @@ def _digest(array):
 
 def _take(value, depth, budget, seen):
     budget[0] -= 1
+    if type(value) in _PROXIES:     # held by identity (a dead one answers nothing)
+        return _Node('ref', value)
     if isinstance(value, _SCALARS):
         return _Node('value', value)
     if id(value) in seen:
@@ -201,9 +200,8 @@ def _change(node, now):
 
 
 def _object_items(value):
-    items = dict(vars(value)) if hasattr(value, '__dict__') else {}
-    items.update((n, getattr(value, n)) for n in _slots(value))
-    return items
+    # (read around __getattr__, which may raise anything)
+    return dict(_configs.entries(value) or ())
 
 
 def _attributes_change(saved, now, dot):

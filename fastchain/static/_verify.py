@@ -248,14 +248,14 @@ def _same_random(a, b):
     return a[0] == b[0] and a[2:] == b[2:] and numpy.array_equal(a[1], b[1])
 
 
-
 def _held(link):
     """``link``'s attributes holding an array, a variable or None, other than
     its parameters, persistent values and child links."""
     skip = link._params | link._persistent | _state.child_names(link)
+    kinds = (chainer.Variable,) + tuple(chainer.get_array_types())
+    # (by type: isinstance asks a dead weakref proxy, which raises)
     return {name: value for name, value in link.__dict__.items()
-            if name not in skip and (value is None or isinstance(value, chainer.Variable)
-                                     or isinstance(value, chainer.get_array_types()))}
+            if name not in skip and (value is None or issubclass(type(value), kinds))}
 
 
 _local = threading.local()

@@ -24,16 +24,15 @@ chain runs define-by-run, naming what kept changing.
 
 A ``ChainList`` or ``Sequential`` whose links or layers are added,
 replaced or removed (``append``, ``insert``, ``del``, ``seq[i] = f``) counts
-as set too. A config a link holds (a dict or an object of plain values:
-``self.cfg['beta'] = ...``, ``self.args.alpha = ...`` on an
-``argparse.Namespace``, a callable object among a ``Sequential``'s layers)
-is changed inside without setting anything on the link: configs are looked
+as set too. Lists, dicts and configs a link holds, changed in place
+(``self.cfg['beta'] = ...``, ``self.args.alpha = ...``, a callable object
+among a ``Sequential``'s layers), set nothing on the link: they are looked
 at on every call, each object once (:mod:`fastchain.static._configs`).
 
 Not seen: an attribute set around ``__setattr__`` (``vars(link)[name] =
-...``), a change inside any other object a link holds (one holding arrays
-or other objects, a config inside a config, a list inside a list), and
-state outside the links (a module's global).
+...``), a change inside an object that holds links or other objects (an
+optimizer), a class attribute, and state outside the links (a module's
+global).
 """
 
 import weakref
@@ -113,6 +112,13 @@ class _Same:
 
 
 def _value(value, nested=False):
+    try:
+        return _taken(value, nested)
+    except Exception:       # asking a dead weakref proxy anything raises
+        return _Same(value)
+
+
+def _taken(value, nested):
     # (a Device by value: to_device makes a new one each time)
     if isinstance(value, _VALUES) or isinstance(value, Device):
         return value
@@ -124,10 +130,15 @@ def _value(value, nested=False):
     if isinstance(value, (tuple, list)):
         # Each item too (values by value, configs by what they hold, the
         # rest by identity): a list changed in place holds what the forward
-        # runs (Sequential's layers). A longer one: its length.
-        items = tuple(_value(v, True) for v in value) if len(value) <= _LONG else len(value)
+        # runs (Sequential's layers). A longer one: its items' identities.
+        items = tuple(_value(v, True) for v in value) if len(value) <= _LONG else \
+            ('ids', tuple(map(id, value)))
         return (type(value).__name__, _Same(value) if isinstance(value, list) else None, items)
     return _Same(value)
+
+
+def _skipped(link, name):
+    return name in _IGNORED or _patches.is_ours(link, name)
 
 
 def stamp(link, watched=()):
@@ -141,12 +152,12 @@ def stamp(link, watched=()):
             items.setdefault(name, set()).add(index)
     taken = []
     for name, value in vars(link).items():
-        if name in _IGNORED or _patches.is_ours(link, name):
+        if _skipped(link, name):
             continue
         if name in whole:
             taken.append((name, _held(value)))
-        elif name in items and type(value) is list and len(value) <= _LONG:
-            taken.append((name, ('list', _Same(value), tuple(
+        elif name in items and isinstance(value, (list, tuple)) and len(value) <= _LONG:
+            taken.append((name, (type(value).__name__, _Same(value), tuple(
                 _held(v) if i in items[name] else _value(v, True)
                 for i, v in enumerate(value)))))
         else:
@@ -225,7 +236,7 @@ class Watch:
         self.links = [(path, weakref.ref(link)) for path, link in links]
         # the configs the links hold, changed inside with nothing set on a
         # link: looked at on every call (_configs)
-        self.configs.take(links, _IGNORED)
+        self.configs.take(links, _skipped)
         self.stamps = {path: stamp(link, self.configs.places.get(path, ()))
                        for path, link in links}
 

@@ -200,3 +200,37 @@ def test_what_cannot_be_seeded_or_walked_loads_as_before():
     runs = [_values(data.MultiprocessIterator(dataset, 4, seed=11, n_workers=workers))
             for workers in (0, 1, 2)]
     assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+_MODULE_RNG = numpy.random.default_rng(0)      # NumPy's recommended style
+
+
+class _GlobalNoisy(Indexed):
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        return x + numpy.float32(_MODULE_RNG.random()), t
+
+
+def _module_transform(example):
+    return example[0] + numpy.float32(_MODULE_RNG.random()), example[1]
+
+
+@pytest.mark.parametrize('how', ['get_example', 'transform'])
+def test_a_module_global_generator_the_dataset_draws_from_is_found(how):
+    """A second review: a generator at module level (``RNG =
+    numpy.random.default_rng(0)``) drawn in get_example or a transform was
+    not found: with 2 workers batches 0 and 1 drew alike, nothing said, and
+    the main process lost a draw to the look."""
+    def make():
+        return _GlobalNoisy() if how == 'get_example' else \
+            chainer.datasets.TransformDataset(Indexed(), _module_transform)
+    found = [p for p, _ in _generators.find(make())]
+    assert found == (['dataset.get_example.<global _MODULE_RNG>'] if how == 'get_example'
+                     else ['dataset._transform.<global _MODULE_RNG>'])
+    state = _generators._state(_MODULE_RNG)
+    runs = [_values(data.MultiprocessIterator(make(), 4, seed=11, n_workers=workers))
+            for workers in (0, 1, 2)]
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+    drawn = [v for batch in runs[0] for v in batch]
+    assert len(set(drawn)) == len(drawn)
+    assert _generators._same(_generators._state(_MODULE_RNG), state)

@@ -278,12 +278,12 @@ def same_batches():
                         opt.update()
                     else:
                         opt.update(model, x, t)
-            said = [str(w.message) for w in caught if 'had the same batch' in str(w.message)]
+            said = [str(w.message) for w in caught if 'had the same loss and inputs' in str(w.message)]
             expected = [SAME_BATCHES.format(n=2, steps=2)] if rank == 0 and not scattered \
                 else []
             assert said == expected, (scattered, direct, said)
             assert all(w.filename == __file__ for w in caught
-                       if 'had the same batch' in str(w.message))   # the script's line
+                       if 'had the same loss and inputs' in str(w.message))   # the script's line
     done()
 
 

@@ -31,13 +31,13 @@ def _said(check, takes):
         warnings.simplefilter('always')
         for take in takes:
             check.look(take)
-    return [str(w.message) for w in caught if 'had the same batch' in str(w.message)]
+    return [str(w.message) for w in caught if 'had the same loss and inputs' in str(w.message)]
 
 
 def _batch(seed):
     rng = numpy.random.RandomState(seed)
-    return lambda: sb.of_inputs((rng.rand(4, 3).astype(numpy.float32),
-                                 numpy.arange(4, dtype=numpy.int32)), {})
+    x = rng.rand(4, 3).astype(numpy.float32)
+    return lambda: sb.of_step(numpy.float32(x.sum() ** 2), (x, numpy.arange(4)), {})
 
 
 def test_the_same_batches_on_every_rank_are_said_once_on_rank_0_only():
@@ -61,7 +61,7 @@ def test_steps_that_tell_nothing_are_not_counted_and_the_check_ends():
     def fails():
         raise TypeError('an input it does not know')
     check = sb.SameBatches(Gathered())
-    takes = [lambda: sb.of_inputs((3, 'text'), {}), fails] * sb.TRIES
+    takes = [lambda: sb.of_step(numpy.float32('nan'), (), {}), fails] * sb.TRIES
     assert _said(check, takes) == []
     assert check.comm.gathers == sb.TRIES
     check = sb.SameBatches(Gathered())
@@ -74,11 +74,16 @@ def test_one_process_never_gathers():
     assert _said(check, [_batch(0)] * 3) == [] and check.comm.gathers == 0
 
 
-def test_fingerprints_of_inputs_and_gradients():
+def test_fingerprints_of_steps_and_gradients():
     x = numpy.arange(6, dtype=numpy.float32).reshape(2, 3)
-    assert sb.of_inputs((chainer.Variable(x),), {'t': numpy.ones(2, numpy.int32)}) == (15.0, 2.0)
-    assert sb.of_inputs((x[0, 0],), {}) is None         # a 0-d array: not a batch
-    assert sb.of_inputs((numpy.array([numpy.inf], numpy.float32),), {}) is None
+    loss = chainer.Variable(numpy.array(0.5, numpy.float32))
+    assert sb.of_step(loss, (chainer.Variable(x),), {'t': numpy.ones(2, numpy.int32)}) == (
+        0.5, 15.0, 2.0)
+    # in lists and dicts (a sequence model's batch); a string is not an array
+    assert sb.of_step(loss, ([x, x[:1]], {'b': x[1], 'a': 'text'}), {}) == (
+        0.5, 15.0, 3.0, 12.0)
+    assert sb.of_step(None, (x,), {}) is None           # no loss: nothing to compare
+    assert sb.of_step(numpy.float32(numpy.inf), (x,), {}) is None
     p, q = chainer.Parameter(x.copy()), chainer.Parameter(x.copy())
     assert sb.of_gradients([p, q]) is None              # no gradient yet
     p.grad = numpy.ones_like(x)
@@ -92,4 +97,13 @@ def test_fingerprints_of_inputs_and_gradients():
 @pytest.mark.parametrize('dtype', [numpy.float16, numpy.uint8, numpy.bool_])
 def test_inputs_of_any_numeric_kind_are_summed_in_float64(dtype):
     x = numpy.ones((3, 2), dtype)
-    assert sb.of_inputs((x,), {}) == (6.0,)
+    assert sb.of_step(numpy.float32(1), (x,), {}) == (1.0, 6.0)
+
+
+def test_batches_whose_sums_agree_differ_by_their_loss():
+    """A second review: one-hot inputs sum to the batch size whatever the
+    batch, so sums alone said 'the same batches' of scattered data."""
+    eye = numpy.eye(4, dtype=numpy.float32)
+    a, b = sb.of_step(numpy.float32(1.25), (eye[[0, 1]],), {}), \
+        sb.of_step(numpy.float32(1.5), (eye[[2, 3]],), {})
+    assert a[1:] == b[1:] and a != b

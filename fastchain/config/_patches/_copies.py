@@ -109,7 +109,7 @@ def is_ours(obj, name):
     value = vars(obj).get(name)
     if value is None:
         return False
-    if isinstance(value, (_CopyGuard, _DeepCopyGuard)):
+    if type(value) in (_CopyGuard, _DeepCopyGuard):     # (isinstance asks a dead proxy)
         return True
     point = (_object_points.get(obj) or {}).get(name)
     return point is not None and value is point.value
