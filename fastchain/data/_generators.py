@@ -102,12 +102,14 @@ def _class_generators(cls):
 def _globals_of(function):
     """The generators among the module globals ``function`` (and the
     functions and lambdas inside it) names."""
-    names, codes = set(), [function.__code__]
+    code, space = getattr(function, '__code__', None), getattr(function, '__globals__', None)
+    if not isinstance(code, types.CodeType) or not isinstance(space, dict):
+        return []       # a builtin, a ufunc, a partial: no globals of its own
+    names, codes = set(), [code]
     while codes:
         code = codes.pop()
         names.update(code.co_names)
         codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    space = function.__globals__
     return [(name, space[name]) for name in sorted(names)
             if isinstance(space.get(name), _OWN)]
 

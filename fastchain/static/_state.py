@@ -79,6 +79,13 @@ def _digest(array):
 
 
 def _take(value, depth, budget, seen):
+    try:
+        return _taken(value, depth, budget, seen)
+    except Exception:   # something that answers oddly (a list whose __iter__ raises)
+        return _Node('ref', value)
+
+
+def _taken(value, depth, budget, seen):
     budget[0] -= 1
     if type(value) in _PROXIES:     # held by identity (a dead one answers nothing)
         return _Node('ref', value)

@@ -14,9 +14,10 @@ carry a layer that notes the watched links set (Chainer's own schedule
 attributes aside): nothing but the configs below is looked at on a call
 unless one was. A cached call then takes what the set links hold
 (:func:`stamp`: values by value, configs by what they hold, tuples and lists
-of up to 1024 items item by item and longer ones by length, anything else
-by identity) and keys its schedule by the state: a state not seen before
-records and is verified like a new input shape, and one seen before replays
+of up to 1024 items item by item, longer ones by their items' identities
+(up to 65536) or length, anything else by identity) and keys its schedule
+by the state: a state not seen before records and is verified like a new
+input shape, and one seen before replays
 its own schedules (a flag toggled back and forth keeps two). What the
 forward changes on a call that runs it (a constant made on the first call)
 belongs to the state the call started in. Past :data:`MAX_STATES` states the
@@ -45,6 +46,7 @@ from fastchain.static._keys import CHAINER_ATTRIBUTES
 
 MAX_STATES = 6      # states of one cached chain's attributes before it gives up
 _LONG = 1024        # a tuple or list up to this long is taken item by item
+_HUGE = 1 << 16     # up to this long, by its items' identities; longer, by its length
 _VALUES = _configs.VALUES
 _IGNORED = frozenset(CHAINER_ATTRIBUTES)
 
@@ -123,16 +125,17 @@ def _taken(value, nested):
     if isinstance(value, _VALUES) or isinstance(value, Device):
         return value
     if _configs.is_config(value):
-        return ('dict' if isinstance(value, dict) else type(value).__name__, _Same(value),
-                _configs.content(value, _Same))
+        inside = _configs.content(value, _Same)
+        if inside is not None:
+            return (_configs._kind(value), _Same(value), inside)
     if nested:
         return _Same(value)
     if isinstance(value, (tuple, list)):
         # Each item too (values by value, configs by what they hold, the
         # rest by identity): a list changed in place holds what the forward
-        # runs (Sequential's layers). A longer one: its items' identities.
+        # runs (Sequential's layers). A longer one: its length.
         items = tuple(_value(v, True) for v in value) if len(value) <= _LONG else \
-            ('ids', tuple(map(id, value)))
+            tuple(map(_Same, value)) if len(value) <= _HUGE else ('length', len(value))
         return (type(value).__name__, _Same(value) if isinstance(value, list) else None, items)
     return _Same(value)
 
@@ -169,7 +172,7 @@ def _held(value):
     inside = _configs.content(value, _Same)
     if inside is None:
         return _value(value)
-    return ('dict' if isinstance(value, dict) else type(value).__name__, _Same(value), inside)
+    return (_configs._kind(value), _Same(value), inside)
 
 
 def _shown(value):
@@ -201,9 +204,11 @@ def _join(path, name):
 
 
 def _config(value):
-    # a stamp's value of a config (_inside): (type name, _Same, ((key, value), ...))
+    # a stamp's value of a dict or an object with attributes (_held):
+    # (kind, _Same, ((key, value), ...))
     return isinstance(value, tuple) and len(value) == 3 and value[0] not in (
-        'list', 'tuple') and isinstance(value[2], tuple)
+        'list', 'tuple', 'set', 'length') and isinstance(value[2], tuple) and all(
+        isinstance(item, tuple) and len(item) == 2 for item in value[2])
 
 
 def _items(value):
@@ -257,17 +262,27 @@ class Watch:
             return self.current
         before = dict(self.stamps)
         self._take(chain)       # a link may have been added or replaced
-        if self.stamps == before:
+        if not _configs._differ(self.stamps, before):
             return self.current
-        path = next((p for p, _ in self.links if self.stamps.get(p) != before.get(p)),
-                    changed[0])
-        self.last_change = difference(path, before.get(path, ()), self.stamps.get(path, ()))
+        path = next((p for p, _ in self.links
+                     if _configs._differ(self.stamps.get(p), before.get(p))), changed[0])
+        try:
+            self.last_change = difference(path, before.get(path, ()), self.stamps.get(path, ()))
+        except Exception:   # a value that cannot be compared or shown
+            self.last_change = path
         whole = self._whole()
-        number = self.states.get(whole)
+        try:
+            number = self.states.get(whole)
+        except Exception:   # a key whose == answers with an array: a new state
+            number = None
         if number is None:
             if self.count >= MAX_STATES:
                 return None
-            number = self.states[whole] = self.count
+            try:
+                self.states[whole] = self.count
+            except Exception:   # (the same): safe, define-by-run from now on
+                return None
+            number = self.count
             self.count += 1
         self.current = number
         return number

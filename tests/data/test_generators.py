@@ -234,3 +234,17 @@ def test_a_module_global_generator_the_dataset_draws_from_is_found(how):
     drawn = [v for batch in runs[0] for v in batch]
     assert len(set(drawn)) == len(drawn)
     assert _generators._same(_generators._state(_MODULE_RNG), state)
+
+
+class _WithBuiltins(OwnNoisy):
+    """Static methods without code of their own (a builtin, a ufunc)."""
+    as_array = staticmethod(numpy.asarray)
+    size = staticmethod(len)
+    squash = staticmethod(numpy.tanh)
+
+
+def test_a_class_with_builtin_static_methods_keeps_its_generators_found():
+    """A third review: the look into a class's methods for module globals
+    raised on a builtin (no __code__), and the whole dataset was taken to
+    hold nothing: its own rng unseeded, each worker count another run."""
+    assert [p for p, _ in _generators.find(_WithBuiltins())] == ['dataset.rng']
