@@ -8,16 +8,18 @@ and the replay kept what the recording saw. So these are looked at on every
 call, each object once however many links hold it, and not again after a
 replay:
 
-- a link's list, tuple-held, set, deque and dict attributes;
+- a link's list, tuple-held, set, deque, bytearray and dict attributes;
 - its configs: a namespace (``SimpleNamespace``, ``argparse.Namespace``) or
   a dataclass, whatever it holds, and an object with attributes
   (``__dict__`` or ``__slots__``: a callable object among a
   ``Sequential``'s layers) holding only values, the kinds compared by
   identity below, containers and configs;
 
-each within :data:`ITEMS` entries in all, nested ones included, and
-:data:`DEPTH` levels (larger ones are not looked at: a vocabulary of 100k
-words cost a small model 5x its step).
+compared entry by entry within :data:`ITEMS` entries in all, nested ones
+included, and :data:`DEPTH` levels; a container bigger than that alone
+counts by its identity and size, and a holder whose entries together pass it
+by its size (a vocabulary of 100k words looked at item by item cost a small
+model 5x its step).
 
 What they hold is compared: values (numbers, strings, Enums, paths) by
 value, containers item by item, configs entry by entry, and functions,
@@ -117,9 +119,17 @@ def _kind(value):
 
 
 def _spend(left, n):
+    if n > left[0]:
+        raise _TooBig       # (before a dict's items are copied)
     left[0] -= n
-    if left[0] < 0:
-        raise _TooBig
+
+
+def _size(value):
+    try:
+        return len(value) if isinstance(value, _SEQUENCES + (dict, set, frozenset)) \
+            else len(entries(value) or ())
+    except Exception:
+        return -1
 
 
 def _fits(value, left, depth, seen):
@@ -164,11 +174,16 @@ def content(value, same):
     None for anything else, or more."""
     try:
         return _content(value, same, [ITEMS], 0, frozenset({id(value)}))
-    except Exception:       # too big, or something that answers oddly
+    except _TooBig:         # its size only: an item added or removed is seen
+        return ('big', _size(value))
+    except Exception:       # something that answers oddly
         return None
 
 
 def _content(value, same, left, depth, seen):
+    if isinstance(value, bytearray):
+        _spend(left, 1)
+        return bytes(value)
     if isinstance(value, (set, frozenset)):
         _spend(left, len(value))
         return frozenset(v if isinstance(v, _PLAIN) else same(v) for v in value)
@@ -190,8 +205,13 @@ def _entry(value, same, left, depth, seen):
     if depth >= DEPTH or id(value) in seen or _kept_by_identity(value):
         return same(value)
     if isinstance(value, _SEQUENCES + (dict, set, frozenset)) or is_config(value):
-        return (_kind(value), same(value),
-                _content(value, same, left, depth + 1, seen | {id(value)}))
+        try:
+            inside = _content(value, same, left, depth + 1, seen | {id(value)})
+        except _TooBig:
+            if _size(value) <= ITEMS:
+                raise       # the whole holder is too big: its size only (content)
+            inside = ('big', _size(value))  # one too big alone: its identity and size
+        return (_kind(value), same(value), inside)
     return same(value)
 
 
@@ -201,7 +221,7 @@ def _in_place(value):
     parameters or links: NStepLSTM's weights)."""
     if isinstance(value, (list, collections.deque)) and _structural(value):
         return False
-    if not (isinstance(value, _SEQUENCES + (dict, set)) or is_config(value)):
+    if not (isinstance(value, _SEQUENCES + (dict, set, bytearray)) or is_config(value)):
         return False
     return content(value, id) is not None
 

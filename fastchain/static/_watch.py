@@ -298,4 +298,7 @@ class Watch:
         chain = self.ref()
         if chain is not None:
             self._take(chain)
-            self.states.setdefault(self._whole(), self.current)
+            try:
+                self.states.setdefault(self._whole(), self.current)
+            except Exception:   # a key whose == answers with an array
+                pass

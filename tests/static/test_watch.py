@@ -625,28 +625,28 @@ def test_sets_deques_deep_configs_and_namespaces_of_objects_are_seen(what):
     assert caught == [] and len(cache_state(cached)['sequences']) == 2
 
 
-def test_big_containers_are_not_looked_at_on_every_call(monkeypatch):
+def test_big_containers_are_taken_by_their_size_on_every_call():
     """A third review: a vocabulary of 100k words a link held was looked at
-    on every call, 5x a small model's step."""
+    item by item on every call, 5x a small model's step. Past 1024 entries
+    a container counts by its size (an entry added or removed is seen; one
+    replaced in place is not: documented)."""
     class Vocabulary(Configured):
         def __init__(self):
             super().__init__()
             self.word_ids = {'w{}'.format(i): i for i in range(100000)}
             self.words = list(self.word_ids)
+
+        def forward(self, x):
+            return self.l1(x) * (len(self.words) - 99999)
     model = Vocabulary()
-    cache_static_graph(model)
-    looked = []
-    real = _configs.content
-    monkeypatch.setattr(_configs, 'content',
-                        lambda value, same: looked.append(value) or real(value, same))
-    x = numpy.ones((5, 4), numpy.float32)
-    for i in range(8):
-        model.cleargrads()
-        F.sum(model(x)).backward()
-        if i == 3:
-            looked.clear()      # past the recording and the verified calls
-    assert looked and not any(v is model.word_ids or v is model.words for v in looked)
-    assert cache_state(model)['fallback'] is None
+    assert _configs.content(model.word_ids, id) == ('big', 100000)
+    assert _configs.content(model.words, id) == ('big', 100000)
+
+    def change(model, i):
+        if i == 7:
+            model.words.append('new')
+    cached, caught = _lockstep(change, make=Vocabulary)
+    assert caught == [] and len(cache_state(cached)['sequences']) == 2
 
 
 class _History(list):
@@ -690,3 +690,43 @@ def test_holders_that_answer_oddly_never_crash_the_step(what):
     cached, caught = _lockstep(change, steps=12, make=Odd)
     if what == 'list subclass appended':
         assert len(caught) == 1 and '/h: (0.0, 1.0, 2.0, 3.0, 4.0) -> ' in caught[0]
+
+
+@pytest.mark.parametrize('what', ['namespace with a long list', 'dict with a big dict',
+                                  'bytearray'])
+def test_a_small_value_beside_a_big_container_is_seen(what):
+    """A fourth review: a holder over the 1024 entries was not looked at
+    at all, so a scale beside a vocabulary was replayed stale; now the big
+    one counts by identity and size, and the rest is looked at."""
+    def make_holder():
+        if what == 'namespace with a long list':
+            return types.SimpleNamespace(scale=1.0, vocab=list(range(2000)))
+        if what == 'dict with a big dict':
+            return {'scale': 1.0, 'vocab': {i: i for i in range(2000)}}
+        return bytearray(b'\x02')
+
+    def scale(h):
+        if isinstance(h, bytearray):
+            return float(h[0]) / 2
+        return h.scale if isinstance(h, types.SimpleNamespace) else h['scale']
+
+    class Holding(Configured):
+        def __init__(self):
+            super().__init__()
+            self.holder = make_holder()
+
+        def forward(self, x):
+            return self.l1(x) * scale(self.holder)
+
+    def change(model, i):
+        if i != 7:
+            return
+        h = model.holder
+        if isinstance(h, bytearray):
+            h[0] = 1
+        elif isinstance(h, types.SimpleNamespace):
+            h.scale = 0.5
+        else:
+            h['scale'] = 0.5
+    cached, caught = _lockstep(change, make=Holding)
+    assert caught == [] and len(cache_state(cached)['sequences']) == 2
