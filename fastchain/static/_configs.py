@@ -145,14 +145,20 @@ def _fits(value, left, depth, seen):
     return _strict(value, left, depth + 1, seen)
 
 
-def _strict(value, left, depth, seen):
+def _entries_within(value, left):
+    """:func:`entries`, paid for out of ``left`` (a dict's before its items
+    are copied); None for what has none."""
     if isinstance(value, dict):
         _spend(left, len(value))
     found = entries(value)
-    if found is None:
-        return False
-    _spend(left, 0 if isinstance(value, dict) else len(found))
-    return all(_fits(v, left, depth, seen) for _, v in found)
+    if found is not None and not isinstance(value, dict):
+        _spend(left, len(found))
+    return found
+
+
+def _strict(value, left, depth, seen):
+    found = _entries_within(value, left)
+    return found is not None and all(_fits(v, left, depth, seen) for _, v in found)
 
 
 def is_config(value):
@@ -190,12 +196,9 @@ def _content(value, same, left, depth, seen):
     if isinstance(value, _SEQUENCES):
         _spend(left, len(value))
         return tuple(_entry(v, same, left, depth, seen) for v in value)
-    if isinstance(value, dict):
-        _spend(left, len(value))
-    found = entries(value)
+    found = _entries_within(value, left)
     if found is None:
         return None
-    _spend(left, 0 if isinstance(value, dict) else len(found))
     return tuple((k, _entry(v, same, left, depth, seen)) for k, v in found)
 
 
