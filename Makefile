@@ -94,7 +94,7 @@ doctor: setup
 demo: setup
 	$(PY) recipes/resnet50/train.py --config recipes/resnet50/demo.yaml --all
 
-BENCHMARKS := loader overhead allreduce scaling learners nvtx_cost onednn_threads drift ladder
+BENCHMARKS := loader overhead allreduce scaling learners nvtx_cost watch_cost onednn_threads drift ladder
 
 bench: setup
 	$(PIP) install -e ".[$(EXTRAS),bench]"

@@ -26,6 +26,7 @@ _EXPORTS = {
     'static_graph': 'fastchain.static._mark',
     'FastchainWarning': 'fastchain.config._enable',
     'StaticGraphFallback': 'fastchain.static._cache',
+    'StaticGraphOrder': 'fastchain.static._outside',
 }
 
 __all__ = sorted(_EXPORTS) + ['__version__']

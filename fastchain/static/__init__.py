@@ -11,6 +11,7 @@ for what each Chainer function does under the cache and
 
 from fastchain.static._cache import StaticGraphFallback, cache_state, is_cached
 from fastchain.static._mark import cache_static_graph, static_graph
+from fastchain.static._outside import StaticGraphOrder
 
-__all__ = ['StaticGraphFallback', 'cache_state', 'cache_static_graph', 'is_cached',
-           'static_graph']
+__all__ = ['StaticGraphFallback', 'StaticGraphOrder', 'cache_state', 'cache_static_graph',
+           'is_cached', 'static_graph']

@@ -50,7 +50,8 @@ import chainer
 
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
-from fastchain.static import _fixes, _functions, _keys, _node, _reads, _reasons, _verify, _watch
+from fastchain.static import (_fixes, _functions, _keys, _node, _outside, _reads, _reasons,
+                              _verify, _watch)
 from fastchain.tune import _steps, _tuner
 
 STATE = 'static_cache'      # attachment key: the chain's cache
@@ -106,8 +107,15 @@ class _Cache:
         self.turn_form = None       # autotune: (optimizer updates seen, the step's form)
         self.unverifiable = {}      # key -> verified calls whose outputs reached no backward
         LIVE.add(self)
+        _outside.watch(self)    # gradient terms from outside the call, on the first passes
 
     def __call__(self, plain, args, kwargs):
+        result = self._dispatch(plain, args, kwargs)
+        if self in _outside.WANTED:     # a define-by-run call's functions are the call's
+            _outside.called(self, args, result)
+        return result
+
+    def _dispatch(self, plain, args, kwargs):
         config = chainer.config
         if (self.state['fallback'] is not None or not config.train
                 or not config.enable_backprop or config.schedule_func is not None
@@ -304,6 +312,7 @@ class _Cache:
     def fall_back(self, cause, reason):
         self.state['fallback'] = reason
         self.state['cause'] = cause
+        _outside.unwatch(self)
         self.forget()
         warnings.warn('fastchain static_graph: {} runs define-by-run from now on: {}'
                       .format(self.name, reason), StaticGraphFallback,

@@ -58,7 +58,7 @@ import threading
 
 from fastchain.config import _patches
 from fastchain.kernels import _bind
-from fastchain.static import _flat, _live, _node, _verify, _watch
+from fastchain.static import _flat, _live, _node, _outside, _verify, _watch
 
 # _patches' own lock (reentrant): a chain collected while it is held
 # releases its lease from inside (weakref.finalize runs wherever the
@@ -85,6 +85,7 @@ def _targets():
             (sg.StaticScheduleFunction, 'apply', _node.apply_with_parameters),
             (sg.StaticScheduleFunction, 'backward', _backward_then_check),
             (sg, 'print', _quiet_print),
+            (chainer.Variable, 'backward', _outside.backward_layer),
             (chainer.Link, '__setattr__', _watch.setattr_layer),
             (chainer.Link, '__delattr__', _watch.delattr_layer),
             (chainer.Link, 'serialize', _watch.noted_layer),

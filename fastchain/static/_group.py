@@ -37,7 +37,9 @@ class StaticGraphGroup(Group):
 
 def models():
     """{'cached': models replaying (or still verifying) their schedules,
-    'define_by_run': {model: why} for those that fell back}, over the live
+    'define_by_run': {model: why} for those that fell back, 'not_bitwise':
+    {model: why} for cached models whose parameters get gradient terms from
+    outside the call (:mod:`fastchain.static._outside`)}, over the live
     caches (an option's or ``fastchain.static_graph``'s); None if none."""
     from fastchain.static import _cache
     live = [c for c in list(_cache.LIVE) if c.ref() is not None]
@@ -48,7 +50,10 @@ def models():
     fell = {type(link).__name__: why for link, why in refused}
     fell.update((c.name, c.state['fallback']) for c in live
                 if c.state['fallback'] is not None)
-    return {'cached': dict(sorted(names.items())), 'define_by_run': fell}
+    order = {c.name: c.state['not_bitwise'] for c in live
+             if c.state['fallback'] is None and c.state.get('not_bitwise')}
+    return {'cached': dict(sorted(names.items())), 'define_by_run': fell,
+            'not_bitwise': order}
 
 
 # Models an optimizer was set up with that the cache cannot take (a single

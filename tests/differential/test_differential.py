@@ -71,11 +71,11 @@ def test_fastchain_trains_as_plain_chainer(data):
     # follows the scale fastchain's scaler used at each step)
     growth_interval = data.draw(st.sampled_from([10 ** 9, 1, 3]), 'growth_interval') \
         if fp16 else 10 ** 9
-    scales = []
+    scales, said = [], []
     try:
         got = harness.run(spec, optimizer, hooks, steps, layout=layout, fp16=fp16,
                           resume_at=resume_at, loop=loop, growth_interval=growth_interval,
-                          scales=scales)
+                          scales=scales, said=said)
     except harness.Skipped:
         assume(False)
     except KeyError as e:
@@ -98,7 +98,13 @@ def test_fastchain_trains_as_plain_chainer(data):
         event('static_graph on a model that counts its calls in Python')
     if spec['knob'] and any(options.get('static_graph') for options in layout[:2]):
         event('static_graph on a model whose value the loop sets between steps')
-    harness.compare(expected, got, harness.TIED_TOLERANCE[fp16] if tied else None)
+    # Held to the tolerance only where the cache said so (StaticGraphOrder:
+    # three or more gradient terms, some from outside the call); a tied run it
+    # is quiet about (the head's weight used once more: two terms) is bitwise.
+    assert tied or not said, 'StaticGraphOrder said on a model with no outside use'
+    if said:
+        event('static_graph: said the gradients are summed in another order')
+    harness.compare(expected, got, harness.TIED_TOLERANCE[fp16] if said else None)
 
 
 @settings(max_examples=max(1, EXAMPLES // 3), deadline=None, print_blob=True,
@@ -123,9 +129,11 @@ def test_a_plain_script_with_the_loader_trains_as_plain_chainer(data):
     iterations = data.draw(st.integers(1, 9), 'iterations')     # into the 4th epoch
     shuffle = data.draw(st.booleans(), 'shuffle')
     expected, rand = harness.run_script(spec, optimizer, hooks, iterations, shuffle)
+    said = []
     got, rand_after = harness.run_script(spec, optimizer, hooks, iterations, shuffle,
-                                         options)
-    harness.compare([expected], [got], harness.TIED_TOLERANCE[False] if tied else None)
+                                         options, said=said)
+    assert tied or not said, 'StaticGraphOrder said on a model with no outside use'
+    harness.compare([expected], [got], harness.TIED_TOLERANCE[False] if said else None)
     assert rand_after == rand
 
 

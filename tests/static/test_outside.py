@@ -1,0 +1,255 @@
+"""A cached chain's parameters getting gradient terms from outside the call
+(fastchain/static/_outside.py): three or more terms, some from outside, are
+said (they may be summed in another order than define-by-run's); two, or
+terms from several calls of the model, are bitwise and pass quietly."""
+
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import fastchain
+from fastchain.static import _outside, cache_state, cache_static_graph
+
+
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 4)
+            self.l2 = L.Linear(4, 4)
+
+    def forward(self, x):
+        return self.l2(F.tanh(self.l1(x)))
+
+
+def penalty(model, x):
+    """An L2 penalty over the parameters in the loss: ``p * p`` brings two
+    terms of its own, three with the call's."""
+    return F.sum(model(x)) + 1e-3 * sum(F.sum(p * p) for p in model.params())
+
+
+def tied(model, x):
+    """The head's weight used once more, outside the call: two terms."""
+    return F.sum(F.matmul(model(x), model.l2.W))
+
+
+def twice(model, x):
+    """The model called twice before one backward: two node terms."""
+    return F.sum(model(x)) + F.sum(model(2 * x))
+
+
+def train(loss, steps=6, cached=True, accumulate=False, seed=0):
+    """Steps of plain SGD with ``loss``; the model and the warnings raised."""
+    numpy.random.seed(seed)
+    model = Net()
+    if cached:
+        cache_static_graph(model)
+    rng = numpy.random.RandomState(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for i in range(steps):
+            x = chainer.Variable(rng.rand(2, 3).astype(numpy.float32))
+            if not accumulate or i % 2 == 0:
+                model.cleargrads()
+            loss(model, x).backward()
+            if not accumulate or i % 2 == 1:
+                for p in model.params():
+                    p.array -= 0.1 * p.grad
+    return model, [w for w in caught if issubclass(w.category, _outside.StaticGraphOrder)]
+
+
+def _bitwise(a, b):
+    for (name, p), (_, q) in zip(sorted(a.namedparams()), sorted(b.namedparams())):
+        numpy.testing.assert_array_equal(q.array, p.array, err_msg=name)
+        numpy.testing.assert_array_equal(q.grad, p.grad, err_msg=name)
+
+
+def test_a_penalty_over_the_parameters_in_the_loss_is_said_once_naming_them():
+    model, said = train(penalty)
+    assert len(said) == 1, [str(w.message) for w in said]
+    text = str(said[0].message)
+    assert 'Net' in text and '/l1/W' in text and '3 terms' in text
+    assert 'WeightDecay' in text and 'without static_graph' in text
+    assert cache_state(model)['not_bitwise'] == text
+    assert cache_state(model)['fallback'] is None       # it still replays
+    assert cache_state(model)['verified']
+
+
+def test_what_is_said_is_true_the_training_is_within_rounding_not_bitwise_here():
+    """The warning is not a false alarm on this model: the penalty's terms
+    come in another order (a difference of rounding, measured 1 ulp)."""
+    plain, _ = train(penalty, cached=False)
+    cached, _ = train(penalty)
+    differs = any(not numpy.array_equal(p.array, q.array)
+                  for p, q in zip(plain.params(), cached.params()))
+    assert differs
+    for p, q in zip(plain.params(), cached.params()):
+        numpy.testing.assert_allclose(q.array, p.array, rtol=0,
+                                      atol=1e-6 * float(numpy.abs(p.array).max()))
+
+
+@pytest.mark.parametrize('loss', [tied, twice], ids=['tied_once', 'called_twice'])
+def test_two_terms_are_bitwise_and_pass_quietly(loss):
+    plain, _ = train(loss, cached=False)
+    cached, said = train(loss)
+    assert said == []
+    assert cache_state(cached)['fallback'] is None and cache_state(cached)['verified']
+    assert cache_state(cached).get('not_bitwise') is None
+    _bitwise(plain, cached)
+
+
+def plain_sum(model, x):
+    return F.sum(model(x))
+
+
+@pytest.mark.parametrize('loss', [plain_sum, twice], ids=['once', 'called_twice'])
+def test_gradients_accumulated_over_two_backward_passes_pass_quietly(loss):
+    """The gradient left from the first pass is one term, not an outside
+    use: with the call's one term (or two calls' two) bitwise and quiet."""
+    plain, _ = train(loss, cached=False, accumulate=True)
+    cached, said = train(loss, accumulate=True)
+    assert said == []
+    _bitwise(plain, cached)
+
+
+def test_an_outside_use_besides_an_accumulated_gradient_is_said():
+    """The gradient left from before, the call's term and the tied use's:
+    three terms, one from outside."""
+    _, said = train(tied, accumulate=True)
+    assert len(said) == 1 and '/l2/W' in str(said[0].message)
+
+
+def test_only_the_first_passes_are_counted_then_backward_is_left_alone(monkeypatch):
+    """A cache leaves the count after CHECKS passes through its node (or
+    IDLE passes that do not reach it): no cost on later steps."""
+    counted = []
+    original = _outside._judge
+    monkeypatch.setattr(_outside, '_judge', lambda *a: counted.append(1) or original(*a))
+    model, said = train(tied, steps=10)
+    assert said == []
+    assert len(counted) == _outside.CHECKS
+    assert not any(c.ref() is model for c in _outside.WANTED)
+
+
+def test_a_cache_whose_node_never_runs_is_left_alone_after_idle_passes(monkeypatch):
+    counted = []
+    original = _outside._judge
+    monkeypatch.setattr(_outside, '_judge', lambda *a: counted.append(1) or original(*a))
+    numpy.random.seed(0)
+    cached, other = Net(), Net()
+    cache_static_graph(cached)
+    x = numpy.ones((2, 3), numpy.float32)
+    for _ in range(_outside.IDLE + 5):
+        other.cleargrads()
+        F.sum(other(x)).backward()       # another model's backward only
+    assert len(counted) == _outside.IDLE
+    assert not any(c.ref() is cached for c in _outside.WANTED)
+    del cached
+
+
+class Reported(Net):
+    pass
+
+
+def test_the_report_names_the_model_under_enable():
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        with fastchain.enable(static_graph=True, loader_workers=0, autotune=False) as h:
+            numpy.random.seed(0)
+            model = Reported()
+            optimizer = chainer.optimizers.SGD(0.1).setup(model)
+            x = numpy.ones((2, 3), numpy.float32)
+            for _ in range(4):
+                optimizer.update(penalty, model, x)
+            calls = h.report()['static_graph']['calls']
+    assert calls['cached']['Reported'] == 1
+    assert 'Reported' in calls['not_bitwise']
+    assert 'Reported' not in calls['define_by_run']
+    assert '/l2/W' in calls['not_bitwise']['Reported']
+    assert fastchain.StaticGraphOrder is _outside.StaticGraphOrder
+
+
+class Lazy(chainer.Chain):
+    """A head whose input size comes from its first call: the first step's
+    calls run define-by-run, the later ones replay."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 4)
+            self.head = L.Linear(None, 4)
+
+    def forward(self, x):
+        return self.head(F.tanh(self.l1(x)))
+
+
+def thrice(model, x):
+    return sum(F.sum(model(k * x)) for k in (1, 2, 3))
+
+
+def test_the_chains_own_define_by_run_calls_are_inside_the_call():
+    """A lazily sized head, three calls a step: the first step's calls ran
+    define-by-run, the cache's node came later. Their terms are the chain's
+    own (bitwise, quiet), not from outside."""
+    def run(cached):
+        numpy.random.seed(0)
+        model = Lazy()
+        if cached:
+            cache_static_graph(model)
+        rng = numpy.random.RandomState(1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            for _ in range(5):
+                model.cleargrads()
+                thrice(model, chainer.Variable(rng.rand(2, 3).astype(numpy.float32))).backward()
+                for p in model.params():
+                    p.array -= 0.1 * p.grad
+        return model, [w for w in caught if issubclass(w.category, _outside.StaticGraphOrder)]
+    plain, _ = run(False)
+    cached, said = run(True)
+    assert said == [], str(said[0].message)
+    assert cache_state(cached)['verified']
+    _bitwise(plain, cached)
+
+
+class _BackwardInside(chainer.FunctionNode):
+    """The identity, whose backward runs a backward of its own."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def forward(self, inputs):
+        return inputs[0].copy(),
+
+    def backward(self, indexes, grad_outputs):
+        self.inner()
+        return grad_outputs[0],
+
+
+def test_a_backward_inside_a_backward_is_left_to_the_outer_count(monkeypatch):
+    counted = []
+    original = _outside._count
+    monkeypatch.setattr(_outside, '_count', lambda v: counted.append(1) or original(v))
+    numpy.random.seed(0)
+    model, other = Net(), Net()
+    cache_static_graph(model)
+    x = chainer.Variable(numpy.ones((2, 3), numpy.float32))
+    inner_done = []
+
+    def inner():
+        F.sum(other(x)).backward()
+        inner_done.append(other.l1.W.grad is not None)
+    model.cleargrads()
+    y, = _BackwardInside(inner).apply((model(x),))
+    F.sum(y).backward()
+    assert inner_done == [True]
+    assert len(counted) == 1
+    assert model.l1.W.grad is not None
