@@ -477,10 +477,15 @@ def speed_report(args, handle, meter, log, device, n_classes, world=1):
     for name, s in report.items():
         if name in ('loader', 'prefetch_to_device'):
             continue        # the recipe builds its own pipeline (below)
-        fell = (s.get('calls') or {}).get('define_by_run') if name == 'static_graph' else None
+        calls = (s.get('calls') or {}) if name == 'static_graph' else {}
+        fell, order = calls.get('define_by_run'), calls.get('not_bitwise')
         if s['active'] and fell:
             status = 'active, but define-by-run: ' + '; '.join(
                 '{}: {}'.format(model, why) for model, why in fell.items())
+        elif s['active'] and order:
+            status = ('active, not bitwise (gradient terms from outside the call, summed '
+                      'in another order; the StaticGraphOrder warning says which): '
+                      + ', '.join(order))
         elif s['active']:
             status = 'active'
         elif not s['available']:
