@@ -2,33 +2,33 @@
 
 A cached call is one node of Chainer's graph (:mod:`fastchain.static._node`),
 which brings each parameter's gradient from inside the call as one term.
-Chainer's backward adds a parameter's terms one by one as it reaches them
-(a heap by rank, ties by the order nodes were pushed), and the node is
-reached at another point than the define-by-run functions it stands for. Two
-terms add up the same either way (float addition commutes); three or more
-may be grouped otherwise, a difference of rounding: a penalty over the
-parameters in the loss (``F.sum(p * p)`` brings two terms of its own),
-or a parameter used once more outside the call besides a gradient
-accumulated from an earlier backward. Adam turns such rounding noise in a
-gradient that is zero in exact arithmetic (a bias before BatchNormalization)
-into a full step (README: the differential suite's tolerances).
+Chainer's backward adds a parameter's terms one by one as it reaches the
+functions that take it (a heap by rank, ties by the order nodes were
+pushed), after any gradient the parameter held; the node is reached at
+another point than the define-by-run functions it stands for. Terms of
+functions that depend on the call's outputs (a tied head's ``F.matmul(y,
+W)``) come before the call's either way; a term of a function that does not
+(``F.sum(p * p)`` in the loss: two) may come before or after them, and the
+sum may then be grouped otherwise: a difference of rounding, which Adam
+turns into a full step for a gradient that is zero in exact arithmetic (a
+bias before BatchNormalization; README: the differential suite's
+tolerances).
 
-The first :data:`CHECKS` backward passes that reach a cache's node count,
-before they run, the terms each of its parameters will get: Chainer's
-backward adds one term per input slot of a function that takes the
-parameter (``p * p``: two), found by walking the graph back from the
-variable the backward starts from. A term is the call's when it comes
-through the cache's node, or through a function one of the chain's own
-define-by-run calls made (a lazily sized layer's first step, autotune's
-turns, an output the loss leaves out: :func:`called` notes their functions
-while the cache is counted); any other is from outside. A parameter with
-three or more terms in all (a gradient left from an earlier backward is
-one), some from outside, gets a :class:`StaticGraphOrder` warning once per
-model, and the model's entry in ``handle.report()['static_graph']['calls']
-['not_bitwise']``. Later passes are not counted (a loss that starts using
-the parameters later is not seen), and a parameter used twice inside the
-call counts as one term (the node adds its two first; DEVELOPERS.md,
-Chainer's ``static_graph``).
+The first :data:`CHECKS` backward passes that reach a cache's node (or a
+define-by-run call of its chain) count, before they run, the terms each of
+its parameters will get, walking the graph back from the variable the
+backward starts from: one per input slot of a function taking the parameter,
+the calls' (through a node, or a function a cached chain's define-by-run
+call made: :func:`called` notes them for the thread until its backward),
+those that depend on a call's outputs, and the rest. Where the call's terms
+and the rest may be grouped otherwise (:func:`may_differ`), a
+:class:`StaticGraphOrder` warning is given once per model, and the model's
+entry in ``handle.report()['static_graph']['calls']['not_bitwise']``.
+Not counted: passes after those (a loss that starts using the parameters
+later), ``chainer.grad`` (only ``Variable.backward`` is layered), a
+parameter used twice inside the call (the node adds its two terms first),
+and the terms of what the call takes or returns used three or more times
+(a VAE's encoder outputs: DEVELOPERS.md, Chainer's ``static_graph``).
 """
 
 import threading
@@ -46,16 +46,16 @@ WANTED = weakref.WeakSet()  # caches with passes left to count
 _local = threading.local()
 
 MESSAGE = (
-    'fastchain static_graph: the gradient of {params} of {model} adds terms from outside '
-    'the cached call (a penalty over the parameters in the loss, a parameter also used '
-    'by the loss) to the call\'s, {terms} terms in all, and the cached call brings its '
-    'terms at another point of Chainer\'s backward than define-by-run, so they may be '
-    'summed in another order: the training can differ from define-by-run\'s by rounding '
-    '(growing as the trainings drift apart: measured within 4.2e-6 of the largest '
-    'value in float32 over 8 steps; with Adam a gradient '
-    'that is zero in exact arithmetic, such as a bias before BatchNormalization, can '
-    'become a full step). For bitwise results put the penalty in an optimizer hook '
-    '(chainer.optimizer_hooks.WeightDecay) or train this model without static_graph')
+    'fastchain static_graph: the gradient of {params} of {model} gets terms from functions '
+    "outside the cached call that do not depend on its outputs (a penalty over the "
+    "parameters in the loss, F.sum(p * p)), and the cached call brings its own terms at "
+    "another point of Chainer's backward than define-by-run, so the terms may be summed "
+    "in another order: the training can differ from define-by-run's by rounding (growing "
+    'as the trainings drift apart: measured within 4.2e-6 of the largest value in float32 '
+    'over 8 steps; with Adam a gradient that is zero in exact arithmetic, such as a bias '
+    'before BatchNormalization, can become a full step). For bitwise results apply such '
+    'a penalty as an optimizer hook (chainer.optimizer_hooks.WeightDecay(2 * c) for '
+    'c * F.sum(p * p)), or train this model without static_graph')
 
 
 class StaticGraphOrder(FastchainWarning):
@@ -66,7 +66,6 @@ class StaticGraphOrder(FastchainWarning):
 def watch(cache):
     """A new cache: its next :data:`CHECKS` backward passes are counted."""
     cache.outside_left, cache.outside_idle = CHECKS, IDLE
-    cache.outside_inside, cache.outside_unsure = [], False
     WANTED.add(cache)
 
 
@@ -76,28 +75,41 @@ def unwatch(cache):
 
 
 def called(cache, args, result):
-    """``cache``'s chain was called on ``args`` and gave ``result``: if it
-    ran define-by-run, the functions it made are the call's own."""
+    """``cache``'s chain was called on ``args`` and gave ``result`` (in
+    training, with backprop): if it ran define-by-run, the functions it made
+    are the call's own, noted for this thread until its next backward."""
     import chainer
+    if not (chainer.config.train and chainer.config.enable_backprop):
+        return
     outputs = [y for y in _flatten(result)
                if isinstance(y, chainer.Variable) and y.creator_node is not None]
     if not outputs or any(_node_of(y.creator_node) for y in outputs):
         return
-    inside = cache.outside_inside
+    inside = _inside()
+    if len(inside) >= LIMIT:
+        _local.unsure = True     # too many kept: no verdict on the next pass
+        return
     stop = {id(x.node) for x in _flatten(args) if isinstance(x, chainer.Variable)}
-    seen = set(id(f) for f in inside)
     stack = [y.creator_node for y in outputs]
     while stack:
         func = stack.pop()
-        if id(func) in seen:
+        if id(func) in inside:
             continue
         if len(inside) >= LIMIT:
-            cache.outside_unsure = True     # too big to keep: no verdict this pass
+            _local.unsure = True
             return
-        seen.add(id(func))
-        inside.append(func)
+        inside[id(func)] = func
         stack.extend(x.creator_node for x in func.inputs
                      if x.creator_node is not None and id(x) not in stop)
+
+
+def _inside():
+    """This thread's functions of the cached chains' define-by-run calls
+    since its last backward, by id."""
+    inside = getattr(_local, 'inside', None)
+    if inside is None:
+        inside = _local.inside = {}
+    return inside
 
 
 def _node_of(func):
@@ -121,56 +133,98 @@ def backward_layer(next_, variable, *args, **kwargs):
     """``Variable.backward`` while a chain is cached: its terms counted
     first while some cache has passes left."""
     if WANTED and not getattr(_local, 'busy', False):
-        _local.busy = True      # a backward inside it (F.forget's) is its own
+        _local.busy = True      # a backward inside it is the outer one's
         try:
-            _count(variable)
+            if not getattr(_local, 'unsure', False):
+                _count(variable)
             return next_(variable, *args, **kwargs)
         finally:
-            _local.busy = False
-            for cache in list(WANTED):
-                cache.outside_inside, cache.outside_unsure = [], False
+            _local.busy = _local.unsure = False
+            _local.inside = {}
     return next_(variable, *args, **kwargs)
 
 
 def _count(variable):
     """The terms each watched parameter will get in the backward from
-    ``variable``: the call's (``inside``) and the rest."""
-    watched = {}
+    ``variable``, by where Chainer's backward adds them: the calls' (through
+    a cache's node or a function of a cached chain's define-by-run call);
+    those of functions that depend on a call's outputs (``after``: popped
+    before any of the call's, with or without the cache: their place is
+    kept); and the others (``apart``: a penalty over the parameters, whose
+    place among the call's terms may move)."""
+    inside = _inside()
+    watched = {}        # id(parameter node) -> (parameter, caches, [call, after, apart])
     for cache in list(WANTED):
         chain = cache.ref()
         if chain is not None:
-            mine = {id(f) for f in cache.outside_inside}
             for p in chain.params():
                 if p.array is not None:
-                    watched[id(p.node)] = (cache, p, mine, [0, 0])
-    seen, stack = set(), [variable.creator_node]
+                    watched.setdefault(id(p.node), (p, [], [0, 0, 0]))[1].append(cache)
+    funcs, stack, seen = [], [variable.creator_node], set()
     while stack:
         func = stack.pop()
         if func is None or id(func) in seen:
             continue
         seen.add(id(func))
-        owner = _node_of(func)
+        funcs.append(func)
+        stack.extend(x.creator_node for x in func.inputs if x.creator_node is not None)
+    calls = {id(f) for f in funcs if id(f) in inside or _node_of(f) is not None}
+    after = _downstream(funcs, calls)
+    for func in funcs:
+        where = 0 if id(func) in calls else 1 if id(func) in after else 2
         for x in func.inputs:
             entry = watched.get(id(x))
             if entry is not None:
-                entry[3][0 if owner is entry[0] or id(func) in entry[2] else 1] += 1
-            elif x.creator_node is not None:
-                stack.append(x.creator_node)
-    _judge(watched)
+                entry[2][where] += 1
+    _judge(watched.values())
 
 
-def _judge(watched):
-    """Each cache whose node the pass reaches has one pass fewer left (one it
-    does not reach, one idle pass fewer), and one whose parameters get
-    outside terms is named."""
-    found, most, reached = {}, {}, set()
-    for cache, p, _, (inside, outside) in watched.values():
-        if inside:
-            reached.add(cache)
-        total = inside + outside + (p.grad_var is not None)
-        if outside and total >= 3:
-            found.setdefault(cache, []).append(p)
-            most[cache] = max(most.get(cache, 0), total)
+def _downstream(funcs, calls):
+    """The ids of the functions in ``funcs`` (a graph's) that depend on an
+    output of one of ``calls``."""
+    by_id = {id(f): f for f in funcs}
+    memo = {}
+    for root in funcs:
+        stack = [(root, False)]
+        while stack:
+            func, ready = stack.pop()
+            key = id(func)
+            if key in memo:
+                continue
+            parents = [x.creator_node for x in func.inputs
+                       if x.creator_node is not None and id(x.creator_node) in by_id]
+            if not ready:
+                stack.append((func, True))
+                stack.extend((f, False) for f in parents if id(f) not in memo)
+                continue
+            memo[key] = any(id(f) in calls or memo.get(id(f), False) for f in parents)
+    return {k for k, v in memo.items() if v}
+
+
+def may_differ(call, after, apart, held):
+    """Whether a parameter's sum may change with the call's terms' place
+    among the ``apart`` ones: the prefix (a gradient held from before, the
+    ``after`` terms) is added first either way, and two terms commute. With
+    two or more calls, a term after one call's output may come before
+    another call's terms (the differential suite: a tied head called three
+    times), so it moves too."""
+    if call >= 2:
+        after, apart = 0, apart + after
+    moving = call + apart
+    return bool(call and apart and (moving >= 3 or (moving >= 2 and (held or after))))
+
+
+def _judge(entries):
+    """Each cache whose node or define-by-run call the pass reaches has one
+    pass fewer left (one it does not reach, one idle pass fewer), and one
+    whose parameters' sums may change is named."""
+    found, reached = {}, set()
+    for p, caches, (call, after, apart) in entries:
+        if call:
+            reached.update(caches)
+        if may_differ(call, after, apart, p.grad_var is not None):
+            for cache in caches:
+                found.setdefault(cache, []).append(p)
     for cache in list(WANTED):
         if cache in reached:
             cache.outside_left -= 1
@@ -179,17 +233,18 @@ def _judge(watched):
         if cache.outside_left <= 0 or cache.outside_idle <= 0:
             WANTED.discard(cache)
     for cache, params in found.items():
-        if cache in reached and not cache.outside_unsure and \
-                cache.state.get('not_bitwise') is None:
-            _name(cache, params, most[cache])
-def _name(cache, found, most):
+        if cache in reached and cache.state.get('not_bitwise') is None:
+            _name(cache, params)
+
+
+def _name(cache, found):
     import warnings
     chain = cache.ref()
     names = {id(p): name for name, p in chain.namedparams()} if chain is not None else {}
     listed = [names.get(id(p), p.name or '?') for p in found]
     params = ', '.join(listed[:NAMES]) + (' and {} more'.format(len(listed) - NAMES)
                                           if len(listed) > NAMES else '')
-    message = MESSAGE.format(params=params, model=cache.name, terms=most)
+    message = MESSAGE.format(params=params, model=cache.name)
     cache.state['not_bitwise'] = message
     WANTED.discard(cache)
     warnings.warn(message, StaticGraphOrder, stacklevel=_patches.user_stacklevel())
