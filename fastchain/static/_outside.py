@@ -86,9 +86,12 @@ def called(cache, args, result):
     if not outputs or any(_node_of(y.creator_node) for y in outputs):
         return
     inside = _inside()
-    if len(inside) >= LIMIT:
-        _local.unsure = True     # too many kept: no verdict on the next pass
-        return
+    if len(inside) >= LIMIT:    # calls without a backward: forget the dead
+        for key in [k for k, ref in inside.items() if ref() is None]:
+            del inside[key]
+        if len(inside) >= LIMIT:
+            _local.unsure = True     # too many: no verdict on the next pass
+            return
     stop = {id(x.node) for x in _flatten(args) if isinstance(x, chainer.Variable)}
     stack = [y.creator_node for y in outputs]
     while stack:
@@ -98,14 +101,14 @@ def called(cache, args, result):
         if len(inside) >= LIMIT:
             _local.unsure = True
             return
-        inside[id(func)] = func
+        inside[id(func)] = weakref.ref(func)    # (not keeping a graph alive)
         stack.extend(x.creator_node for x in func.inputs
                      if x.creator_node is not None and id(x) not in stop)
 
 
 def _inside():
     """This thread's functions of the cached chains' define-by-run calls
-    since its last backward, by id."""
+    since its last backward: id -> weak reference."""
     inside = getattr(_local, 'inside', None)
     if inside is None:
         inside = _local.inside = {}
@@ -168,7 +171,8 @@ def _count(variable):
         seen.add(id(func))
         funcs.append(func)
         stack.extend(x.creator_node for x in func.inputs if x.creator_node is not None)
-    calls = {id(f) for f in funcs if id(f) in inside or _node_of(f) is not None}
+    calls = {id(f) for f in funcs
+             if (id(f) in inside and inside[id(f)]() is f) or _node_of(f) is not None}
     after = _downstream(funcs, calls)
     for func in funcs:
         where = 0 if id(func) in calls else 1 if id(func) in after else 2

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.usefixtures('fresh_fixes')
 def counted_afresh(monkeypatch):
     """Caches of earlier tests not collected yet are not counted here."""
     monkeypatch.setattr(_outside, 'WANTED', weakref.WeakSet())
+    _outside._local.inside = {}
 
 
 class Net(chainer.Chain):
@@ -177,6 +178,24 @@ def test_a_link_shared_by_two_cached_models_is_the_calls_in_both():
     assert said == [], str(said[0].message)
     for p, q in zip(plain, cached):
         numpy.testing.assert_array_equal(q.array, p.array)
+
+
+def test_training_calls_without_a_backward_keep_no_graph_alive():
+    """Define-by-run calls are noted until the thread's next backward, by
+    weak reference: calls in training mode that never reach a backward do
+    not keep their graphs (and arrays) alive."""
+    import gc
+    numpy.random.seed(0)
+    model = Lazy()
+    cache_static_graph(model)
+    x = numpy.ones((2, 3), numpy.float32)
+    y = model(x)                        # the lazy head's first call runs define-by-run
+    assert _outside._inside()
+    ref = weakref.ref(y.creator_node)
+    del y
+    gc.collect()
+    assert ref() is None
+    assert all(r() is None for r in _outside._inside().values())
 
 
 def test_evaluation_calls_keep_nothing():
