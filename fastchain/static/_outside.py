@@ -125,6 +125,8 @@ def _node_of(func):
 
 
 def _flatten(x):
+    """:func:`fastchain.static._verify.flatten`, a dict's values too (what a
+    define-by-run call returns is not checked by the cache)."""
     if isinstance(x, (list, tuple)):
         return [y for item in x for y in _flatten(item)]
     if isinstance(x, dict):
