@@ -1,0 +1,110 @@
+"""How far a static_graph run the cache said is not bitwise (StaticGraphOrder:
+a parameter's gradient terms summed in another order) ends from plain
+Chainer's: the measurement ``harness.TIED_TOLERANCE`` is set from.
+
+    python -m tests.differential.measure_tolerance [--fp16] [--examples 600]
+        [--seed 4] [--out deviations.jsonl]
+
+It draws what ``test_fastchain_trains_as_plain_chainer`` draws, restricted to
+models whose loss also uses their parameters outside the call (a penalty, a
+tied head) with ``static_graph`` on in the first handle, trains both, and for
+each run the cache said records ``harness.deviation`` (the smallest tolerance
+the run passes, in ``harness.compare``'s units) with the draws; it prints the
+distribution and the worst runs. Deterministic for a seed (Hypothesis'
+database off). Not a test: pytest does not collect it.
+"""
+
+import argparse
+import json
+import sys
+
+from hypothesis import HealthCheck, assume, given, seed, settings, strategies as st
+
+from tests.differential import harness
+from tests.differential.models import HOOKS, SGD_FAMILY, model_specs
+from tests.differential.test_differential import layouts
+
+
+def measure(fp16, examples, seed_, out):
+    """Run ``examples`` draws; append one JSON line per said run to ``out``;
+    return the records."""
+    records = []
+
+    @seed(seed_)
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def draw(data):
+        spec = data.draw(model_specs(allow_calls=True), 'model')
+        assume(spec['tied'])
+        steps = data.draw(st.integers(2, 8), 'steps')
+        first, second, disable_at = data.draw(layouts(steps), 'layout')
+        first['static_graph'] = True
+        second.pop('static_graph', None)
+        layout = (first, second, disable_at)
+        hooks = data.draw(HOOKS, 'hooks')
+        optimizer = data.draw(SGD_FAMILY, 'optimizer')
+        resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
+        loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
+        growth = data.draw(st.sampled_from([10 ** 9, 1, 3]), 'growth_interval') \
+            if fp16 else 10 ** 9
+        scales, said = [], []
+        try:
+            got = harness.run(spec, optimizer, hooks, steps, layout=layout, fp16=fp16,
+                              resume_at=resume_at, loop=loop, growth_interval=growth,
+                              scales=scales, said=said)
+        except (harness.Skipped, KeyError):
+            assume(False)
+        if not said:
+            return          # bitwise, which the suite asserts
+        expected = harness.run(spec, optimizer, hooks, steps, fp16=fp16, loop=loop,
+                               scales=scales)
+        try:
+            ratio, where = harness.deviation(expected, got)
+            first = harness.deviation(expected[:1], got[:1])[0]
+        except AssertionError as e:             # one training diverged alone
+            ratio, where, first = float('inf'), str(e), float('inf')
+        record = {'deviation': ratio, 'where': where, 'fp16': fp16, 'steps': steps,
+                  'first_step': first,
+                  'compared': harness.comparable_steps(expected, got),
+                  'loss': [float(s['loss']) for s in expected],
+                  'draws': {'model': spec, 'layout': layout, 'hooks': hooks,
+                            'optimizer': optimizer, 'resume_at': resume_at, 'loop': loop,
+                            'growth_interval': growth}}
+        records.append(record)
+        if out:
+            with open(out, 'a') as f:
+                f.write(json.dumps(record, default=repr) + '\n')
+
+    draw()
+    return records
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--fp16', action='store_true', help='fp16 runs (default float32)')
+    parser.add_argument('--examples', type=int, default=600)
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--out', help='append a JSON line per said run to this file')
+    args = parser.parse_args(argv)
+    records = measure(args.fp16, args.examples, args.seed, args.out)
+    if not records:
+        print('no run was said to differ')
+        return 0
+    values = sorted(r['deviation'] for r in records)
+    print('{} runs said (of {} examples, seed {}, {}); deviation of the largest value '
+          'of the same kind:'.format(len(values), args.examples, args.seed,
+                                     'fp16' if args.fp16 else 'float32'))
+    for q in (0.5, 0.9, 0.99, 1.0):
+        print('  {:>5}: {:.3g}'.format('max' if q == 1.0 else 'p{:g}'.format(100 * q),
+                                       values[min(len(values) - 1, int(q * len(values)))]))
+    print('  first step at most {:.3g}; tolerance now: {:g}'.format(
+        max(r['first_step'] for r in records), harness.TIED_TOLERANCE[args.fp16]))
+    for r in sorted(records, key=lambda r: -r['deviation'])[:5]:
+        print('  {:.3g} at {}; losses {}'.format(
+            r['deviation'], r['where'], ' '.join('{:.3g}'.format(v) for v in r['loss'])))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
