@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, seed, settings, strategies as
 
 from tests.differential import harness
 from tests.differential.models import HOOKS, SGD_FAMILY, model_specs
-from tests.differential.test_differential import layouts
+from tests.differential.test_differential import draw_loop, layouts
 
 
 def measure(fp16, examples, seed_, out):
@@ -44,10 +44,7 @@ def measure(fp16, examples, seed_, out):
         layout = (first, second, disable_at)
         hooks = data.draw(HOOKS, 'hooks')
         optimizer = data.draw(SGD_FAMILY, 'optimizer')
-        resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
-        loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
-        growth = data.draw(st.sampled_from([10 ** 9, 1, 3]), 'growth_interval') \
-            if fp16 else 10 ** 9
+        resume_at, loop, growth = draw_loop(data, steps, fp16)
         scales, said = [], []
         try:
             got = harness.run(spec, optimizer, hooks, steps, layout=layout, fp16=fp16,

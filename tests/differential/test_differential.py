@@ -52,6 +52,18 @@ def layouts(draw, steps):
     return handles[0], handles[1], disable_at
 
 
+def draw_loop(data, steps, fp16):
+    """(the step to snapshot and resume at or None, the training loop, the
+    loss scaler's growth interval) of a run of ``steps`` steps."""
+    resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
+    loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
+    # fp16: the loss scale kept, or doubled every 1 or 3 steps (plain Chainer
+    # follows the scale fastchain's scaler used at each step)
+    growth_interval = data.draw(st.sampled_from([10 ** 9, 1, 3]), 'growth_interval') \
+        if fp16 else 10 ** 9
+    return resume_at, loop, growth_interval
+
+
 @settings(max_examples=EXAMPLES, deadline=None, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
@@ -65,12 +77,7 @@ def test_fastchain_trains_as_plain_chainer(data):
     layout = data.draw(layouts(steps), 'layout')
     tied = spec['tied'] and any(options.get('static_graph') for options in layout[:2])
     optimizer = data.draw(optimizer_for(tied), 'optimizer')
-    resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
-    loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
-    # fp16: the loss scale kept, or doubled every 1 or 3 steps (plain Chainer
-    # follows the scale fastchain's scaler used at each step)
-    growth_interval = data.draw(st.sampled_from([10 ** 9, 1, 3]), 'growth_interval') \
-        if fp16 else 10 ** 9
+    resume_at, loop, growth_interval = draw_loop(data, steps, fp16)
     scales, said = [], []
     try:
         got = harness.run(spec, optimizer, hooks, steps, layout=layout, fp16=fp16,
