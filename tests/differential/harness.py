@@ -182,7 +182,15 @@ FORCED = {
                   'fused_update': 'fused', 'static_graph': 'cached',
                   'loader_workers': '2', 'loader_prefetch': '2'},
 }
-ONEDNN_TOLERANCE = 1e-4     # onednn: of the largest value of the same kind (measured: 3.2e-5)
+# onednn: (the first step, the later ones), of the largest value of the same
+# kind. Kernels that round differently: a few units of rounding at the first
+# step, a difference that grows as the trainings drift apart, most where an
+# LSTM carries it from step to step. Set from ``python -m
+# tests.differential.measure_tolerance --onednn`` (DEVELOPERS.md, "oneDNN
+# kernels"): over 6,000 runs, the first step at most 3.4e-6, later steps
+# 1.5e-4 (test_harness.WORST_ONEDNN; 7.4e-5 the next). Before: 1e-4 for every
+# step, from 1,000 examples whose worst was 3.2e-5.
+ONEDNN_TOLERANCE = (2e-5, 5e-4)
 # static_graph, a parameter of the cached chain also used by the loss outside
 # the call, where the cache says so (StaticGraphOrder: three or more gradient
 # terms, some from outside, fastchain/static/_outside.py): the same terms
@@ -408,13 +416,16 @@ def compare(expected, got, atol_scale=None):
     """Assert the two traces agree: exactly, or within ``atol_scale`` times
     the largest magnitude of the same kind of value (weights, gradients,
     statistics, optimizer state, loss) in the reference's step (``_largest``)
-    up to where a training diverged (``_comparable``)."""
+    up to where a training diverged (``_comparable``). ``atol_scale`` may be
+    a pair: (the first step's, the later steps')."""
     assert len(expected) == len(got)
     steps = len(expected) if atol_scale is None else _comparable(expected, got)
+    first, later = atol_scale if isinstance(atol_scale, tuple) else (atol_scale, atol_scale)
     for step, (e, g) in enumerate(zip(expected, got)):
         assert sorted(e) == sorted(g), (step, sorted(set(e) ^ set(g)))
         if step >= steps:
             continue
+        atol_scale = first if step == 0 else later
         largest = _largest(e)
         for key in sorted(e):
             a, b = e[key], g[key]

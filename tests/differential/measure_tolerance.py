@@ -1,17 +1,21 @@
-"""How far a static_graph run the cache said is not bitwise (StaticGraphOrder:
-a parameter's gradient terms summed in another order) ends from plain
-Chainer's: the measurement ``harness.TIED_TOLERANCE`` is set from.
+"""How far the runs the suite holds to a tolerance end from plain Chainer's:
+the measurements ``harness.TIED_TOLERANCE`` and ``harness.ONEDNN_TOLERANCE``
+are set from.
 
-    python -m tests.differential.measure_tolerance [--fp16] [--examples 600]
-        [--seed 4] [--out deviations.jsonl]
+    python -m tests.differential.measure_tolerance [--fp16 | --onednn]
+        [--examples 600] [--seed 4] [--out deviations.jsonl]
 
-It draws what ``test_fastchain_trains_as_plain_chainer`` draws, restricted to
-models whose loss also uses their parameters outside the call (a penalty, a
-tied head) with ``static_graph`` on in the first handle, trains both, and for
-each run the cache said records ``harness.deviation`` (the smallest tolerance
-the run passes, in ``harness.compare``'s units) with the draws; it prints the
-distribution and the worst runs. Deterministic for a seed (Hypothesis'
-database off). Not a test: pytest does not collect it.
+By default it draws what ``test_fastchain_trains_as_plain_chainer`` draws,
+restricted to models whose loss also uses their parameters outside the call
+(a penalty, a tied head) with ``static_graph`` on in the first handle, and
+measures the runs the cache said are not bitwise (StaticGraphOrder: a
+parameter's gradient terms summed in another order). ``--onednn`` draws what
+``test_onednn_trains_within_its_stated_tolerance_of_plain_chainer`` draws
+(needs PyTorch) and measures every run. For each run it records
+``harness.deviation`` (the smallest tolerance the run passes, in
+``harness.compare``'s units) with the draws, and prints the distribution and
+the worst runs. Deterministic for a seed (Hypothesis' database off). Not a
+test: pytest does not collect it.
 """
 
 import argparse
@@ -22,12 +26,53 @@ from hypothesis import HealthCheck, assume, given, seed, settings, strategies as
 
 from tests.differential import harness
 from tests.differential.models import HOOKS, SGD_FAMILY, model_specs
-from tests.differential.test_differential import draw_loop, layouts
+from tests.differential.test_differential import draw_loop, draw_onednn, layouts
+
+
+def record(expected, got, steps, draws, out, records):
+    """Append the deviation of ``got`` from ``expected`` (and the draws) to
+    ``records`` and as a JSON line to ``out``."""
+    try:
+        ratio, where = harness.deviation(expected, got)
+        first = harness.deviation(expected[:1], got[:1])[0]
+    except AssertionError as e:             # one training diverged alone
+        ratio, where, first = float('inf'), str(e), float('inf')
+    entry = {'deviation': ratio, 'where': where, 'steps': steps, 'first_step': first,
+             'compared': harness.comparable_steps(expected, got),
+             'loss': [float(s['loss']) for s in expected], 'draws': draws}
+    records.append(entry)
+    if out:
+        with open(out, 'a') as f:
+            f.write(json.dumps(entry, default=repr) + '\n')
+
+
+def measure_onednn(examples, seed_, out):
+    """Every run of ``examples`` onednn draws (float32)."""
+    records = []
+
+    @seed(seed_)
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def draw(data):
+        spec, hooks, optimizer, steps, layout, resume_at, loop = draw_onednn(data)
+        try:
+            got = harness.run(spec, optimizer, hooks, steps, layout=layout,
+                              resume_at=resume_at, loop=loop)
+        except KeyError:        # a snapshot Chainer cannot load either (the suite checks)
+            assume(False)
+        expected = harness.run(spec, optimizer, hooks, steps, loop=loop)
+        record(expected, got, steps,
+               {'model': spec, 'layout': layout, 'hooks': hooks, 'optimizer': optimizer,
+                'resume_at': resume_at, 'loop': loop}, out, records)
+
+    draw()
+    return records
 
 
 def measure(fp16, examples, seed_, out):
-    """Run ``examples`` draws; append one JSON line per said run to ``out``;
-    return the records."""
+    """The tied runs of ``examples`` draws that the cache said are not
+    bitwise (float32 or fp16)."""
     records = []
 
     @seed(seed_)
@@ -56,22 +101,11 @@ def measure(fp16, examples, seed_, out):
             return          # bitwise, which the suite asserts
         expected = harness.run(spec, optimizer, hooks, steps, fp16=fp16, loop=loop,
                                scales=scales)
-        try:
-            ratio, where = harness.deviation(expected, got)
-            first = harness.deviation(expected[:1], got[:1])[0]
-        except AssertionError as e:             # one training diverged alone
-            ratio, where, first = float('inf'), str(e), float('inf')
-        record = {'deviation': ratio, 'where': where, 'fp16': fp16, 'steps': steps,
-                  'first_step': first,
-                  'compared': harness.comparable_steps(expected, got),
-                  'loss': [float(s['loss']) for s in expected],
-                  'draws': {'model': spec, 'layout': layout, 'hooks': hooks,
-                            'optimizer': optimizer, 'resume_at': resume_at, 'loop': loop,
-                            'growth_interval': growth}}
-        records.append(record)
-        if out:
-            with open(out, 'a') as f:
-                f.write(json.dumps(record, default=repr) + '\n')
+        record(expected, got, steps,
+               {'model': spec, 'layout': layout, 'hooks': hooks, 'optimizer': optimizer,
+                'resume_at': resume_at, 'loop': loop, 'growth_interval': growth,
+                'fp16': fp16},
+               out, records)
 
     draw()
     return records
@@ -79,24 +113,32 @@ def measure(fp16, examples, seed_, out):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--fp16', action='store_true', help='fp16 runs (default float32)')
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument('--fp16', action='store_true', help='fp16 tied runs (default float32)')
+    kind.add_argument('--onednn', action='store_true',
+                      help="onednn's runs (float32) instead of the tied ones")
     parser.add_argument('--examples', type=int, default=600)
     parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--out', help='append a JSON line per said run to this file')
+    parser.add_argument('--out', help='append a JSON line per measured run to this file')
     args = parser.parse_args(argv)
-    records = measure(args.fp16, args.examples, args.seed, args.out)
+    if args.onednn:
+        records = measure_onednn(args.examples, args.seed, args.out)
+        what, tolerance = 'onednn, float32', harness.ONEDNN_TOLERANCE
+    else:
+        records = measure(args.fp16, args.examples, args.seed, args.out)
+        what = 'tied, fp16' if args.fp16 else 'tied, float32'
+        tolerance = harness.TIED_TOLERANCE[args.fp16]
     if not records:
         print('no run was said to differ')
         return 0
     values = sorted(r['deviation'] for r in records)
-    print('{} runs said (of {} examples, seed {}, {}); deviation of the largest value '
-          'of the same kind:'.format(len(values), args.examples, args.seed,
-                                     'fp16' if args.fp16 else 'float32'))
+    print('{} runs measured (of {} examples, seed {}, {}); deviation of the largest value '
+          'of the same kind:'.format(len(values), args.examples, args.seed, what))
     for q in (0.5, 0.9, 0.99, 1.0):
         print('  {:>5}: {:.3g}'.format('max' if q == 1.0 else 'p{:g}'.format(100 * q),
                                        values[min(len(values) - 1, int(q * len(values)))]))
-    print('  first step at most {:.3g}; tolerance now: {:g}'.format(
-        max(r['first_step'] for r in records), harness.TIED_TOLERANCE[args.fp16]))
+    print('  first step at most {:.3g}; tolerance now: {}'.format(
+        max(r['first_step'] for r in records), tolerance))
     for r in sorted(records, key=lambda r: -r['deviation'])[:5]:
         print('  {:.3g} at {}; losses {}'.format(
             r['deviation'], r['where'], ' '.join('{:.3g}'.format(v) for v in r['loss'])))
