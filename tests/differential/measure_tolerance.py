@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, assume, given, seed, settings, strategies as
 
 from tests.differential import harness
 from tests.differential.models import HOOKS, SGD_FAMILY, model_specs
-from tests.differential.test_differential import draw_loop, draw_onednn, layouts, unloadable
+from tests.differential.test_differential import draw_loop, draw_onednn, layouts, run_onednn
 
 
 def record(expected, got, steps, draws, out, records):
@@ -46,28 +46,27 @@ def record(expected, got, steps, draws, out, records):
             f.write(json.dumps(entry, default=repr) + '\n')
 
 
+def _explore(body, examples, seed_):
+    """Call ``body(data)`` on ``examples`` Hypothesis draws, the same for a
+    seed (the database off)."""
+    seed(seed_)(settings(max_examples=examples, deadline=None, database=None,
+                         suppress_health_check=list(HealthCheck))(
+        given(data=st.data())(body)))()
+
+
 def measure_onednn(examples, seed_, out):
     """Every run of ``examples`` onednn draws (float32)."""
     records = []
 
-    @seed(seed_)
-    @settings(max_examples=examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(data=st.data())
     def draw(data):
-        spec, hooks, optimizer, steps, layout, resume_at, loop = draw_onednn(data)
-        try:
-            got = harness.run(spec, optimizer, hooks, steps, layout=layout,
-                              resume_at=resume_at, loop=loop)
-        except KeyError as e:   # a snapshot Chainer cannot load either, or fastchain's error
-            unloadable(e, spec, optimizer, hooks, steps, resume_at, loop)
-            raise
-        expected = harness.run(spec, optimizer, hooks, steps, loop=loop)
+        draws = draw_onednn(data)
+        spec, hooks, optimizer, steps, layout, resume_at, loop = draws
+        expected, got = run_onednn(*draws)
         record(expected, got, steps,
                {'model': spec, 'layout': layout, 'hooks': hooks, 'optimizer': optimizer,
                 'resume_at': resume_at, 'loop': loop}, out, records)
 
-    draw()
+    _explore(draw, examples, seed_)
     return records
 
 
@@ -76,10 +75,6 @@ def measure(fp16, examples, seed_, out):
     bitwise (float32 or fp16)."""
     records = []
 
-    @seed(seed_)
-    @settings(max_examples=examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(data=st.data())
     def draw(data):
         spec = data.draw(model_specs(allow_calls=True), 'model')
         assume(spec['tied'])
@@ -108,7 +103,7 @@ def measure(fp16, examples, seed_, out):
                 'fp16': fp16},
                out, records)
 
-    draw()
+    _explore(draw, examples, seed_)
     return records
 
 

@@ -56,12 +56,17 @@ def draw_loop(data, steps, fp16):
     """(the step to snapshot and resume at or None, the training loop, the
     loss scaler's growth interval) of a run of ``steps`` steps."""
     resume_at = data.draw(st.one_of(st.none(), st.integers(1, steps - 1)), 'resume_at')
+    return (resume_at,) + draw_training_loop(data, fp16)
+
+
+def draw_training_loop(data, fp16):
+    """(the training loop, the loss scaler's growth interval)."""
     loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
     # fp16: the loss scale kept, or doubled every 1 or 3 steps (plain Chainer
     # follows the scale fastchain's scaler used at each step)
     growth_interval = data.draw(st.sampled_from([10 ** 9, 1, 3]), 'growth_interval') \
         if fp16 else 10 ** 9
-    return resume_at, loop, growth_interval
+    return loop, growth_interval
 
 
 def unloadable(error, spec, optimizer, hooks, steps, resume_at, loop, **kwargs):
@@ -144,9 +149,7 @@ def test_replayed_schedules_train_as_plain_chainer(data):
                   'nvtx': st.booleans()}), 'options')
     # measuring, or the cached schedule and fastchain's kernels forced
     options['_tuning'] = data.draw(st.sampled_from(['measure', 'fastchain']), 'tuning')
-    loop = data.draw(st.sampled_from(['update', 'own', 'own_unscaled']), 'loop')
-    growth_interval = data.draw(st.sampled_from([10 ** 9, 1, 3]), 'growth_interval') \
-        if fp16 else 10 ** 9
+    loop, growth_interval = draw_training_loop(data, fp16)
     scales = []
     try:
         got = harness.run(spec, optimizer, hooks, steps, layout=(options, {}, None),
@@ -199,15 +202,20 @@ def test_onednn_trains_within_its_stated_tolerance_of_plain_chainer(data):
     leaves (measuring, or forced to either side), with onednn in either handle
     (the second one disabled at a random step)."""
     pytest.importorskip('torch', reason="onednn's kernels come from PyTorch")
-    spec, hooks, optimizer, steps, layout, resume_at, loop = draw_onednn(data)
+    expected, got = run_onednn(*draw_onednn(data))
+    harness.compare(expected, got, harness.ONEDNN_TOLERANCE)
+
+
+def run_onednn(spec, hooks, optimizer, steps, layout, resume_at, loop):
+    """(plain Chainer's trace, the onednn run's) of ``draw_onednn``'s draws;
+    shared with measure_tolerance --onednn."""
     try:
         got = harness.run(spec, optimizer, hooks, steps, layout=layout,
                           resume_at=resume_at, loop=loop)
     except KeyError as e:
         unloadable(e, spec, optimizer, hooks, steps, resume_at, loop)
         raise       # (unloadable rejects the example or fails)
-    expected = harness.run(spec, optimizer, hooks, steps, loop=loop)
-    harness.compare(expected, got, harness.ONEDNN_TOLERANCE)
+    return harness.run(spec, optimizer, hooks, steps, loop=loop), got
 
 
 def draw_onednn(data):
