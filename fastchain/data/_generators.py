@@ -224,7 +224,58 @@ class KeptGenerators:
             self.drew.append("Python's random")
         numpy.random.set_state(self.numpy)
         random.setstate(self.python)
+        self.own_drew, self.after = [], []
         for (path, generator), state in zip(self.own, self.states):
-            if not _same(_state(generator), state):
-                self.drew.append('its own {} ({})'.format(type(generator).__name__, path))
+            self.after.append(_state(generator))
+            if not _same(self.after[-1], state):
+                self.own_drew.append((path, generator))
+                self.drew.append(own_name(path, generator))
             _set_state(generator, state)
+
+
+def own_name(path, generator):
+    return 'its own {} ({})'.format(type(generator).__name__, path)
+
+
+def seeded_per_example(load, own):
+    """Those of ``own`` (generators ``load()`` drew from) that ``load``
+    seeds itself before it draws (``self.rng.seed(i)`` in ``get_example``):
+    started from another state (the others as they were), it ends in the
+    same state and ``load()`` returns the same example, so seeding it per
+    example in the workers changes nothing. Loading that fails keeps them
+    all (what it drew cannot be told)."""
+    def run(moved):
+        with KeptGenerators(own) as kept:
+            for k, (_, generator) in enumerate(own):
+                _reseed(generator, (0x5EED + 104729 * k + 7919 * (k == moved)) % 2**32)
+            example = load()
+        return example, kept.after
+    try:
+        example, ends = run(None)
+        found = []
+        for k in range(len(own)):
+            other, moved = run(k)
+            if _equal(example, other) and _same(ends[k], moved[k]):
+                found.append(own[k])
+        return found
+    except Exception:
+        return []
+
+
+def _equal(a, b):
+    """Examples ``a`` and ``b`` the same, value for value (False where that
+    cannot be told)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (numpy.ndarray, numpy.generic)):
+        return a.dtype == b.dtype and a.shape == b.shape and \
+            numpy.array_equal(a, b, equal_nan=a.dtype.kind in 'fc')
+    try:
+        same = a == b
+    except Exception:
+        return False
+    return same if isinstance(same, bool) else False

@@ -140,8 +140,12 @@ DRAWS_RANDOM = (
 def _draws_random(iterator):
     """The generators (global, or the dataset's own) the first example of
     ``iterator``'s order draws from (loaded here, the generators put back):
-    [] if none, or it fails."""
-    from fastchain.data._generators import KeptGenerators, find
+    [] if none, or it fails. A generator of the dataset's own that it seeds
+    per example itself is not named: the workers' seeding changes nothing
+    there. NumPy's and Python's global ones are named even then: in plain
+    Chainer a dataset seeding them also moves what the main process draws
+    next (dropout, the next epoch's order), and in the workers it does not."""
+    from fastchain.data._generators import KeptGenerators, find, own_name, seeded_per_example
     if not len(iterator.dataset):
         return []
     order = iterator._state.order
@@ -151,7 +155,10 @@ def _draws_random(iterator):
         try:
             iterator.dataset[index]
         except Exception:
-            pass        # a bad example is the loader's to report, in its batch
+            return kept.drew    # a bad example is the loader's to report, in its batch
+    if kept.own_drew:
+        for path, generator in seeded_per_example(lambda: iterator.dataset[index], kept.own_drew):
+            kept.drew.remove(own_name(path, generator))
     return kept.drew
 
 

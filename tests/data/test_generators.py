@@ -248,3 +248,122 @@ def test_a_class_with_builtin_static_methods_keeps_its_generators_found():
     raised on a builtin (no __code__), and the whole dataset was taken to
     hold nothing: its own rng unseeded, each worker count another run."""
     assert [p for p, _ in _generators.find(_WithBuiltins())] == ['dataset.rng']
+
+
+class _SeedsItsOwn(Indexed):
+    """Seeds its own generator per example (``self.rng.seed(i)``), as
+    scripts make an augmentation repeatable; ``before``: a draw ahead of the
+    seeding, which carries the generator's state from example to example."""
+
+    def __init__(self, kind='RandomState', before=False):
+        self.rng, self.before = _make(kind), before
+
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        shift = _draw(self.rng) if self.before else 0.0
+        self.rng.seed(int(i))
+        return x + numpy.float32(_draw(self.rng) + shift), t
+
+
+class _SeedsTheGlobal(Indexed):
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        numpy.random.seed(int(i))
+        return x + numpy.float32(numpy.random.rand()), t
+
+
+class _OneOfTwo(_SeedsItsOwn):
+    """Seeds ``rng`` per example; ``other`` carries on."""
+
+    def __init__(self):
+        super().__init__()
+        self.other = numpy.random.RandomState(1)
+
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        return x + numpy.float32(self.other.rand()), t
+
+
+def _train(dataset, **options):
+    """Eight steps (two epochs and more, shuffled) of a classifier on
+    ``dataset``; its parameters, and the loader warnings said."""
+    numpy.random.seed(0)
+    model = L.Classifier(L.Linear(3, 12))
+    model.predictor.W.array[...] = numpy.linspace(-1, 1, 36, dtype=numpy.float32).reshape(12, 3)
+    optimizer = chainer.optimizers.MomentumSGD(0.1).setup(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with fastchain.enable(**options) if options else _nothing():
+            updater = chainer.training.StandardUpdater(
+                chainer.iterators.SerialIterator(dataset, 5, shuffle=True), optimizer)
+    try:
+        for _ in range(8):
+            updater.update()
+    finally:
+        updater.finalize()
+    said = [str(w.message) for w in caught if 'draw random numbers' in str(w.message)]
+    return [p.array.copy() for p in model.params()], said
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+LOADER = dict(loader_workers=2, prefetch_to_device=False)
+
+
+@pytest.mark.parametrize('kind', ['RandomState', 'Random'])
+def test_a_dataset_seeding_its_own_generator_per_example_trains_as_plain_chainer_unwarned(kind):
+    """A new-user trial: such a dataset's batches are plain Chainer's under
+    the loader's workers (it overwrites their seeding), yet it was warned
+    "not bitwise plain Chainer's training"."""
+    plain, _ = _train(_SeedsItsOwn(kind))
+    dataset = _SeedsItsOwn(kind)
+    state = _generators._state(dataset.rng)
+    mine, said = _train(dataset, **LOADER)
+    assert said == []
+    assert all(numpy.array_equal(a, b) for a, b in zip(plain, mine))
+    assert _generators._same(_generators._state(dataset.rng), state)    # the probe put it back
+
+
+def test_a_dataset_drawing_before_it_seeds_or_seeding_the_global_rng_is_still_warned():
+    """What carries over from example to example is still said: a draw
+    ahead of the seeding, a second generator left unseeded (only it is
+    named), and NumPy's global RNG seeded in get_example, which in plain
+    Chainer also moves the next epoch's order (here it trains otherwise)."""
+    _, said = _train(_SeedsItsOwn(before=True), **LOADER)
+    assert said == [data._group.DRAWS_RANDOM.format('its own RandomState (dataset.rng)')]
+    _, said = _train(_OneOfTwo(), **LOADER)
+    assert said == [data._group.DRAWS_RANDOM.format('its own RandomState (dataset.other)')]
+    plain, _ = _train(_SeedsTheGlobal())
+    mine, said = _train(_SeedsTheGlobal(), **LOADER)
+    assert said == [data._group.DRAWS_RANDOM.format('numpy.random')]
+    assert not all(numpy.array_equal(a, b) for a, b in zip(plain, mine))
+
+
+def test_the_per_example_probe_keeps_a_generator_it_cannot_tell():
+    """An example that fails to load, or one that is not comparable, keeps
+    the generator named."""
+    rng = numpy.random.RandomState(0)
+
+    def fails():
+        rng.seed(1)
+        rng.rand()
+        raise ValueError('a corrupt example')
+
+    def opaque():
+        rng.seed(1)
+        return object(), rng.rand()
+
+    def seeded():
+        rng.seed(1)
+        return {'x': numpy.full(2, rng.rand())}
+
+    own = [('dataset.rng', rng)]
+    assert _generators.seeded_per_example(fails, own) == []
+    assert _generators.seeded_per_example(opaque, own) == []
+    assert _generators.seeded_per_example(seeded, own) == own
