@@ -22,7 +22,8 @@ per-function Python work. fastchain uses it with its faults fixed
 - **one node** of Chainer's graph per call, the parameters among its inputs
   (:mod:`fastchain.static._node`): its gradients add up with the rest of the
   graph's (weight tying, several calls before a backward, accumulation), and
-  a double backward through it is computed define-by-run (the cache gives up);
+  a double backward through it is computed define-by-run, within rounding
+  (the cache gives up);
 - **keys**: one Chainer schedule manager per key (the structure, types,
   shapes, dtypes and devices of the inputs, and ``chainer.config``'s
   ``train``, ``dtype``, ``use_cudnn``, ``cudnn_deterministic``, ``use_ideep``,

@@ -30,10 +30,11 @@ For a cached chain's schedules (those of fastchain's key managers):
 - a double backward (``enable_double_backprop``, a gradient penalty) cannot
   go through the backward schedule, whose node has only the output gradients
   as inputs (the second-order terms through the parameters and inputs are
-  lost: 0.02 off, measured): that step's gradients are computed define-by-run
-  from the call's own inputs (:func:`double_backward`: the chain's forward
-  again, its state put back after) and the chain runs define-by-run from then
-  on;
+  lost: 0.02 off, measured): that step's second-order terms are computed
+  define-by-run from the call's own inputs (:func:`double_backward`: the
+  chain's forward again, its state put back after), the first-order ones by
+  the replay, summed at the parameters (not bitwise: rounding), and the chain
+  runs define-by-run from then on;
 - a call is handed a schedule no pending graph uses, else a new one
   (:func:`claim`); the outputs of the call a schedule served last, still
   alive after their backward, are handed to a stand-in node that refuses a
@@ -77,8 +78,10 @@ SUPERSEDED = (
 DOUBLE_BACKWARD = (
     'a backward with enable_double_backprop=True went through the chain (a gradient '
     'penalty, a Hessian-vector product; the flag alone counts, a second derivative taken '
-    "or not), and Chainer's backward schedule cannot be differentiated: that step's "
-    'gradients were computed define-by-run')
+    "or not), and Chainer's backward schedule cannot be differentiated. That step's "
+    "gradients are define-by-run's terms, the replay's first-order ones and the "
+    "recomputed forward's second-order ones, summed where they meet at the parameters "
+    "rather than inside the chain: not bitwise plain Chainer's, a difference of rounding")
 
 
 def owner(schedule):
