@@ -25,6 +25,8 @@ _OWN = (numpy.random.RandomState, numpy.random.Generator, random.Random)
 _DEPTH = 10         # attribute hops from the dataset
 _NODES = 4000       # objects looked at, at most
 _ITEMS = 64         # a longer list, tuple or dict (file names, labels) is not entered
+_HOPS = 4           # functions followed from a function through the globals it calls
+_FUNCTIONS = 256    # functions looked into that way, at most, from one function
 _by_class = weakref.WeakKeyDictionary()     # class -> its class-attribute generators
 _LEAVES = (str, bytes, int, float, complex, bool, type(None), numpy.ndarray, numpy.generic,
            type, types.ModuleType, types.BuiltinFunctionType)
@@ -63,7 +65,7 @@ def _parts(value):
                 if _filled(cell)] + [
             ('.<default {}>'.format(i), v) for i, v in enumerate(value.__defaults__ or ())] + [
             ('.<default {}>'.format(k), v) for k, v in (value.__kwdefaults__ or {}).items()] + [
-            ('.<global {}>'.format(name), g) for name, g in _globals_of(value)]
+            (path, g) for path, g in _globals_of(value)]
     try:
         attributes = object.__getattribute__(value, '__dict__')
     except AttributeError:
@@ -93,25 +95,80 @@ def _class_generators(cls):
                 if isinstance(v, _OWN):
                     found.append(('.' + str(k), v))
                 elif isinstance(v, (types.FunctionType, staticmethod, classmethod)):
-                    found += [('.{}.<global {}>'.format(k, name), g)
-                              for name, g in _globals_of(getattr(v, '__func__', v))]
+                    found += [('.{}{}'.format(k, path), g)
+                              for path, g in _globals_of(getattr(v, '__func__', v))]
         _by_class[cls] = found
     return found
 
 
 def _globals_of(function):
-    """The generators among the module globals ``function`` (and the
-    functions and lambdas inside it) names."""
-    code, space = getattr(function, '__code__', None), getattr(function, '__globals__', None)
-    if not isinstance(code, types.CodeType) or not isinstance(space, dict):
-        return []       # a builtin, a ufunc, a partial: no globals of its own
+    """``[(path, generator)]``: the generators among the module globals
+    ``function`` (and the functions and lambdas inside it) names, and those
+    the functions and modules it names reach the same way, up to
+    :data:`_HOPS` calls deep (a transform calling ``augment.crop(img)``,
+    whose module holds ``_rng``: ``.<global augment.crop>.<global _rng>``)."""
+    found, seen = [], {id(function)}
+    level = [('', function)]
+    for _ in range(_HOPS + 1):
+        below = []
+        for path, f in level:
+            code, space = getattr(f, '__code__', None), getattr(f, '__globals__', None)
+            if not isinstance(code, types.CodeType) or not isinstance(space, dict):
+                continue    # a builtin, a ufunc, a partial: no globals of its own
+            names = _names(code)
+            cells = [(name, c.cell_contents) for name, c in
+                     zip(code.co_freevars, f.__closure__ or ()) if _filled(c)]
+            reached = [('<global {}>'.format(label), value) for label, value in
+                       _through_modules([(n, space[n]) for n in sorted(names) if n in space],
+                                        names)]
+            # the modules its closure holds (a transform defined in a function
+            # that imported them); ``function``'s other cells are find()'s to walk
+            reached += [('<{}>'.format(label), value) for label, value in _through_modules(
+                [(n, v) for n, v in cells if isinstance(v, types.ModuleType)], names)]
+            if f is not function:
+                # a function it calls that was made by another (a decorator's, a factory's)
+                reached += [('<{}>'.format(name), value) for name, value in cells
+                            if isinstance(value, (types.FunctionType,) + _OWN)]
+            for label, value in reached:
+                if isinstance(value, _OWN):
+                    found.append(('{}.{}'.format(path, label), value))
+                elif isinstance(value, types.FunctionType) and id(value) not in seen \
+                        and len(seen) < _FUNCTIONS:
+                    seen.add(id(value))
+                    below.append(('{}.{}'.format(path, label), value))
+        level = below
+    return found
+
+
+def _names(code):
+    """The global and attribute names ``code`` and the code inside it use."""
     names, codes = set(), [code]
     while codes:
         code = codes.pop()
         names.update(code.co_names)
         codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return [(name, space[name]) for name in sorted(names)
-            if isinstance(space.get(name), _OWN)]
+    return names
+
+
+def _through_modules(reached, names):
+    """``reached`` with, for each module among it, its attributes that
+    ``names`` holds (``augment.crop``, ``pkg.augment.crop``: modules two
+    deep)."""
+    out, modules = [], []
+    for name, value in reached:
+        (modules if isinstance(value, types.ModuleType) else out).append((name, value))
+    for _ in range(2):
+        inner = []
+        for name, module in modules:
+            space = getattr(module, '__dict__', {})
+            for attribute in sorted(names):
+                value = space.get(attribute)
+                if isinstance(value, types.ModuleType):
+                    inner.append(('{}.{}'.format(name, attribute), value))
+                elif isinstance(value, (types.FunctionType,) + _OWN):
+                    out.append(('{}.{}'.format(name, attribute), value))
+        modules = inner
+    return out
 
 
 def _filled(cell):

@@ -16,6 +16,8 @@ import chainer.links as L
 import fastchain
 from fastchain import data
 from fastchain.data import _generators
+from tests.data import augment_module
+from tests.data.augment_module import shift as imported_shift
 from tests.helpers import Indexed
 
 
@@ -367,3 +369,42 @@ def test_the_per_example_probe_keeps_a_generator_it_cannot_tell():
     assert _generators.seeded_per_example(fails, own) == []
     assert _generators.seeded_per_example(opaque, own) == []
     assert _generators.seeded_per_example(seeded, own) == own
+
+
+def _through_a_module(how):
+    from tests.data import augment_module as local     # held by the closure
+    transform = {
+        'attribute': lambda e: (e[0] + numpy.float32(augment_module._rng.rand()), e[1]),
+        'function': lambda e: (augment_module.shift(e[0]), e[1]),
+        'imported': lambda e: (imported_shift(e[0]), e[1]),
+        'decorated': lambda e: (augment_module.logged_shift(e[0]), e[1]),
+        'factory': lambda e: (augment_module.factory_shift(e[0]), e[1]),
+        'closure': lambda e: (local.shift(e[0]), e[1])}[how]
+    return chainer.datasets.TransformDataset(Indexed(), transform)
+
+
+@pytest.mark.parametrize('how, path', [
+    ('attribute', '<global augment_module._rng>'),
+    ('function', '<global augment_module.shift>.<global _rng>'),
+    ('imported', '<global imported_shift>.<global _rng>'),
+    ('decorated', '<global augment_module.logged_shift>.<f>.<global shift>.<global _rng>'),
+    ('factory', '<global augment_module.factory_shift>.<rng>'),
+    ('closure', '<local.shift>.<global _rng>')])
+def test_a_generator_in_a_module_the_transform_calls_into_is_found(how, path):
+    """A new-user trial: a transform calling ``augment.random_crop_flip(img)``,
+    whose module holds ``_rng``, was not found: each worker drew the same
+    numbers (40 of 80 draws distinct over 10 batches of 8), another run for
+    another worker count, nothing said."""
+    found = _generators.find(_through_a_module(how))
+    assert [p for p, _ in found] == ['dataset._transform.' + path]
+    generator = found[0][1]
+    assert generator is (augment_module.factory_shift.__closure__[0].cell_contents
+                         if how == 'factory' else augment_module._rng)
+    state = _generators._state(generator)
+    runs = [_values(data.MultiprocessIterator(_through_a_module(how), 4, seed=11,
+                                              n_workers=workers))
+            for workers in (0, 1, 2)]
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+    drawn = [v for batch in runs[0] for v in batch]
+    assert len(set(drawn)) == len(drawn)
+    assert _generators._same(_generators._state(generator), state)
