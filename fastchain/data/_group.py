@@ -4,6 +4,7 @@ import functools
 
 from fastchain.config import _patches
 from fastchain.config._options import Group, Option, State, boolean
+from fastchain.data._draws import DRAWS_RANDOM
 from fastchain.data._iterator import MultiprocessIterator, available_cores
 from fastchain.data._prefetch import DevicePrefetcher
 
@@ -94,19 +95,21 @@ class LoaderGroup(Group):
         return [loader, device]
 
 
-def upgrade_iterator(iterator, workers):
+def upgrade_iterator(iterator, workers, warn_draws=False):
     """A MultiprocessIterator that walks the dataset as the SerialIterator
     ``iterator`` would: its orders come from the same order sampler at the
     same moments (the current one is taken over, the next ones are drawn
     when an epoch ends), from where it stands. Nothing is drawn from NumPy's
     global RNG here: the examples' seed (for datasets that draw random
     numbers in the workers) is derived from its state, so
-    ``numpy.random.seed`` still makes a run repeatable."""
+    ``numpy.random.seed`` still makes a run repeatable. ``warn_draws``: as
+    :class:`MultiprocessIterator`'s."""
     sampler = iterator.order_sampler
     it = MultiprocessIterator(
         iterator.dataset, iterator.batch_size, repeat=iterator.repeat,
         shuffle=None if sampler is not None else False, n_workers=workers,
-        rng='global', order_sampler=sampler, order=iterator._state.order)
+        rng='global', order_sampler=sampler, order=iterator._state.order,
+        warn_draws=warn_draws)
     if iterator.epoch or iterator.current_position or \
             iterator.previous_epoch_detail is not None:
         _move_position(iterator, it)       # a script that called next() already
@@ -128,15 +131,6 @@ IN_MEMORY_NOTE = ('{} workers; an updater whose dataset is arrays in memory alre
                   'would add copying: loader_workers=N uses workers for it anyway')
 
 
-DRAWS_RANDOM = (
-    "fastchain loader: the dataset's examples draw random numbers from {} (an "
-    "augmentation: a random crop, a flip). In the loader's workers each example draws from a seed of its own, so this "
-    "run's augmentation is not the one plain Chainer's SerialIterator would draw: "
-    "repeatable under numpy.random.seed and the same for any number of workers, but not "
-    "bitwise plain Chainer's training. loader_workers=0 keeps Chainer's iterator and its "
-    "draws")
-
-
 def _draws_random(iterator):
     """The generators (global, or the dataset's own) the first example of
     ``iterator``'s order draws from (loaded here, the generators put back):
@@ -145,7 +139,8 @@ def _draws_random(iterator):
     there. NumPy's and Python's global ones are named even then: in plain
     Chainer a dataset seeding them also moves what the main process draws
     next (dropout, the next epoch's order), and in the workers it does not."""
-    from fastchain.data._generators import KeptGenerators, find, own_name, seeded_per_example
+    from fastchain.data._draws import KeptGenerators, own_name, seeded_per_example
+    from fastchain.data._generators import find
     if not len(iterator.dataset):
         return []
     order = iterator._state.order
@@ -215,7 +210,7 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     if not asked and in_memory(main.dataset):
         return      # nothing for workers to do (IN_MEMORY_NOTE)
     drew = _draws_random(main)
-    main = upgrade_iterator(main, workers)
+    main = upgrade_iterator(main, workers, warn_draws=not drew)
     if drew:
         import warnings
         from fastchain.config._warning import FastchainWarning

@@ -6,8 +6,9 @@ import chainer
 from chainer.dataset import iterator as iterator_module
 
 from fastchain.data import _workers
-from fastchain.data._generators import KeptGenerators, find as find_generators, seed_example
-from fastchain.data._errors import DataLoadError
+from fastchain.data._draws import KeptGenerators, say_draws
+from fastchain.data._generators import find as find_generators, seed_example
+from fastchain.data._errors import DataLoadError, check_args
 from fastchain.data._pool import WorkerPool
 from fastchain.data._schedule import Schedule, order_source, seed_from_global_rng
 
@@ -17,20 +18,6 @@ SIZING_TRIES = 16   # examples tried, in order, for one to lay out the shared me
 def available_cores():
     from fastchain._node import own_cores
     return len(own_cores())
-
-
-def _check_args(dataset, batch_size, n_workers, prefetch, on_error):
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
-            or batch_size < 1:
-        raise ValueError('batch_size must be a positive int, got {!r}'.format(batch_size))
-    if on_error not in ('raise', 'skip'):
-        raise ValueError("on_error must be 'raise' or 'skip', got {!r}".format(on_error))
-    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 0:
-        raise ValueError('n_workers must be an int >= 0, got {!r}'.format(n_workers))
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-        raise ValueError('prefetch must be an int >= 1, got {!r}'.format(prefetch))
-    if len(dataset) == 0:
-        raise ValueError('the dataset is empty')
 
 
 class MultiprocessIterator(iterator_module.Iterator):
@@ -101,6 +88,9 @@ class MultiprocessIterator(iterator_module.Iterator):
         order: with an order sampler, the first epoch's order, already drawn
             (e.g. a SerialIterator's, to take its place); default: drawn
             here.
+        warn_draws (bool): warn (once) at the first example a worker loads
+            that draws random numbers (below), naming the generators; set by
+            ``fastchain.enable`` where it takes a SerialIterator's place.
 
     .. note::
        With workers and shared memory, the first examples of the order are
@@ -125,10 +115,10 @@ class MultiprocessIterator(iterator_module.Iterator):
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None, seed=None,
                  n_workers=None, prefetch=None, on_error='raise',
                  shared_memory=True, timeout=None, start_method=None,
-                 rng=None, order_sampler=None, order=None):
+                 rng=None, order_sampler=None, order=None, warn_draws=False):
         n_workers = available_cores() if n_workers is None else n_workers
         prefetch = max(2, 2 * n_workers) if prefetch is None else prefetch
-        _check_args(dataset, batch_size, n_workers, prefetch, on_error)
+        check_args(dataset, batch_size, n_workers, prefetch, on_error)
         rng, sampler = order_source(rng, shuffle, order_sampler, order)
         self.dataset = dataset
         self._own = find_generators(dataset)     # the dataset's own generators
@@ -152,6 +142,7 @@ class MultiprocessIterator(iterator_module.Iterator):
             sample = self._sample() if shared_memory else None
             self._pool = WorkerPool(dataset, self._schedule.plan, batch_size, n_workers,
                                     prefetch, sample, timeout, start_method)
+            self._pool.watch = bool(warn_draws)
             self._pool.seek(self.epoch, self.current_position)
 
     # -- chainer.dataset.Iterator --------------------------------------------
@@ -354,9 +345,12 @@ class MultiprocessIterator(iterator_module.Iterator):
             raise RuntimeError('fastchain: this MultiprocessIterator was finalized '
                                '(its workers are stopped); make a new one')
         pool.fill()         # the batch after a sampler's draw is not sent yet
-        batch, errors = pool.take(indices)
+        batch, errors, drew = pool.take(indices)
         for index, kind, message, path, detail in errors:
             self._on_bad_example(index, kind, message, path, detail)
+        if drew is not None and pool.watch:
+            pool.watch = False
+            say_draws(*drew)
         pool.fill()
         return batch
 

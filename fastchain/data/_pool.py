@@ -113,6 +113,7 @@ class WorkerPool:
         self.next_cursor = None     # (epoch, position) of the next batch to send
         self.workers, self.task_conns, self.result_conns = [], [], []
         self.active = n_workers     # workers batches are sent to (autotune may lower it)
+        self.watch = False          # the workers tell which example drew random numbers
         self.depth = slots          # batches sent ahead at most (autotune may lower it)
         parent = os.getpid()
         own_groups = self.shm is not None and _workers.launched_by_mpi()
@@ -162,24 +163,27 @@ class WorkerPool:
             indices, seeds, epoch, position = planned
             slot = self.free_slots.pop()
             worker = self.next_id % self.active
-            self._send(worker, (self.next_id, slot, indices, seeds))
+            self._send(worker, (self.next_id, slot, indices, seeds, self.watch))
             self.in_flight[self.next_id] = (slot, indices, worker)
             self.next_id += 1
             self.next_cursor = (epoch, position)
 
     def take(self, indices):
-        """``(batch, errors)`` of the oldest batch in flight (which must be
-        ``indices``), waiting for it. Its slot is free again afterwards."""
+        """``(batch, errors, drew)`` of the oldest batch in flight (which
+        must be ``indices``), waiting for it; ``drew``: with :attr:`watch`
+        on when it was sent, ``(index, generators)`` of its first example
+        that drew random numbers, else None. Its slot is free again
+        afterwards."""
         batch_id = min(self.in_flight)
         slot, planned, worker = self.in_flight[batch_id]
         assert planned == indices, 'prefetch out of step with the iterator'
-        _, extras, errors = self._wait_for(batch_id)
+        _, extras, errors, drew = self._wait_for(batch_id)
         del self.in_flight[batch_id]
         try:
             batch = self._assemble(slot, len(indices), extras)
         finally:
             self.free_slots.append(slot)
-        return batch, [error[1:] for error in errors]
+        return batch, [error[1:] for error in errors], drew
 
     def _assemble(self, slot, n, extras):
         views = None

@@ -22,6 +22,7 @@ import traceback
 
 import numpy
 
+from fastchain.data._draws import DrawWatch
 from fastchain.data._generators import find as find_generators, seed_example
 from fastchain.data._images import ImageDecodeError
 
@@ -135,6 +136,7 @@ def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
         # process shares with us (a set: no-op); the main process unlinks it.
         shm = shared_memory.SharedMemory(name=shm_name)
     own = find_generators(dataset)      # this process's copies
+    watch = DrawWatch(own)
     orphaned = False
     try:
         while True:
@@ -146,7 +148,7 @@ def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
             task = task_conn.recv()
             if task is None:
                 return
-            result_conn.send(_load(dataset, task, shm, layout, own))
+            result_conn.send(_load(dataset, task, shm, layout, own, watch))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         # A killed main process's pipes close a moment before it is gone.
         deadline = time.monotonic() + 1.0
@@ -195,14 +197,25 @@ def launched_by_mpi():
     return launch_rank()[0] is not None
 
 
-def _load(dataset, task, shm, layout, own=()):
-    batch_id, slot, indices, seeds = task
+def _load(dataset, task, shm, layout, own=(), watch=None):
+    """One task: the batch's examples into its slot. With ``watching`` set
+    in the task, the message also names the first example that drew random
+    numbers and the generators it drew from (``(index, names)``), else
+    ``None``."""
+    batch_id, slot, indices, seeds, watching = task
+    watching = watching and watch is not None
     views = layout.views(shm.buf, slot) if shm is not None else None
-    extras, errors = {}, []
+    extras, errors, drew = {}, [], None
     for j, (index, seed) in enumerate(zip(indices, seeds)):
-        seed_example(seed, own)
+        if watching and drew is None:
+            watch.seed(seed)
+        else:
+            seed_example(seed, own)
         try:
             example = dataset[index]
+            if watching and drew is None:
+                names = watch.drew(lambda: dataset[index])
+                drew = (int(index), names) if names else None
         except Exception as e:
             kind, message, path = describe_error(e)
             errors.append((j, int(index), kind, message, path,
@@ -217,4 +230,4 @@ def _load(dataset, task, shm, layout, own=()):
                                       for value, view in zip(fields, views)))
         else:
             extras[j] = (True, example)     # pickled whole
-    return batch_id, extras, errors
+    return batch_id, extras, errors, drew

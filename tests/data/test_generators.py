@@ -15,7 +15,7 @@ import chainer.links as L
 
 import fastchain
 from fastchain import data
-from fastchain.data import _generators
+from fastchain.data import _draws, _generators
 from tests.data import augment_module
 from tests.data.augment_module import shift as imported_shift
 from tests.helpers import Indexed
@@ -366,9 +366,9 @@ def test_the_per_example_probe_keeps_a_generator_it_cannot_tell():
         return {'x': numpy.full(2, rng.rand())}
 
     own = [('dataset.rng', rng)]
-    assert _generators.seeded_per_example(fails, own) == []
-    assert _generators.seeded_per_example(opaque, own) == []
-    assert _generators.seeded_per_example(seeded, own) == own
+    assert _draws.seeded_per_example(fails, own) == []
+    assert _draws.seeded_per_example(opaque, own) == []
+    assert _draws.seeded_per_example(seeded, own) == own
 
 
 def _through_a_module(how):

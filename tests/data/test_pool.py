@@ -23,8 +23,8 @@ def test_bad_examples_come_back_as_errors_for_the_iterator_to_judge(bad_root):
         for indices in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]):
             got.append(pool.take(indices))
             pool.fill()
-        assert [len(batch) for batch, _ in got] == [2, 2, 4]
-        assert [(e[0], e[1], os.path.basename(e[3])) for _, errors in got for e in errors] == [
+        assert [len(batch) for batch, _, _ in got] == [2, 2, 4]
+        assert [(e[0], e[1], os.path.basename(e[3])) for _, errors, _ in got for e in errors] == [
             (2, 'ImageDecodeError', 'corrupt.jpg'), (3, 'ImageDecodeError', 'truncated.jpg'),
             (4, 'ImageDecodeError', 'missing.jpg'), (5, 'ImageDecodeError', 'notes.jpg')]
         last = got[-1][0]
@@ -40,7 +40,7 @@ def test_bad_examples_come_back_as_errors_for_the_iterator_to_judge(bad_root):
         assert [indices for _, indices, _ in pool.in_flight.values()] == \
             [[4, 5, 6, 7], [8, 9, 10, 11]]
         pool.seek(0, 8)
-        again, errors = pool.take([8, 9, 10, 11])
+        again, errors, _ = pool.take([8, 9, 10, 11])
         assert errors == []
         numpy.testing.assert_array_equal(again.stacked[0], last.stacked[0])
     finally:

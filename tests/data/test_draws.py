@@ -1,0 +1,167 @@
+"""What the examples draw, told while the loader's workers load them
+(fastchain/data/_draws.py): where fastchain's loader takes a plain script's
+SerialIterator, the first example that draws random numbers is said, not
+only the one example looked at when it takes it."""
+
+import random
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.links as L
+
+import fastchain
+from fastchain import data
+from fastchain.data import _draws
+from tests.helpers import Indexed
+
+DRAWN = 'draw random numbers'
+
+
+class _OddOnly(Indexed):
+    """Augments only the odd examples (a class-dependent augmentation): the
+    first example of the order, 0, draws nothing."""
+
+    def __init__(self, draw=lambda: numpy.random.rand()):
+        self.draw = draw
+
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        return (x + numpy.float32(self.draw()) if i % 2 else x), t
+
+
+class _OwnSeededOddOnly(Indexed):
+    def __init__(self):
+        self.rng = numpy.random.RandomState(0)
+
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        if i % 2:
+            self.rng.seed(int(i))
+            x = x + numpy.float32(self.rng.rand())
+        return x, t
+
+
+def _updates(dataset, steps=4, **options):
+    """Runs ``steps`` updates of a classifier on ``dataset`` (unshuffled,
+    batches of 4); the loader warnings said, as (step, message), and the
+    parameters."""
+    numpy.random.seed(0)
+    model = L.Classifier(L.Linear(3, 12))
+    optimizer = chainer.optimizers.SGD(0.1).setup(model)
+    said = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with fastchain.enable(**options) if options else _Nothing():
+            updater = chainer.training.StandardUpdater(
+                chainer.iterators.SerialIterator(dataset, 4, shuffle=False), optimizer)
+        said += [(-1, str(w.message)) for w in caught if DRAWN in str(w.message)]
+        try:
+            for step in range(steps):
+                del caught[:]
+                updater.update()
+                said += [(step, str(w.message)) for w in caught if DRAWN in str(w.message)]
+        finally:
+            updater.finalize()
+    return said, [p.array.copy() for p in model.params()]
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+LOADER = dict(loader_workers=2, prefetch_to_device=False)
+
+
+@pytest.mark.parametrize('make, drew', [
+    (_OddOnly, 'numpy.random'),
+    (lambda: _OddOnly(random.random), "Python's random"),
+    (lambda: chainer.datasets.ConcatenatedDataset(
+        chainer.datasets.SubDataset(Indexed(), 0, 4), _Noisy4()), 'numpy.random')])
+def test_an_augmentation_only_some_examples_take_is_said_when_a_worker_meets_it(make, drew):
+    """A new-user trial: only odd labels were cropped at random; the look at
+    the first example (0) saw no draw, and the run trained otherwise than
+    plain Chainer (the loss 0.137 off at the first step) with nothing said.
+    Now the first batch a worker loads with a drawing example says so, once,
+    naming the example."""
+    said, _ = _updates(make(), **LOADER)
+    first = 1 if isinstance(make(), _OddOnly) else 4
+    assert said == [(0 if first < 4 else 1, data._group.DRAWS_RANDOM.format(drew) +
+                     _draws.AT_EXAMPLE.format(first))]
+
+
+class _Noisy4(Indexed):
+    def __len__(self):
+        return 8
+
+    def get_example(self, i):
+        x, t = super().get_example(i + 4)
+        return x + numpy.float32(numpy.random.rand()), t
+
+
+def test_what_draws_nothing_or_seeds_itself_per_example_is_not_said():
+    """No draw over the run: nothing said. A generator of the dataset's own
+    that the example seeds itself before it draws gives plain Chainer's
+    batches: not said either, and the training is plain Chainer's."""
+    assert _updates(Indexed(), steps=6, **LOADER)[0] == []
+    said, mine = _updates(_OwnSeededOddOnly(), **LOADER)
+    assert said == []
+    _, plain = _updates(_OwnSeededOddOnly())
+    assert all(numpy.array_equal(a, b) for a, b in zip(plain, mine))
+
+
+def test_a_loader_the_script_made_itself_is_not_watched():
+    """fastchain.data.MultiprocessIterator made by the script: its seeding is
+    its documented behaviour, nothing said (warn_draws is off by default)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        it = data.MultiprocessIterator(_OddOnly(), 4, shuffle=False, n_workers=2)
+        try:
+            for _ in range(3):
+                it.next()
+        finally:
+            it.finalize()
+    assert [w for w in caught if DRAWN in str(w.message)] == []
+
+
+def test_the_watch_names_what_an_example_drew():
+    """DrawWatch, as a worker uses it: each generator seeded per example,
+    the ones the example moved named; one the example seeds itself is
+    left out."""
+    own_rng, seeded_rng = numpy.random.RandomState(1), random.Random(2)
+    own = [('dataset.a', own_rng), ('dataset.b', seeded_rng)]
+    watch = _draws.DrawWatch(own)
+
+    def example(i):
+        seeded_rng.seed(i)
+        return [seeded_rng.random()] + ([own_rng.rand(), numpy.random.rand()] if i % 2 else [])
+
+    watch.seed(5)
+    example(0)
+    assert watch.drew(lambda: example(0)) == []
+    watch.seed(6)
+    example(1)
+    assert watch.drew(lambda: example(1)) == [
+        'numpy.random', 'its own RandomState (dataset.a)']
+
+
+def test_watching_changes_no_draw():
+    """The watch draws and seeds again before each example: the batches are
+    those of a loader that does not watch, bitwise."""
+    def batches(watch):
+        it = data.MultiprocessIterator(_OddOnly(), 4, seed=3, n_workers=2, warn_draws=watch)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore')
+                return [[x.copy() for x, _ in it.next()] for _ in range(3)]
+        finally:
+            it.finalize()
+    watched, plain = batches(True), batches(False)
+    assert all(numpy.array_equal(a, b) for wa, pa in zip(watched, plain) for a, b in zip(wa, pa))
+    assert not numpy.array_equal(watched[0][1], numpy.full(3, 1, numpy.float32))    # it drew
