@@ -189,8 +189,10 @@ FORCED = {
 # tests.differential.measure_tolerance --onednn`` (DEVELOPERS.md, "oneDNN
 # kernels"): over 6,000 runs, the first step at most 3.4e-6, later steps
 # 1.5e-4 (test_harness.WORST_ONEDNN; 7.4e-5 the next). Before: 1e-4 for every
-# step, from 1,000 examples whose worst was 3.2e-5.
-ONEDNN_TOLERANCE = (2e-5, 5e-4)
+# step, from 1,000 examples whose worst was 3.2e-5. The first step's was 2e-5
+# until make test-differential (seed 3948077197) met 2.3e-5 there: nine
+# convolutions feeding an L.LSTM (test_harness.WORST_FIRST_ONEDNN).
+ONEDNN_TOLERANCE = (1e-4, 5e-4)
 # static_graph, a parameter of the cached chain also used by the loss outside
 # the call, where the cache says so (StaticGraphOrder: three or more gradient
 # terms, some from outside, fastchain/static/_outside.py): the same terms
