@@ -42,14 +42,18 @@ class DrawWatch:
     generator :func:`seed_example` seeds is drawn from once after its
     seeding and seeded again, and drawn from once after the example; another
     number means the example drew. A generator of the dataset's own that it
-    seeds per example itself (:func:`seeded_per_example`, asked once) is
-    left out from then on."""
+    seeds per example itself (:func:`seeded_per_example`) is left out once
+    :data:`PROBES` examples that moved it said so (one that seeds it on some
+    examples and draws on from where it stood on others is named at the
+    first of those among them)."""
+
+    PROBES = 8
 
     def __init__(self, own):
         self.own = list(own)
         self.names = ['numpy.random', "Python's random"] + [own_name(p, g) for p, g in self.own]
         self.first = None
-        self.exempt = set()
+        self.seeded = {}    # own generator's place -> examples that showed it seeded
 
     def seed(self, seed):
         seed_example(seed, self.own)
@@ -60,12 +64,12 @@ class DrawWatch:
         """The names of the generators the example ``load()`` gave drew
         from (call after loading it, seeded by :meth:`seed`)."""
         moved = [k for k, (a, b) in enumerate(zip(self.first, self._draws()))
-                 if a != b and k not in self.exempt]
+                 if a != b and self.seeded.get(k, 0) < self.PROBES]
         mine = [self.own[k - 2] for k in moved if k >= 2]
         if mine:
             for generator in seeded_per_example(load, mine):
-                k = 2 + self.own.index(generator)
-                self.exempt.add(k)
+                k = 2 + next(j for j, g in enumerate(self.own) if g is generator)
+                self.seeded[k] = self.seeded.get(k, 0) + 1
                 moved.remove(k)
         return [self.names[k] for k in moved]
 

@@ -15,7 +15,10 @@ any number of workers, repeatable under ``numpy.random.seed``.
 """
 
 import functools
+import os
 import random
+import sys
+import sysconfig
 import types
 import weakref
 
@@ -86,27 +89,33 @@ def _class_generators(cls):
     """The generators ``cls`` and its bases hold as class attributes
     (``rng = numpy.random.RandomState(0)`` in the class body), and those of
     their modules' globals their methods name (``RNG.random()`` in
-    ``get_example``)."""
+    ``get_example``; a decorated method, a property)."""
     found = _by_class.get(cls)
     if found is None:
-        found = []
+        _by_class[cls] = found = []     # (a method reaching its own class again)
         for c in cls.__mro__:
             for k, v in list(vars(c).items()):
-                if isinstance(v, _OWN):
+                if _is(v, _OWN):
                     found.append(('.' + str(k), v))
-                elif isinstance(v, (types.FunctionType, staticmethod, classmethod)):
-                    found += [('.{}{}'.format(k, path), g)
-                              for path, g in _globals_of(getattr(v, '__func__', v))]
-        _by_class[cls] = found
+                elif _is(v, (types.FunctionType, staticmethod, classmethod, property)):
+                    v = v.fget if isinstance(v, property) else getattr(v, '__func__', v)
+                    try:
+                        found += [('.{}{}'.format(k, path), g)
+                                  for path, g in _globals_of(v, closure=True)]
+                    except Exception:
+                        pass    # an object that cannot be asked (a proxy): the others stay
     return found
 
 
-def _globals_of(function):
+def _globals_of(function, closure=False):
     """``[(path, generator)]``: the generators among the module globals
     ``function`` (and the functions and lambdas inside it) names, and those
-    the functions and modules it names reach the same way, up to
+    the functions, modules and classes it names reach the same way, up to
     :data:`_HOPS` calls deep (a transform calling ``augment.crop(img)``,
-    whose module holds ``_rng``: ``.<global augment.crop>.<global _rng>``)."""
+    whose module holds ``_rng``: ``.<global augment.crop>.<global _rng>``).
+    A function reached is unwrapped (a decorator's or a factory's closure,
+    ``__wrapped__``, a partial, a bound method); ``function``'s own closure
+    only with ``closure`` (find() walks a transform's)."""
     found, seen = [], {id(function)}
     level = [('', function)]
     for _ in range(_HOPS + 1):
@@ -114,7 +123,7 @@ def _globals_of(function):
         for path, f in level:
             code, space = getattr(f, '__code__', None), getattr(f, '__globals__', None)
             if not isinstance(code, types.CodeType) or not isinstance(space, dict):
-                continue    # a builtin, a ufunc, a partial: no globals of its own
+                continue    # a builtin, a ufunc: no globals of its own
             names = _names(code)
             cells = [(name, c.cell_contents) for name, c in
                      zip(code.co_freevars, f.__closure__ or ()) if _filled(c)]
@@ -124,20 +133,87 @@ def _globals_of(function):
             # the modules its closure holds (a transform defined in a function
             # that imported them); ``function``'s other cells are find()'s to walk
             reached += [('<{}>'.format(label), value) for label, value in _through_modules(
-                [(n, v) for n, v in cells if isinstance(v, types.ModuleType)], names)]
-            if f is not function:
-                # a function it calls that was made by another (a decorator's, a factory's)
+                [(n, v) for n, v in cells if _is(v, types.ModuleType)], names)]
+            if f is not function or closure:
                 reached += [('<{}>'.format(name), value) for name, value in cells
-                            if isinstance(value, (types.FunctionType,) + _OWN)]
-            for label, value in reached:
-                if isinstance(value, _OWN):
-                    found.append(('{}.{}'.format(path, label), value))
-                elif isinstance(value, types.FunctionType) and id(value) not in seen \
+                            if not _is(value, types.ModuleType)]
+            for label, value in _unwrapped(reached):
+                where = '{}.{}'.format(path, label)
+                if _is(value, _OWN):
+                    found.append((where, value))
+                elif _is(value, type) and not _library(value):
+                    found += [(where + p, g) for p, g in _class_generators(value)]
+                elif not _is(value, _LEAVES + (types.FunctionType,)) and \
+                        not _library(type(value)):
+                    # an object of a script's class (``AUGMENTER.flip(x)``): the
+                    # generators it holds itself, and its class's
+                    found += [(where + p, g) for p, g in _held(value)]
+                elif _is(value, types.FunctionType) and id(value) not in seen \
                         and len(seen) < _FUNCTIONS:
                     seen.add(id(value))
-                    below.append(('{}.{}'.format(path, label), value))
+                    below.append((where, value))
         level = below
     return found
+
+
+def _held(value):
+    try:
+        attributes = list(object.__getattribute__(value, '__dict__').items())
+    except Exception:
+        attributes = []
+    return [('.' + str(k), v) for k, v in attributes if _is(v, _OWN)] + \
+        _class_generators(type(value))
+
+
+def _library(cls):
+    """Whether ``cls`` comes from Python's or an installed package's modules
+    (a script's class is followed into, a library's are too many)."""
+    name = getattr(cls, '__module__', None)
+    known = _libraries.get(name)
+    if known is None:
+        path = getattr(sys.modules.get(name), '__file__', None)
+        known = _libraries[name] = path is None or os.path.realpath(path).startswith(
+            _installed())
+    return known
+
+
+_libraries = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _installed():
+    paths = sysconfig.get_paths()
+    return tuple(os.path.realpath(paths[k]) + os.sep for k in
+                 ('stdlib', 'platstdlib', 'purelib', 'platlib') if k in paths)
+
+
+def _unwrapped(reached):
+    """``reached`` (label, value) with what a value wraps in its place: a
+    partial's function and arguments, a bound method's function and object
+    (``uniform = _rng.uniform``), ``__wrapped__`` (``functools.wraps``,
+    ``lru_cache``)."""
+    out, stack = [], list(reached)[::-1]
+    while stack:
+        label, value = stack.pop()
+        inner = []
+        try:
+            if isinstance(value, functools.partial):
+                inner = [('.func', value.func)] + [('.args', a) for a in value.args]
+            elif isinstance(value, (types.MethodType, types.BuiltinMethodType)):
+                inner = [('.__self__', value.__self__)] + (
+                    [('.__func__', value.__func__)] if isinstance(value, types.MethodType)
+                    else [])
+            elif not isinstance(value, types.FunctionType) and \
+                    callable(getattr(value, '__wrapped__', None)):
+                inner = [('.__wrapped__', value.__wrapped__)]
+        except Exception:
+            inner = []      # an object that cannot be asked (a proxy)
+        if inner:
+            stack += [(label + part, v) for part, v in inner[::-1]
+                      if not _is(v, types.ModuleType)]
+        else:
+            out.append((label, value))
+    return out
 
 
 def _names(code):
@@ -156,16 +232,16 @@ def _through_modules(reached, names):
     deep)."""
     out, modules = [], []
     for name, value in reached:
-        (modules if isinstance(value, types.ModuleType) else out).append((name, value))
+        (modules if _is(value, types.ModuleType) else out).append((name, value))
     for _ in range(2):
         inner = []
         for name, module in modules:
             space = getattr(module, '__dict__', {})
             for attribute in sorted(names):
                 value = space.get(attribute)
-                if isinstance(value, types.ModuleType):
+                if _is(value, types.ModuleType):
                     inner.append(('{}.{}'.format(name, attribute), value))
-                elif isinstance(value, (types.FunctionType,) + _OWN):
+                elif value is not None:
                     out.append(('{}.{}'.format(name, attribute), value))
         modules = inner
     return out
@@ -241,7 +317,8 @@ def _reseed(generator, seed):
         if type(bits) is numpy.random.MT19937:
             generator.seed(seed)        # as numpy.random.seed seeds
         else:   # RandomState(PCG64(...)): its seed() takes only MT19937
-            bits.state = type(bits)(seed).state
+            state = type(bits)(seed).state      # (and no Gaussian kept from before)
+            generator.set_state(dict(state, has_gauss=0, gauss=0.0))
     elif isinstance(generator, numpy.random.Generator):
         generator.bit_generator.state = type(generator.bit_generator)(seed).state
     else:

@@ -111,6 +111,7 @@ class MultiprocessIterator(iterator_module.Iterator):
     """
 
     _pool = None
+    _drew = None
 
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None, seed=None,
                  n_workers=None, prefetch=None, on_error='raise',
@@ -167,6 +168,9 @@ class MultiprocessIterator(iterator_module.Iterator):
             self._previous_epoch_detail = before
             self.is_new_epoch = epoch > at_start
             self.epoch, self.current_position = epoch, position
+            if self._drew is not None:
+                drew, self._drew = self._drew, None
+                say_draws(*drew)    # (raised under -W error: the position moved on)
             if self.on_error == 'skip' and len(batch):
                 chainer.report({'skipped_examples': len(self.skipped) - skipped_before})
             if len(batch) or self.on_error != 'skip':
@@ -350,7 +354,7 @@ class MultiprocessIterator(iterator_module.Iterator):
             self._on_bad_example(index, kind, message, path, detail)
         if drew is not None and pool.watch:
             pool.watch = False
-            say_draws(*drew)
+            self._drew = drew       # said by __next__ once the batch is taken
         pool.fill()
         return batch
 

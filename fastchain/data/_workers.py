@@ -213,14 +213,17 @@ def _load(dataset, task, shm, layout, own=(), watch=None):
             seed_example(seed, own)
         try:
             example = dataset[index]
-            if watching and drew is None:
-                names = watch.drew(lambda: dataset[index])
-                drew = (int(index), names) if names else None
         except Exception as e:
             kind, message, path = describe_error(e)
             errors.append((j, int(index), kind, message, path,
                            traceback.format_exc(limit=4)))
             continue
+        if watching and drew is None:
+            try:
+                names = watch.drew(lambda: dataset[index])
+            except Exception:
+                names = []      # (the example loaded: what the watch cannot tell is let be)
+            drew = (int(index), names) if names else None
         fields = example if isinstance(example, tuple) else (example,)
         if views is not None and layout.fits(fields):
             for value, view in zip(fields, views):

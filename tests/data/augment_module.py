@@ -31,3 +31,40 @@ def _make_shift(rng):
 
 
 factory_shift = _make_shift(numpy.random.default_rng(4))
+
+
+uniform = _rng.uniform          # a bound method
+partial_shift = functools.partial(shift)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_offset(n):
+    return float(_rng.rand()) * 0 + n      # (draws once per n: enough to be found)
+
+
+class RandomShift:
+    def __call__(self, x):
+        return x + numpy.float32(_rng.rand())
+
+
+class _Augmenter:
+    def __init__(self):
+        self.rng = numpy.random.RandomState(5)
+
+    def jitter(self, x):
+        return x + numpy.float32(self.rng.rand())
+
+
+AUGMENTER = _Augmenter()
+
+
+class _Unaskable:
+    """A lazy proxy (werkzeug's LocalProxy, Django's SimpleLazyObject) whose
+    ``__class__`` raises outside its context."""
+
+    @property
+    def __class__(self):
+        raise RuntimeError('working outside of context')
+
+
+current = _Unaskable()

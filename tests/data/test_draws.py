@@ -151,17 +151,68 @@ def test_the_watch_names_what_an_example_drew():
         'numpy.random', 'its own RandomState (dataset.a)']
 
 
-def test_watching_changes_no_draw():
-    """The watch draws and seeds again before each example: the batches are
-    those of a loader that does not watch, bitwise."""
-    def batches(watch):
-        it = data.MultiprocessIterator(_OddOnly(), 4, seed=3, n_workers=2, warn_draws=watch)
+class _SomeSeeded(Indexed):
+    """Seeds ``self.rng`` on even examples; odd ones draw on from where it
+    stood (a review: the first example looked at, 0, showed it seeded, and
+    it was let be for good while the training differed)."""
+
+    def __init__(self):
+        self.rng = numpy.random.RandomState(0)
+
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        if i % 2 == 0:
+            self.rng.seed(int(i))
+        return x + numpy.float32(self.rng.rand()), t
+
+
+def test_a_generator_seeded_on_some_examples_only_is_said():
+    said, mine = _updates(_SomeSeeded(), **LOADER)
+    _, plain = _updates(_SomeSeeded())
+    assert not all(numpy.array_equal(a, b) for a, b in zip(plain, mine))
+    assert said == [(0, data._group.DRAWS_RANDOM.format('its own RandomState (dataset.rng)') +
+                     _draws.AT_EXAMPLE.format(1))]
+
+
+def _batches(dataset, watch, **options):
+    it = data.MultiprocessIterator(dataset, 4, seed=3, n_workers=2, warn_draws=watch,
+                                   **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter('ignore')
-                return [[x.copy() for x, _ in it.next()] for _ in range(3)]
+            return [[(x.copy(), int(t)) for x, t in it.next()] for _ in range(3)], \
+                [str(w.message) for w in caught if DRAWN in str(w.message)]
         finally:
             it.finalize()
-    watched, plain = batches(True), batches(False)
-    assert all(numpy.array_equal(a, b) for wa, pa in zip(watched, plain) for a, b in zip(wa, pa))
-    assert not numpy.array_equal(watched[0][1], numpy.full(3, 1, numpy.float32))    # it drew
+
+
+@pytest.mark.parametrize('make', [_OddOnly, _SomeSeeded, _OwnSeededOddOnly])
+def test_watching_changes_no_draw(make):
+    """The watch draws and seeds again before each example, and loads an
+    example again to ask whether a generator is seeded per example: the
+    batches are those of a loader that does not watch, bitwise."""
+    (watched, said), (plain, unsaid) = _batches(make(), True), _batches(make(), False)
+    assert [[t for _, t in b] for b in watched] == [[t for _, t in b] for b in plain]
+    assert all(numpy.array_equal(a, b) for wb, pb in zip(watched, plain)
+               for (a, _), (b, _) in zip(wb, pb))
+    odd = [x for b in watched for x, t in b if t % 2]
+    assert odd and all(not numpy.array_equal(x, numpy.full(3, t, numpy.float32))
+                       for b in watched for x, t in b if t % 2)     # they drew
+    assert unsaid == [] and len(said) == (make is not _OwnSeededOddOnly)
+    assert all('Seen at example' in m for m in said)
+
+
+def test_under_warnings_as_errors_the_iterator_stays_in_step():
+    """A review: the warning was raised between the pool's batch and the
+    iterator's position, and the next next() failed ('prefetch out of
+    step'). Now it is raised with the position moved on: the next batch is
+    the one after."""
+    it = data.MultiprocessIterator(_OddOnly(), 4, shuffle=False, n_workers=2, warn_draws=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            with pytest.raises(fastchain.FastchainWarning, match='Seen at example 1'):
+                it.next()
+            assert [int(t) for _, t in it.next()] == [4, 5, 6, 7]
+    finally:
+        it.finalize()

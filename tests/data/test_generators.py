@@ -379,7 +379,11 @@ def _through_a_module(how):
         'imported': lambda e: (imported_shift(e[0]), e[1]),
         'decorated': lambda e: (augment_module.logged_shift(e[0]), e[1]),
         'factory': lambda e: (augment_module.factory_shift(e[0]), e[1]),
-        'closure': lambda e: (local.shift(e[0]), e[1])}[how]
+        'closure': lambda e: (local.shift(e[0]), e[1]),
+        'bound method': lambda e: (e[0] + numpy.float32(augment_module.uniform()), e[1]),
+        'partial': lambda e: (augment_module.partial_shift(e[0]), e[1]),
+        'class': lambda e: (augment_module.RandomShift()(e[0]), e[1]),
+        'object': lambda e: (augment_module.AUGMENTER.jitter(e[0]), e[1])}[how]
     return chainer.datasets.TransformDataset(Indexed(), transform)
 
 
@@ -389,7 +393,11 @@ def _through_a_module(how):
     ('imported', '<global imported_shift>.<global _rng>'),
     ('decorated', '<global augment_module.logged_shift>.<f>.<global shift>.<global _rng>'),
     ('factory', '<global augment_module.factory_shift>.<rng>'),
-    ('closure', '<local.shift>.<global _rng>')])
+    ('closure', '<local.shift>.<global _rng>'),
+    ('bound method', '<global augment_module.uniform>.__self__'),
+    ('partial', '<global augment_module.partial_shift>.func.<global _rng>'),
+    ('class', '<global augment_module.RandomShift>.__call__.<global _rng>'),
+    ('object', '<global augment_module.AUGMENTER>.rng')])
 def test_a_generator_in_a_module_the_transform_calls_into_is_found(how, path):
     """A new-user trial: a transform calling ``augment.random_crop_flip(img)``,
     whose module holds ``_rng``, was not found: each worker drew the same
@@ -398,8 +406,8 @@ def test_a_generator_in_a_module_the_transform_calls_into_is_found(how, path):
     found = _generators.find(_through_a_module(how))
     assert [p for p, _ in found] == ['dataset._transform.' + path]
     generator = found[0][1]
-    assert generator is (augment_module.factory_shift.__closure__[0].cell_contents
-                         if how == 'factory' else augment_module._rng)
+    assert generator is {'factory': augment_module.factory_shift.__closure__[0].cell_contents,
+                         'object': augment_module.AUGMENTER.rng}.get(how, augment_module._rng)
     state = _generators._state(generator)
     runs = [_values(data.MultiprocessIterator(_through_a_module(how), 4, seed=11,
                                               n_workers=workers))
@@ -408,3 +416,59 @@ def test_a_generator_in_a_module_the_transform_calls_into_is_found(how, path):
     drawn = [v for batch in runs[0] for v in batch]
     assert len(set(drawn)) == len(drawn)
     assert _generators._same(_generators._state(generator), state)
+
+
+class _DecoratedNoisy(Indexed):
+    @augment_module._logged
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        return augment_module.shift(x), t
+
+
+class _PropertyNoisy(Indexed):
+    @property
+    def noise(self):
+        return numpy.float32(augment_module._rng.rand())
+
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        return x + self.noise, t
+
+
+class _CachedNoisy(Indexed):
+    def get_example(self, i):
+        x, t = super().get_example(i)
+        return x + numpy.float32(augment_module.cached_offset(0)), t
+
+
+class _WithUnaskable(OwnNoisy):
+    def get_example(self, i):
+        if augment_module.current is None:
+            pass
+        return super().get_example(i)
+
+
+@pytest.mark.parametrize('make, path', [
+    (_DecoratedNoisy, 'dataset.get_example.<f>.<global augment_module.shift>.<global _rng>'),
+    (_PropertyNoisy, 'dataset.noise.<global augment_module._rng>'),
+    (_CachedNoisy, 'dataset.get_example.<global augment_module.cached_offset>.__wrapped__'
+                   '.<global _rng>'),
+    (_WithUnaskable, 'dataset.rng')])
+def test_a_generator_behind_a_decorated_method_a_property_or_a_cache_is_found(make, path):
+    """A review's cases: a decorated get_example (its closure), a property,
+    an lru_cache'd function; and an object a module holds whose
+    ``__class__`` raises (a lazy proxy) made the whole look of the dataset
+    fail, its own ``self.rng`` unseeded."""
+    assert [p for p, _ in _generators.find(make())] == [path]
+
+
+def test_a_pcg64_randomstate_reseeded_keeps_no_gaussian_from_before():
+    """A review: reseeding a RandomState over PCG64 set its bit generator's
+    state only, and the Gaussian it had cached from the example before came
+    out first (each example then depended on which worker loaded what)."""
+    generator = numpy.random.RandomState(numpy.random.PCG64(0))
+    firsts = []
+    for _ in range(2):
+        _generators._reseed(generator, 5)
+        firsts.append(generator.randn())    # the second of the pair stays cached
+    assert firsts[0] == firsts[1]
