@@ -19,8 +19,8 @@ import os
 import random
 import sys
 import sysconfig
+import threading
 import types
-import weakref
 
 import numpy
 
@@ -30,7 +30,9 @@ _NODES = 4000       # objects looked at, at most
 _ITEMS = 64         # a longer list, tuple or dict (file names, labels) is not entered
 _HOPS = 4           # functions followed from a function through the globals it calls
 _FUNCTIONS = 256    # functions looked into that way, at most, from one function
-_by_class = weakref.WeakKeyDictionary()     # class -> its class-attribute generators
+_CLASSES = 8        # classes followed one inside another, at most
+_UNWRAP = 8         # wrappers taken off one value, at most
+_walk = threading.local()   # find()'s memo: id(class) -> its generators (while it runs)
 _LEAVES = (str, bytes, int, float, complex, bool, type(None), numpy.ndarray, numpy.generic,
            type, types.ModuleType, types.BuiltinFunctionType)
 
@@ -90,9 +92,20 @@ def _class_generators(cls):
     (``rng = numpy.random.RandomState(0)`` in the class body), and those of
     their modules' globals their methods name (``RNG.random()`` in
     ``get_example``; a decorated method, a property)."""
-    found = _by_class.get(cls)
-    if found is None:
-        _by_class[cls] = found = []     # (a method reaching its own class again)
+    memo = getattr(_walk, 'memo', None)
+    memo = {} if memo is None else memo     # (asked outside find(): for this call only)
+    found = memo.get(id(cls))
+    if found is not None:
+        return found
+    # in progress: a class its methods reach again gets what is found so far
+    # (the rest is found through this one); looked at anew by each find(), as
+    # a module's global or an object's attribute may be rebound between them
+    memo[id(cls)] = found = []
+    depth = memo.get('depth', 0)
+    if depth >= _CLASSES:
+        return found
+    memo['depth'] = depth + 1
+    try:
         for c in cls.__mro__:
             for k, v in list(vars(c).items()):
                 if _is(v, _OWN):
@@ -104,6 +117,8 @@ def _class_generators(cls):
                                   for path, g in _globals_of(v, closure=True)]
                     except Exception:
                         pass    # an object that cannot be asked (a proxy): the others stay
+    finally:
+        memo['depth'] = depth
     return found
 
 
@@ -167,13 +182,23 @@ def _held(value):
 
 def _library(cls):
     """Whether ``cls`` comes from Python's or an installed package's modules
-    (a script's class is followed into, a library's are too many)."""
+    (a script's class is followed into, a library's are too many): a module
+    of the interpreter's own, or a file under the standard library's or a
+    site-packages/dist-packages folder. A script's ``__main__`` (a file, a
+    notebook, ``python -c``), a module without a file that is not built in
+    and one no longer in ``sys.modules`` (``runpy.run_path``) are scripts."""
     name = getattr(cls, '__module__', None)
+    if not isinstance(name, str) or name in ('__main__', '__mp_main__'):
+        return False
     known = _libraries.get(name)
     if known is None:
-        path = getattr(sys.modules.get(name), '__file__', None)
-        known = _libraries[name] = path is None or os.path.realpath(path).startswith(
-            _installed())
+        module = sys.modules.get(name)
+        if module is None:
+            return False
+        path = getattr(module, '__file__', None)
+        known = name in sys.builtin_module_names if path is None else \
+            os.path.normcase(os.path.realpath(path)).startswith(_installed())
+        _libraries[name] = known
     return known
 
 
@@ -182,9 +207,16 @@ _libraries = {}
 
 @functools.lru_cache(maxsize=None)
 def _installed():
+    import site
     paths = sysconfig.get_paths()
-    return tuple(os.path.realpath(paths[k]) + os.sep for k in
-                 ('stdlib', 'platstdlib', 'purelib', 'platlib') if k in paths)
+    folders = [paths[k] for k in ('stdlib', 'platstdlib', 'purelib', 'platlib') if k in paths]
+    try:
+        folders += site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:
+        pass        # (a virtualenv's old site.py)
+    folders += [p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in (
+        'site-packages', 'dist-packages')]
+    return tuple(sorted({os.path.normcase(os.path.realpath(f)) + os.sep for f in folders}))
 
 
 def _unwrapped(reached):
@@ -192,13 +224,16 @@ def _unwrapped(reached):
     partial's function and arguments, a bound method's function and object
     (``uniform = _rng.uniform``), ``__wrapped__`` (``functools.wraps``,
     ``lru_cache``)."""
-    out, stack = [], list(reached)[::-1]
+    out, stack, expanded = [], [(label, value, 0) for label, value in reached][::-1], []
     while stack:
-        label, value = stack.pop()
+        label, value, depth = stack.pop()
         inner = []
+        if depth >= _UNWRAP or any(value is e for e in expanded):
+            continue    # a wrapper that leads back to itself, or on without end
         try:
             if isinstance(value, functools.partial):
-                inner = [('.func', value.func)] + [('.args', a) for a in value.args]
+                inner = [('.func', value.func)] + [('.args', a) for a in value.args] + [
+                    ('.keywords', v) for v in (value.keywords or {}).values()]
             elif isinstance(value, (types.MethodType, types.BuiltinMethodType)):
                 inner = [('.__self__', value.__self__)] + (
                     [('.__func__', value.__func__)] if isinstance(value, types.MethodType)
@@ -209,7 +244,8 @@ def _unwrapped(reached):
         except Exception:
             inner = []      # an object that cannot be asked (a proxy)
         if inner:
-            stack += [(label + part, v) for part, v in inner[::-1]
+            expanded.append(value)      # (kept: an id is not reused while it lives)
+            stack += [(label + part, v, depth + 1) for part, v in inner[::-1]
                       if not _is(v, types.ModuleType)]
         else:
             out.append((label, value))
@@ -258,6 +294,15 @@ def _filled(cell):
 def find(dataset, name='dataset'):
     """``[(path, generator)]``: the generators ``dataset`` holds (not the
     global ones), each once, in the order a breadth-first walk meets them."""
+    outer = getattr(_walk, 'memo', None)
+    _walk.memo = {} if outer is None else outer
+    try:
+        return _find(dataset, name)
+    finally:
+        _walk.memo = outer
+
+
+def _find(dataset, name):
     found, seen = [], {id(dataset)}
     level, looked = [(name, dataset)], 0
     for _ in range(_DEPTH + 1):

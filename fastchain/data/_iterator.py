@@ -90,7 +90,8 @@ class MultiprocessIterator(iterator_module.Iterator):
             here.
         warn_draws (bool): warn (once) at the first example a worker loads
             that draws random numbers (below), naming the generators; set by
-            ``fastchain.enable`` where it takes a SerialIterator's place.
+            ``fastchain.enable`` where it takes a SerialIterator's place
+            (under ``-W error`` that batch is lost to the error).
 
     .. note::
        With workers and shared memory, the first examples of the order are
