@@ -1,8 +1,10 @@
-"""Models and training helpers shared by the kernel and static-graph tests,
-and process checks shared by the tests that start process groups."""
+"""Models and training helpers shared by the kernel, static-graph and loader
+tests, and process checks shared by the tests that start process groups."""
 
+import contextlib
 import os
 import time
+import warnings
 
 import numpy
 
@@ -203,3 +205,37 @@ def gone(pid, seconds=10):
             return True
         time.sleep(0.05)
     return False
+
+
+def train_classifier(dataset, steps, batch_size, shuffle, optimizer, options, init=None):
+    """``steps`` updates of ``L.Classifier(L.Linear(3, 12))`` on ``dataset``
+    (a SerialIterator, NumPy seeded 0 first), under ``fastchain.enable(
+    **options)`` unless ``options`` is empty; ``init(model)`` may set its
+    weights. Returns the loader's draw warnings as (step, message), step -1
+    while the updater is made, and the parameters."""
+    import fastchain
+    numpy.random.seed(0)
+    model = L.Classifier(L.Linear(3, 12))
+    if init is not None:
+        init(model)
+    optimizer = optimizer.setup(model)
+    said = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with fastchain.enable(**options) if options else contextlib.nullcontext():
+            updater = chainer.training.StandardUpdater(
+                chainer.iterators.SerialIterator(dataset, batch_size, shuffle=shuffle), optimizer)
+
+        def note(step):
+            said.extend((step, str(w.message)) for w in caught
+                        if 'draw random numbers' in str(w.message))
+            del caught[:]
+        note(-1)
+        try:
+            for step in range(steps):
+                updater.update()
+                note(step)
+        finally:
+            updater.finalize()
+    return said, [p.array.copy() for p in model.params()]
+

@@ -10,12 +10,11 @@ import numpy
 import pytest
 
 import chainer
-import chainer.links as L
 
 import fastchain
 from fastchain import data
 from fastchain.data import _draws
-from tests.helpers import Indexed
+from tests.helpers import Indexed, train_classifier
 
 DRAWN = 'draw random numbers'
 
@@ -48,32 +47,7 @@ def _updates(dataset, steps=4, **options):
     """Runs ``steps`` updates of a classifier on ``dataset`` (unshuffled,
     batches of 4); the loader warnings said, as (step, message), and the
     parameters."""
-    numpy.random.seed(0)
-    model = L.Classifier(L.Linear(3, 12))
-    optimizer = chainer.optimizers.SGD(0.1).setup(model)
-    said = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        with fastchain.enable(**options) if options else _Nothing():
-            updater = chainer.training.StandardUpdater(
-                chainer.iterators.SerialIterator(dataset, 4, shuffle=False), optimizer)
-        said += [(-1, str(w.message)) for w in caught if DRAWN in str(w.message)]
-        try:
-            for step in range(steps):
-                del caught[:]
-                updater.update()
-                said += [(step, str(w.message)) for w in caught if DRAWN in str(w.message)]
-        finally:
-            updater.finalize()
-    return said, [p.array.copy() for p in model.params()]
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return train_classifier(dataset, steps, 4, False, chainer.optimizers.SGD(0.1), options)
 
 
 LOADER = dict(loader_workers=2, prefetch_to_device=False)

@@ -18,7 +18,7 @@ from fastchain import data
 from fastchain.data import _draws, _generators
 from tests.data import augment_module
 from tests.data.augment_module import shift as imported_shift
-from tests.helpers import Indexed
+from tests.helpers import Indexed, train_classifier
 
 
 def _make(kind, seed=0):
@@ -229,13 +229,19 @@ def test_a_module_global_generator_the_dataset_draws_from_is_found(how):
     found = [p for p, _ in _generators.find(make())]
     assert found == (['dataset.get_example.<global _MODULE_RNG>'] if how == 'get_example'
                      else ['dataset._transform.<global _MODULE_RNG>'])
-    state = _generators._state(_MODULE_RNG)
+    _seeded_per_example(make, _MODULE_RNG)
+
+
+def _seeded_per_example(make, generator):
+    """Loaded from ``make()`` with 0, 1 and 2 workers: the same draws, each
+    example its own, and ``generator`` in this process as it was."""
+    state = _generators._state(generator)
     runs = [_values(data.MultiprocessIterator(make(), 4, seed=11, n_workers=workers))
             for workers in (0, 1, 2)]
     assert runs[1] == runs[0] and runs[2] == runs[0]
     drawn = [v for batch in runs[0] for v in batch]
     assert len(set(drawn)) == len(drawn)
-    assert _generators._same(_generators._state(_MODULE_RNG), state)
+    assert _generators._same(_generators._state(generator), state)
 
 
 class _WithBuiltins(OwnNoisy):
@@ -289,30 +295,12 @@ class _OneOfTwo(_SeedsItsOwn):
 def _train(dataset, **options):
     """Eight steps (two epochs and more, shuffled) of a classifier on
     ``dataset``; its parameters, and the loader warnings said."""
-    numpy.random.seed(0)
-    model = L.Classifier(L.Linear(3, 12))
-    model.predictor.W.array[...] = numpy.linspace(-1, 1, 36, dtype=numpy.float32).reshape(12, 3)
-    optimizer = chainer.optimizers.MomentumSGD(0.1).setup(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        with fastchain.enable(**options) if options else _nothing():
-            updater = chainer.training.StandardUpdater(
-                chainer.iterators.SerialIterator(dataset, 5, shuffle=True), optimizer)
-    try:
-        for _ in range(8):
-            updater.update()
-    finally:
-        updater.finalize()
-    said = [str(w.message) for w in caught if 'draw random numbers' in str(w.message)]
-    return [p.array.copy() for p in model.params()], said
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    def init(model):
+        model.predictor.W.array[...] = numpy.linspace(-1, 1, 36, dtype=numpy.float32).reshape(
+            12, 3)
+    said, params = train_classifier(dataset, 8, 5, True, chainer.optimizers.MomentumSGD(0.1),
+                                    options, init)
+    return params, [message for step, message in said if step < 0]
 
 
 LOADER = dict(loader_workers=2, prefetch_to_device=False)
@@ -408,14 +396,7 @@ def test_a_generator_in_a_module_the_transform_calls_into_is_found(how, path):
     generator = found[0][1]
     assert generator is {'factory': augment_module.factory_shift.__closure__[0].cell_contents,
                          'object': augment_module.AUGMENTER.rng}.get(how, augment_module._rng)
-    state = _generators._state(generator)
-    runs = [_values(data.MultiprocessIterator(_through_a_module(how), 4, seed=11,
-                                              n_workers=workers))
-            for workers in (0, 1, 2)]
-    assert runs[1] == runs[0] and runs[2] == runs[0]
-    drawn = [v for batch in runs[0] for v in batch]
-    assert len(set(drawn)) == len(drawn)
-    assert _generators._same(_generators._state(generator), state)
+    _seeded_per_example(lambda: _through_a_module(how), generator)
 
 
 class _DecoratedNoisy(Indexed):

@@ -160,12 +160,17 @@ WORST_ONEDNN = ({'input': (3, 4, 9, 11), 'layers': (
     [], ('SGD', 0.1), 8)
 
 
-def test_the_worst_measured_onednn_run_is_within_the_tolerance(monkeypatch):
+def _onednn_traces(case, monkeypatch):
+    """(plain Chainer's trace, the onednn run's) of a pinned case."""
     pytest.importorskip('torch', reason="onednn's kernels come from PyTorch")
     monkeypatch.setattr(harness, '_events', lambda model, optimizer: None)
-    spec, layout, hooks, optimizer, steps = WORST_ONEDNN
-    expected = harness.run(spec, optimizer, hooks, steps)
-    got = harness.run(spec, optimizer, hooks, steps, layout=layout)
+    spec, layout, hooks, optimizer, steps = case
+    return (harness.run(spec, optimizer, hooks, steps),
+            harness.run(spec, optimizer, hooks, steps, layout=layout))
+
+
+def test_the_worst_measured_onednn_run_is_within_the_tolerance(monkeypatch):
+    expected, got = _onednn_traces(WORST_ONEDNN, monkeypatch)
     first = harness.deviation(expected[:1], got[:1])[0]
     ratio, where = harness.deviation(expected, got)
     # the exact figures depend on the BLAS and oneDNN's code path for this
@@ -199,20 +204,12 @@ DIVERGING_ONEDNN = ({'input': (2, 3, 8, 7), 'layers': (
 
 
 def test_a_diverging_onednn_run_is_within_the_tolerance(monkeypatch):
-    pytest.importorskip('torch', reason="onednn's kernels come from PyTorch")
-    monkeypatch.setattr(harness, '_events', lambda model, optimizer: None)
-    spec, layout, hooks, optimizer, steps = DIVERGING_ONEDNN
-    expected = harness.run(spec, optimizer, hooks, steps)
-    got = harness.run(spec, optimizer, hooks, steps, layout=layout)
+    expected, got = _onednn_traces(DIVERGING_ONEDNN, monkeypatch)
     assert float(expected[-1]['loss']) > 1e15 * float(expected[0]['loss'])     # it diverges
     harness.compare(expected, got, harness.ONEDNN_TOLERANCE)
 
 
 def test_the_worst_measured_onednn_first_step_is_within_the_tolerance(monkeypatch):
-    pytest.importorskip('torch', reason="onednn's kernels come from PyTorch")
-    monkeypatch.setattr(harness, '_events', lambda model, optimizer: None)
-    spec, layout, hooks, optimizer, steps = WORST_FIRST_ONEDNN
-    expected = harness.run(spec, optimizer, hooks, steps)
-    got = harness.run(spec, optimizer, hooks, steps, layout=layout)
+    expected, got = _onednn_traces(WORST_FIRST_ONEDNN, monkeypatch)
     assert 0 < harness.deviation(expected[:1], got[:1])[0]     # not bitwise: a real case
     harness.compare(expected, got, harness.ONEDNN_TOLERANCE)
