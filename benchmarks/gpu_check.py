@@ -58,6 +58,14 @@ MIN_STEP_SECONDS = 30           # a step with less left is skipped, not started
 PACK_SECONDS = 15               # kept for the last archive
 STEP_MARGIN = 45                # before a time-limited step's kill: its report and charts
 GRACE_SECONDS = 15              # between a late step's SIGTERM and its SIGKILL
+# pytest steps: SIGINT this long before their limit, so pytest prints its
+# summary (each failure, each xfail's and skip's reason) before it is killed
+# (the first run on the node lost every reason to a plain kill)
+INTERRUPT_SECONDS = 20
+PYTEST_STEPS = ('gpu_tests', 'nccl')
+# pytest's own report: each test's outcome as it ends (-v: which one hung),
+# the reasons of failures, errors, skips and xfails, the slowest tests
+PYTEST_REPORT = ['-v', '-rfEsx', '--durations=20']
 
 
 def plan(args):
@@ -75,7 +83,10 @@ def plan(args):
                     "main(['doctor', '--json'])"], {}, 120),
         # Only the files that hold GPU tests (some are property-based: the
         # node gets hypothesis from the wheelhouse, see NEEDS).
-        'gpu_tests': ([py, '-m', 'pytest', '-m', 'gpu', '-rsx', '-p', 'no:cacheprovider']
+        'gpu_tests': ([py, '-m', 'pytest', '-m', 'gpu', '-p', 'no:cacheprovider']
+                      + PYTEST_REPORT
+                      # one test at most this long (pytest-timeout, where installed)
+                      + ['-o', 'timeout={}'.format(120 if quick else 300)]
                       + gpu_test_files(),
                       # a third of the cuDNN graphs' generated cases in the quick form
                       {'FASTCHAIN_GPU_CASES': '0.34'} if quick else {}, 300 if quick else 900),
@@ -91,8 +102,8 @@ def plan(args):
         'nvtx': (recipe + ['--data', 'synthetic', '--nvtx', '--iterations', '10',
                            '--out', os.path.join(runs, 'nvtx')] + size,
                  {'FASTCHAIN_NVTX_LOG': os.path.join(out, 'logs', 'nvtx_ranges.tsv')}, 300),
-        'nccl': ([py, '-m', 'pytest', '-rs', '-p', 'no:cacheprovider', '-k', 'nccl',
-                  os.path.join(ROOT, 'tests', 'distributed')], {}, 300),
+        'nccl': ([py, '-m', 'pytest', '-p', 'no:cacheprovider'] + PYTEST_REPORT
+                 + ['-k', 'nccl', os.path.join(ROOT, 'tests', 'distributed')], {}, 300),
         'ladder': ([py, os.path.join(HERE, 'ladder.py'), '--device', device, '--batch',
                     str(args.ladder_batch or args.batch), '--crop', str(args.image_size)]
                    + (['--rungs', args.ladder_rungs] if args.ladder_rungs else [])
@@ -177,12 +188,17 @@ def figures(name, text, out):
 def run_step(name, argv, env, seconds, out, tick=None, every=60):
     """Runs one step in a process group of its own, its output written to
     its log as it comes (a run cut off from outside keeps what the step
-    printed); past ``seconds`` the group gets SIGTERM, then SIGKILL.
-    ``tick()`` is called every ``every`` seconds while it runs (the archive
-    rewritten: a call cut off mid-step still returns the step's log)."""
+    printed); past ``seconds`` the group gets SIGTERM, then SIGKILL. A
+    pytest step (``PYTEST_STEPS``) gets SIGINT ``INTERRUPT_SECONDS`` before
+    that, so pytest writes its summary (the reasons of failures, skips and
+    xfails) into the log. ``tick()`` is called every ``every`` seconds while
+    it runs (the archive rewritten: a call cut off mid-step still returns
+    the step's log)."""
     log = os.path.join(out, 'logs', name + '.log')
     doctor = os.path.join(out, 'doctor.json')
     start = time.monotonic()
+    interrupt = seconds - INTERRUPT_SECONDS \
+        if name in PYTEST_STEPS and seconds > 2 * INTERRUPT_SECONDS else None
     with open(log, 'w') as f:
         f.write(' '.join(argv) + '\n\n')
         f.flush()
@@ -192,17 +208,23 @@ def run_step(name, argv, env, seconds, out, tick=None, every=60):
             proc = subprocess.Popen(argv, stdout=stdout, stderr=f, cwd=ROOT,
                                     start_new_session=True,
                                     env=dict(os.environ, PYTHONUNBUFFERED='1', **env))
-            rc = None
+            rc, interrupted = None, False
             while rc is None and time.monotonic() - start < seconds:
+                until = seconds if interrupt is None or interrupted else interrupt
                 try:
-                    rc = proc.wait(timeout=min(every, max(0.0, seconds - (
+                    rc = proc.wait(timeout=min(every, max(0.0, until - (
                         time.monotonic() - start))))
                 except subprocess.TimeoutExpired:
-                    if tick is not None:
+                    if interrupt is not None and not interrupted and \
+                            time.monotonic() - start >= interrupt:
+                        interrupted = True
+                        signal_group(proc, signal.SIGINT)
+                    elif tick is not None:
                         f.flush()
                         tick()
             if rc is None:
                 stop_group(proc)
+            if interrupted or rc is None:
                 status = 'timed out after {} s'.format(seconds)
             else:
                 status = 'ok' if rc == 0 else 'failed ({})'.format(rc)
@@ -218,16 +240,20 @@ def run_step(name, argv, env, seconds, out, tick=None, every=60):
             'figures': figures(name, text, out), 'log': os.path.relpath(log, out)}
 
 
+def signal_group(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass            # the group is gone
+
+
 def stop_group(proc, grace=None):
     """SIGTERM to the step's process group (the benchmarks close their
     variants on it), then SIGKILL to what is left of it after ``grace``
     seconds."""
     grace = GRACE_SECONDS if grace is None else grace
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass            # the group is gone
+        signal_group(proc, sig)
         try:
             proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:

@@ -84,6 +84,44 @@ def test_a_step_past_its_time_is_killed_with_its_children_and_keeps_its_output(
     assert gone(pid), 'the step\'s child outlived the step'
 
 
+# A GPU test file in miniature: one passes, one is an expected failure with
+# its reason, one hangs past the step's limit.
+HANGING_TESTS = """
+import time, pytest
+def test_passes():
+    pass
+def test_refused():
+    pytest.xfail('cuDNN refused the key: REASON-X')
+def test_hangs():
+    time.sleep(120)
+"""
+
+
+def test_a_pytest_step_past_its_time_still_reports_every_reason_and_the_hung_test(
+        tmp_path, monkeypatch):
+    """On the node the first run's GPU tests were cut at their limit and
+    the kill took pytest's summary with it: which keys cuDNN refused and
+    why, and which test failed, were lost. A pytest step is interrupted
+    first, so pytest writes that summary."""
+    gpu_check = load_script()
+    monkeypatch.setattr(gpu_check, 'INTERRUPT_SECONDS', 6)
+    monkeypatch.setattr(gpu_check, 'GRACE_SECONDS', 1)
+    (tmp_path / 'logs').mkdir()
+    tests = tmp_path / 'test_node.py'
+    tests.write_text(HANGING_TESTS)
+    argv = [sys.executable, '-m', 'pytest', '-p', 'no:cacheprovider'] + \
+        gpu_check.PYTEST_REPORT + [str(tests)]
+    start = time.monotonic()
+    result = gpu_check.run_step('gpu_tests', argv, {}, 14, str(tmp_path))
+    assert result['status'] == 'timed out after 14 s'
+    assert time.monotonic() - start < 30
+    log = (tmp_path / 'logs' / 'gpu_tests.log').read_text()
+    assert 'test_passes PASSED' in log                  # -v: each outcome as it came
+    assert 'REASON-X' in log                            # the xfail's reason, from -rx
+    assert 'test_hangs' in log and 'KeyboardInterrupt' in log     # where it stopped
+    assert result['figures']['passed'] == 1 and result['figures']['xfailed'] == 1
+
+
 def test_the_deadline_skips_what_cannot_start_and_the_archive_is_written(tmp_path):
     out, archive = tmp_path / 'gpu', tmp_path / 'gpu.tar.gz'
     r = subprocess.run([sys.executable, SCRIPT, '--device', '@numpy', '--steps',
