@@ -22,7 +22,8 @@ Steps: ``doctor`` (``fastchain doctor --json``), ``gpu_tests`` (the
 synthetic data, every accelerator that works there, ``--fp16`` for the
 second), ``resnet_demo`` (the recipe on the generated JPEGs, with the
 device prefetcher), ``nvtx`` (a recipe run with the NVTX injection recorder
-attached, counting the ranges received: ``nsys`` cannot report on the node),
+attached, counting the ranges received, and the step breakdown from them in
+``logs/nvtx_summary.txt``, host time: ``nsys`` cannot report on the node),
 ``nccl`` (the NCCL communicator with one rank), then the benchmarks: ladder,
 overhead, loader, nvtx_cost (their ``--quick`` forms with ``--quick``).
 ``--steps`` picks some, in the order given (a full check split over several
@@ -66,6 +67,7 @@ PYTEST_STEPS = ('gpu_tests', 'nccl')
 # pytest's own report: each test's outcome as it ends (-v: which one hung),
 # the reasons of failures, errors, skips and xfails, the slowest tests
 PYTEST_REPORT = ['-v', '-rfEsx', '--durations=20']
+NVTX_WARMUP_STEPS = 5           # left out of the nvtx step's breakdown (first calls, plans)
 
 
 def plan(args):
@@ -99,7 +101,7 @@ def plan(args):
                                   '--demo-root', os.path.join(runs, 'demo-data'),
                                   '--out', os.path.join(runs, 'demo')]
                         + (['--epochs', '1'] if quick else []), {}, 600),
-        'nvtx': (recipe + ['--data', 'synthetic', '--nvtx', '--iterations', '10',
+        'nvtx': (recipe + ['--data', 'synthetic', '--nvtx', '--iterations', iters,
                            '--out', os.path.join(runs, 'nvtx')] + size,
                  {'FASTCHAIN_NVTX_LOG': os.path.join(out, 'logs', 'nvtx_ranges.tsv')}, 300),
         'nccl': ([py, '-m', 'pytest', '-p', 'no:cacheprovider'] + PYTEST_REPORT
@@ -182,7 +184,28 @@ def figures(name, text, out):
                 kinds = [line.split('\t', 1)[0] for line in f]
             found['nvtx_pushes'] = kinds.count('push')
             found['nvtx_pops'] = kinds.count('pop')
+            found.update(nvtx_breakdown(log, os.path.join(out, 'logs', 'nvtx_summary.txt')))
     return found
+
+
+def nvtx_breakdown(log, path, skip=NVTX_WARMUP_STEPS):
+    """The step breakdown of the recorder's log (profiling/summarize.py's,
+    host time: where the step's time goes on the host), written to ``path``;
+    its figures, or the reason there are none."""
+    sys.path.insert(0, os.path.join(ROOT, 'profiling'))
+    import summarize
+    from fastchain.nvtx import _summary
+    try:
+        result = _summary.summarize(summarize.read_recorder_log(log), skip=skip)
+    except summarize.ReportError as e:
+        return {'breakdown': 'none: {}'.format(e)}
+    with open(path, 'w') as f:
+        f.write(_summary.format_summary(result) + '\n')
+    if not result['steps']:
+        return {'breakdown': 'none: ' + result['diagnosis']}
+    return {'steps_summarized': result['steps'], 'step_ms': round(result['total_ms'], 2),
+            'phase_ms': {p: round(v, 2) for p, v in result['median_ms'].items()},
+            'diagnosis': result['diagnosis']}
 
 
 def run_step(name, argv, env, seconds, out, tick=None, every=60):
@@ -391,6 +414,8 @@ def main(argv=None):
                 deadline, max(0, round(left + PACK_SECONDS)))}
         else:
             tool, why = nvtx_tool(args.results) if name == 'nvtx' else ('', '')
+            if env.get('FASTCHAIN_NVTX_LOG') and os.path.exists(env['FASTCHAIN_NVTX_LOG']):
+                os.remove(env['FASTCHAIN_NVTX_LOG'])   # the recorder appends
             if tool is None:
                 result = {'status': 'skipped: recorder not built: ' + why}
             else:

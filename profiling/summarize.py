@@ -3,6 +3,14 @@
 
     nsys export --type sqlite -o report.sqlite report.nsys-rep
     python profiling/summarize.py report.sqlite [--png steps.png] [--skip 1]
+    python profiling/summarize.py nvtx_ranges.tsv    # the NVTX injection recorder's log
+
+The second form reads the log of ``tests/nvtx/nvtx_recorder.c`` (an NVTX
+tool received through ``NVTX_INJECTION64_PATH`` as nsys is, writing one
+tab-separated line per call; ``FASTCHAIN_NVTX_LOG`` names the file): where
+``nsys`` cannot report (the GPU node), the same breakdown from the same
+calls, host time only (no kernels). A range left open (a run cut off) is
+left out.
 
 Reads the ``fastchain`` domain's push/pop ranges from ``NVTX_EVENTS``
 (eventType 59; the domain from its NvtxDomainCreate row, eventType 75;
@@ -36,6 +44,7 @@ NVTX_CATEGORY, NVTX_PUSH_POP, NVTX_DOMAIN_CREATE = 33, 59, 75
 EXPECTED = ('expected the SQLite export of an Nsight Systems report; make one with '
             '`nsys export --type sqlite -o report.sqlite report.nsys-rep`')
 SQLITE_MAGIC = b'SQLite format 3\x00'
+RECORDER_KINDS = ('category', 'push', 'pop', 'mark', 'start', 'end')
 
 
 class ReportError(Exception):
@@ -104,6 +113,52 @@ def read_ranges(db, domain='fastchain'):
     return ranges
 
 
+def is_recorder_log(path):
+    """Whether ``path`` starts as the injection recorder's log does."""
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(256)
+    except OSError:
+        return False
+    kind, tab, rest = head.partition(b'\t')
+    return bool(tab) and kind.decode('ascii', 'replace') in RECORDER_KINDS and \
+        rest.count(b'\t') >= 5
+
+
+def read_recorder_log(path, domain='fastchain'):
+    """fastchain's push/pop ranges from the recorder's log as summary Ranges
+    (thread = the recorder's thread id; ranges still open at the end left
+    out)."""
+    categories, stacks, ranges = {}, collections.defaultdict(list), []
+    with open(path, errors='replace') as f:
+        for n, line in enumerate(f, 1):
+            parts = line.rstrip('\n').split('\t', 6)
+            try:
+                kind, tid, t, dom, category, _, message = parts
+                tid, t, category = int(tid), int(t), int(category)
+            except ValueError:
+                if not line.endswith('\n'):
+                    break               # the last line of a run cut off mid-write
+                raise ReportError('line {}: not a line of the NVTX recorder (kind, thread, '
+                                  'time, domain, category, extra, message, tab-separated)'
+                                  .format(n))
+            if dom != domain:
+                continue
+            if kind == 'category':
+                categories[category] = message
+            elif kind == 'push':
+                stacks[tid].append((t, message, category))
+            elif kind == 'pop' and stacks[tid]:
+                start, name, category = stacks[tid].pop()
+                ranges.append(_summary.Range(name, categories.get(category, ''), tid, start, t,
+                                             len(stacks[tid])))
+    if not ranges:
+        raise ReportError('no closed {!r} range in this recorder log: run the training with '
+                          'fastchain.enable(nvtx=True) and the recorder attached'
+                          .format(domain))
+    return ranges
+
+
 def read_kernels(db):
     if 'CUPTI_ACTIVITY_KIND_KERNEL' not in _tables(db):
         return None
@@ -146,11 +201,14 @@ def main(argv=None):
         description=__doc__.split('\n\n')[0],
         epilog='Exit status: 0, or 2 for a usage error or a file that is not an nsys '
                'SQLite export of a fastchain run (one line on stderr says why).')
-    p.add_argument('sqlite', help='the file written by `nsys export --type sqlite`')
+    p.add_argument('sqlite', help='the file written by `nsys export --type sqlite` (or the '
+                                  "NVTX injection recorder's log)")
     p.add_argument('--skip', type=int, default=1, help='warm-up steps to leave out')
     p.add_argument('--png', help='also draw the breakdown here')
     args = p.parse_args(argv)
     try:
+        if is_recorder_log(args.sqlite):
+            return _report(args, read_recorder_log(args.sqlite), None, None)
         check_file(args.sqlite)
         path = pathlib.Path(args.sqlite).resolve().as_uri() + '?mode=ro'
         db = sqlite3.connect(path, uri=True)
@@ -162,6 +220,10 @@ def main(argv=None):
         _fail('{}: {}'.format(args.sqlite, e))
     except sqlite3.DatabaseError as e:
         _fail('{}: unreadable as SQLite: {} ({})'.format(args.sqlite, e, EXPECTED))
+    return _report(args, ranges, kernels, device)
+
+
+def _report(args, ranges, kernels, device):
     result = _summary.summarize(ranges, kernels=kernels, skip=args.skip,
                                 device=device or None)
     print(_summary.format_summary(result))

@@ -40,6 +40,12 @@ def test_the_steps_run_and_report_on_a_cpu(tmp_path):
         assert nvtx['status'] == 'ok', nvtx
         assert nvtx['figures']['nvtx_pushes'] == nvtx['figures']['nvtx_pops'] > 0
         assert nvtx['figures']['images_per_s'] > 0
+        # the step breakdown of what the recorder received (30 steps, 5 left out)
+        figures = nvtx['figures']
+        assert figures['steps_summarized'] == 25, figures
+        assert 0 < figures['phase_ms']['forward'] < figures['step_ms']
+        assert 'fastchain step breakdown (25 steps, 5 warm-up left out)' in \
+            (out / 'logs' / 'nvtx_summary.txt').read_text()
     with tarfile.open(tmp_path / 'gpu.tar.gz') as tar:
         names = tar.getnames()
     assert 'gpu/gpu_check.json' in names and not any(n.endswith('.so') for n in names)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .conftest import nest
+from .conftest import nest, read_log
 from .test_injection import run
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..')
@@ -96,6 +96,32 @@ def test_summariser_reads_an_nsys_export_of_a_real_run(nvtx_tool, tmp_path):
     assert idle >= 49.9
     assert 'diagnosis: ' in text
     assert (tmp_path / 'steps.png').exists()
+
+
+def test_summariser_reads_the_recorders_log_as_it_reads_the_export(nvtx_tool, tmp_path):
+    """Where nsys cannot report (the GPU node), the injection recorder's log
+    of the same calls gives the same breakdown as nsys's export of them."""
+    run(nvtx_tool, tmp_path, poison=())
+    log = str(tmp_path / 'nvtx.log')
+    export = str(tmp_path / 'report.sqlite')
+    to_sqlite(read_log(log), export)
+    with open(log, 'a') as f:            # a run cut off mid-write: the last line half there
+        f.write('push\t1\t12')
+    outs = [subprocess.run([sys.executable, os.path.join(PROFILING, 'summarize.py'), path],
+                           capture_output=True, text=True, timeout=120) for path in (log, export)]
+    assert [o.returncode for o in outs] == [0, 0], [o.stderr for o in outs]
+    assert 'fastchain step breakdown (3 steps, 1 warm-up left out)' in outs[0].stdout
+    assert outs[0].stdout == outs[1].stdout
+
+
+def test_summariser_refuses_a_recorder_log_without_a_closed_range(tmp_path):
+    path = tmp_path / 'cut.tsv'
+    path.write_text('category\t7\t100\tfastchain\t1\t0\tstep\n'
+                    'push\t7\t110\tfastchain\t1\t0\tstep\n')
+    out = subprocess.run([sys.executable, os.path.join(PROFILING, 'summarize.py'), str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no closed 'fastchain' range" in out.stderr
+    assert 'Traceback' not in out.stderr
 
 
 def test_summariser_explains_a_report_without_fastchain(tmp_path):
