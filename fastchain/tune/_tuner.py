@@ -267,8 +267,10 @@ def summary():
     """{kind: {'keys', 'decided', 'from_cache' (decided keys read from a cache
     file), 'picked' {alternative: keys}, 'ms' {alternative: sum of medians over
     the decided keys}, and 'overruled' (keys whose pick the check over whole
-    steps set back to the default) where there are}}: one line's worth per
-    kind."""
+    steps set back to the default) where there are; over the 'compared'
+    keys whose pick and default (the first alternative) were both timed,
+    'picked_ms' and 'default_ms', the sums of their medians}}: one line's
+    worth per kind."""
     out = {}
     with _lock:
         for c in _choices.values():
@@ -285,24 +287,44 @@ def summary():
             for n, t in c.times.items():
                 if t:       # an alternative that could not run has no time
                     s['ms'][n] = round(s['ms'].get(n, 0.0) + statistics.median(t) * 1e3, 3)
+            default, picked = c.times[c.names[0]], c.times.get(c.picked)
+            if default and picked:
+                s['compared'] = s.get('compared', 0) + 1
+                for field, t in (('picked_ms', picked), ('default_ms', default)):
+                    s[field] = round(s.get(field, 0.0) + statistics.median(t) * 1e3, 3)
     return out
 
 
+LISTED = 8      # alternatives of a kind listed by name; more (per-key plans) are summed
+
+
 def describe(summary):
-    """``summary()`` (or a report's ``choices``) as lines of text."""
+    """``summary()`` (or a report's ``choices``) as lines of text. A kind
+    whose keys have alternatives of their own (cuDNN's plans: hundreds of
+    names) gets its most picked and the sums of the picks' and the
+    defaults' medians instead of every name."""
     lines = []
     for kind, s in summary.items():
-        picked = ', '.join('{} {}'.format(n, k) for n, k in sorted(
-            s['picked'].items(), key=lambda item: -item[1]))
+        ranked = sorted(s['picked'].items(), key=lambda item: -item[1])
         line = '{}: {} of {} keys decided'.format(kind, s['decided'], s['keys'])
         if s.get('from_cache'):
             line += ' ({} from the autotune cache file)'.format(s['from_cache'])
         if s.get('overruled'):
             line += (' ({} picks overruled by the check over whole steps: the defaults '
                      'ran faster there)'.format(s['overruled']))
-        if s['decided']:
-            line += ': {}; sum of medians: {}'.format(picked, ', '.join(
-                '{} {:.1f} ms'.format(n, ms) for n, ms in s['ms'].items()))
+        if s['decided'] and len(s['ms']) <= LISTED:
+            line += ': {}; sum of medians: {}'.format(
+                ', '.join('{} {}'.format(n, k) for n, k in ranked),
+                ', '.join('{} {:.1f} ms'.format(n, ms) for n, ms in s['ms'].items()))
+        elif s['decided']:
+            shown = ranked[:5]
+            line += ': {} different picks, the most: {}{}'.format(
+                len(ranked), ', '.join('{} {}'.format(n, k) for n, k in shown),
+                ', ...' if len(ranked) > len(shown) else '')
+            if s.get('compared'):
+                line += ('; sum of medians over the {} keys where both ran: the picks '
+                         '{:.1f} ms, the defaults (each key\'s first) {:.1f} ms'.format(
+                             s['compared'], s['picked_ms'], s['default_ms']))
         lines.append(line)
     return lines
 

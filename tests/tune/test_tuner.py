@@ -286,6 +286,30 @@ def test_the_report_shows_what_was_picked_and_the_times(tuner):
         '{:.1f} ms, chainer {:.1f} ms'.format(n, n, n, 2.0 * n, 1.0 * n) in lines
 
 
+def test_a_kind_with_plans_of_its_own_per_key_is_summed_not_listed(tuner, monkeypatch):
+    """cuDNN's plans are alternatives of one key each: the first GPU run's
+    ladder report listed 136 keys' plans by name (80,000 characters on one
+    line). Such a kind gets its most picked and what the picks saved over
+    the defaults."""
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    for k in range(12):
+        # key k: its own three plans; the default (first) 3 ms, the others 1 and 2 ms
+        names = ['k{} plan {}'.format(k, i) for i in range(3)]
+        tuner.update({names[0]: 0.003, names[1]: 0.001, names[2]: 0.002})
+        alternatives = tuple((n, lambda n=n: n) for n in names)
+        for _ in range(40):
+            _tuner.call('plans', (k,), alternatives)
+    summary = _tuner.summary()['plans']
+    assert summary['decided'] == summary['compared'] == 12
+    assert summary['picked_ms'] == pytest.approx(12 * 1.0)
+    assert summary['default_ms'] == pytest.approx(12 * 3.0)
+    line, = _tuner.describe({'plans': summary})
+    assert line == ('plans: 12 of 12 keys decided: 12 different picks, the most: k0 plan 1 1, '
+                    'k1 plan 1 1, k2 plan 1 1, k3 plan 1 1, k4 plan 1 1, ...; sum of medians '
+                    'over the 12 keys where both ran: the picks 12.0 ms, the defaults '
+                    "(each key's first) 36.0 ms")
+
+
 def test_decide_now_takes_the_fastest_timed_so_far_or_the_default(tuner, monkeypatch):
     monkeypatch.setattr(_tuner, 'enabled', True)
     tuner.update(a=3.0, b=1.0, c=2.0)
