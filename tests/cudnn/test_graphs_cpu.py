@@ -422,7 +422,11 @@ def test_batchnorm_selector_takes_the_graph_where_chainer_takes_its_general_code
     node.axis, node.key_axis = (0, 2, 3), (1,)
     node._input_layouts = (None, None, None)
     x, g = dev(numpy.zeros((2, 4, 3, 3), 'f')), dev(numpy.ones(4, 'f'))
+    monkeypatch.delenv(_layers.BN_ENV, raising=False)
     with chainer.using_config('use_cudnn', 'auto'):
+        # off until proven on a GPU: Chainer's, and the report says why
+        assert type(_layers._select(node, (x, g, g))) is _bn.GeneralBatchNormalizationImpl
+        monkeypatch.setenv(_layers.BN_ENV, '1')
         assert _layers._select(node, (x, g, g)) is _layers._IMPL
         assert type(_layers._select(node, (x[:1, :, :1, :1].copy(), g, g))) is not \
             _layers.GraphImpl           # one value per channel: Chainer's
@@ -430,7 +434,8 @@ def test_batchnorm_selector_takes_the_graph_where_chainer_takes_its_general_code
         assert type(_layers._select(node, (x, g, g))) is _bn.GeneralBatchNormalizationImpl
     reasons = _paths.summary()['batchnorm forward']['reasons']
     assert reasons == {'one value per channel (the variance of one value)': 1,
-                       "use_cudnn='never'": 1}
+                       "use_cudnn='never'": 1, _layers.BN_OFF: 1}
+    assert 'FASTCHAIN_CUDNN_BN=1 turns them on' in _layers.BN_OFF
 
 
 def test_enable_puts_the_graph_layers_in_force_where_cupy_has_no_cudnn(monkeypatch):
@@ -477,6 +482,7 @@ def test_batchnorm_layer_chains_after_the_selector_the_node_has(monkeypatch):
     from chainer.functions.normalization import batch_normalization as _bn
     standin.install(monkeypatch)
     monkeypatch.setattr(_layers, '_is_cupy', lambda x: True)
+    monkeypatch.setenv(_layers.BN_ENV, '1')      # off by default until proven on a GPU
     asked = []
 
     def onednn_like(func, inputs):

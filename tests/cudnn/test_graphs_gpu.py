@@ -174,8 +174,10 @@ def _wgrad(x, gy, w_shape, kw):
 
 @pytest.mark.parametrize('case', list(bn_cases(count(30))),
                          ids=lambda c: 'b{seed}'.format(**c))
-def test_batchnorm_graphs_match_chainer(graphs, case):
+def test_batchnorm_graphs_match_chainer(graphs, case, monkeypatch):
     import cupy
+    from fastchain.cudnn import _layers
+    monkeypatch.setenv(_layers.BN_ENV, '1')     # off by default until this passes on a GPU
     n, c, size, dtype, seed = (case[k] for k in ('n', 'c', 'size', 'dtype', 'seed'))
     rng = numpy.random.RandomState(seed)
     x = cupy.asarray(rng.normal(0.5, 2, (n, c, size, size)).astype(dtype))
@@ -252,15 +254,21 @@ def test_autotuned_plans_match_im2col_and_are_reported(graphs, case):
     assert bool((first == second).all())         # the kept plan from the first call on
 
 
+@pytest.mark.parametrize('bn', [False, True], ids=['bn-default', 'bn-on'])
 @pytest.mark.parametrize('dtype', ['float32', 'float16'])
-def test_resnet50_runs_every_key_on_graphs(graphs, dtype):
-    """Every convolution and BatchNormalization key of a ResNet-50 training
-    step at 224 px (batch 2) and of its evaluation runs on a cuDNN graph:
-    none is refused (the reasons are named if one is)."""
+def test_resnet50_runs_every_key_on_graphs(graphs, dtype, bn, monkeypatch):
+    """Every convolution key of a ResNet-50 training step at 224 px (batch
+    2) and of its evaluation runs on a cuDNN graph: none is refused (the
+    reasons are named if one is). BatchNormalization's keys too where its
+    graphs are turned on; by default each stays Chainer's, saying why."""
     import cupy
     import chainer.links as L
-    from fastchain.cudnn import _paths
+    from fastchain.cudnn import _layers, _paths
     from fastchain.models import ResNet
+    if bn:
+        monkeypatch.setenv(_layers.BN_ENV, '1')
+    else:
+        monkeypatch.delenv(_layers.BN_ENV, raising=False)
     config_dtype = numpy.float32 if dtype == 'float32' else chainer.mixed16
     with chainer.using_config('dtype', config_dtype):
         model = L.Classifier(ResNet(50, 10))
@@ -274,8 +282,14 @@ def test_resnet50_runs_every_key_on_graphs(graphs, dtype):
         with chainer.using_config('train', False):
             _graph(lambda: model(x, t))
     summary = _paths.summary()
-    ops = ('conv forward', 'conv input gradient', 'conv weight gradient',
-           'batchnorm forward', 'batchnorm backward', 'batchnorm inference')
+    ops = ('conv forward', 'conv input gradient', 'conv weight gradient')
+    bn_ops = ('batchnorm forward', 'batchnorm inference')   # the backward follows the forward
+    if bn:
+        ops += bn_ops + ('batchnorm backward',)
+    else:
+        for op in bn_ops:
+            assert summary[op]['paths'] == {'chainer': summary[op]['paths']['chainer']}, summary
+            assert set(summary[op]['reasons']) == {_layers.BN_OFF}, summary
     left = {op: summary.get(op, {}).get('reasons') for op in ops
             if summary.get(op, {'paths': {}})['paths'].get('chainer', 0)}
     assert not left, 'keys left to Chainer: {}'.format(left)
