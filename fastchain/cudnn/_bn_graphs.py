@@ -42,12 +42,13 @@ def build_bn(key, layout='nchw'):
         scalar = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.FLOAT,
                       is_pass_by_value=True)
         tensors['eps'] = graph.tensor(name='eps', **scalar)
-        tensors['momentum'] = graph.tensor(name='momentum', **scalar)
+        if key.running:     # else a tensor the operation never reads, in the variant pack
+            tensors['momentum'] = graph.tensor(name='momentum', **scalar)
         y, mean, inv_std, next_mean, next_var = graph.batchnorm(
             name='bn', input=x, scale=tensors['gamma'], bias=tensors['beta'],
             in_running_mean=tensors.get('running_mean'),
             in_running_var=tensors.get('running_var'),
-            epsilon=tensors['eps'], momentum=tensors['momentum'])
+            epsilon=tensors['eps'], momentum=tensors.get('momentum'))
         outputs = {'y': (y, key.x_shape, key.dtype, layout),
                    'mean': (mean, p_shape, 'float32', 'nchw'),
                    'inv_std': (inv_std, p_shape, 'float32', 'nchw')}

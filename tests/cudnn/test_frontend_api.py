@@ -77,13 +77,14 @@ def test_batchnorm_graphs_are_described_through_the_frontend(described, op, outp
     assert outputs <= set(g.tensors)
     (node,) = g.graph.nodes
     inputs = {'batchnorm forward': {'input': 'x', 'scale': 'gamma', 'bias': 'beta',
-                                    'epsilon': 'eps', 'momentum': 'momentum'},
+                                    'epsilon': 'eps'},
               'batchnorm backward': {'grad': 'gy', 'input': 'x', 'scale': 'gamma',
                                      'mean': 'mean', 'inv_variance': 'inv_std'},
               'batchnorm inference': {'input': 'x', 'mean': 'mean', 'inv_variance': 'inv_std',
                                       'scale': 'gamma', 'bias': 'beta'}}[op]
     if op == 'batchnorm forward' and running:
-        inputs.update(in_running_mean='running_mean', in_running_var='running_var')
+        inputs.update(in_running_mean='running_mean', in_running_var='running_var',
+                      momentum='momentum')
     ports = {'batchnorm forward': {'Y': 'y', 'mean': 'mean', 'inv_var': 'inv_std',
                                    'next_running_mean': 'next_mean',
                                    'next_running_var': 'next_var'},
@@ -95,7 +96,12 @@ def test_batchnorm_graphs_are_described_through_the_frontend(described, op, outp
         if name in g.tensors:
             assert node.outputs[port] is g.tensors[name], port
     if op == 'batchnorm forward':
-        assert node.inputs['epsilon'].is_pass_by_value and node.inputs['momentum'].is_pass_by_value
+        assert node.inputs['epsilon'].is_pass_by_value
+    # momentum only with the running statistics it updates: a tensor the
+    # operation does not read would be in the variant pack
+    assert ('momentum' in g.tensors) == (op == 'batchnorm forward' and running)
+    if 'momentum' in g.tensors:
+        assert node.inputs['momentum'].is_pass_by_value
     assert ('next_mean' in g.tensors) == (op == 'batchnorm forward' and running)
     for name in outputs:
         assert g.tensors[name].dim[1] == 8

@@ -74,9 +74,12 @@ def conv_cases(n, seed=2026):
 
 
 def bn_cases(n, seed=2027):
+    """Channels mostly multiples of 8 (on the first GPU run cuDNN refused
+    every key with other counts, 9 of 9, and took the one with 8), some not."""
     rng = numpy.random.RandomState(seed)
     for _ in range(n):
-        yield {'n': int(rng.randint(2, 9)), 'c': int(rng.randint(1, 17)),
+        c = int(rng.choice([8, 16, 24, 32, 64])) if rng.randint(4) else int(rng.randint(1, 17))
+        yield {'n': int(rng.randint(2, 9)), 'c': c,
                'size': int(rng.randint(1, 10)),
                'dtype': str(rng.choice(['float32', 'float16'])), 'seed': int(rng.randint(2 ** 16))}
 
