@@ -192,15 +192,18 @@ def nvtx_breakdown(log, path, skip=NVTX_WARMUP_STEPS):
     """The step breakdown of the recorder's log (profiling/summarize.py's,
     host time: where the step's time goes on the host), written to ``path``;
     its figures, or the reason there are none."""
-    sys.path.insert(0, os.path.join(ROOT, 'profiling'))
-    import summarize
-    from fastchain.nvtx import _summary
     try:
-        result = _summary.summarize(summarize.read_recorder_log(log), skip=skip)
-    except summarize.ReportError as e:
-        return {'breakdown': 'none: {}'.format(e)}
-    with open(path, 'w') as f:
-        f.write(_summary.format_summary(result) + '\n')
+        sys.path.insert(0, os.path.join(ROOT, 'profiling'))
+        import summarize
+        from fastchain.nvtx import _summary
+        try:
+            result = _summary.summarize(summarize.read_recorder_log(log), skip=skip)
+        except summarize.ReportError as e:
+            return {'breakdown': 'none: {}'.format(e)}
+        with open(path, 'w') as f:
+            f.write(_summary.format_summary(result) + '\n')
+    except Exception as e:      # the steps after this one must still run
+        return {'breakdown': 'failed: {}: {}'.format(type(e).__name__, e)}
     if not result['steps']:
         return {'breakdown': 'none: ' + result['diagnosis']}
     return {'steps_summarized': result['steps'], 'step_ms': round(result['total_ms'], 2),
@@ -245,9 +248,14 @@ def run_step(name, argv, env, seconds, out, tick=None, every=60):
                     elif tick is not None:
                         f.flush()
                         tick()
-            if rc is None:
+            if rc is None or interrupted:
+                # what pytest left (a loader worker ignores SIGINT) must not
+                # hold the GPU into the next step
                 stop_group(proc)
-            if interrupted or rc is None:
+            if interrupted:
+                status = 'timed out after {} s (interrupted at {} s so pytest wrote its ' \
+                         'summary)'.format(seconds, interrupt)
+            elif rc is None:
                 status = 'timed out after {} s'.format(seconds)
             else:
                 status = 'ok' if rc == 0 else 'failed ({})'.format(rc)

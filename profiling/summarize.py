@@ -9,8 +9,9 @@ The second form reads the log of ``tests/nvtx/nvtx_recorder.c`` (an NVTX
 tool received through ``NVTX_INJECTION64_PATH`` as nsys is, writing one
 tab-separated line per call; ``FASTCHAIN_NVTX_LOG`` names the file): where
 ``nsys`` cannot report (the GPU node), the same breakdown from the same
-calls, host time only (no kernels). A range left open (a run cut off) is
-left out.
+calls, host time only (no kernels, so no device idle). A range left open
+(a run cut off) is left out. The recorder appends and writes no process id:
+give it a fresh file per run (gpu_check.py removes the old one).
 
 Reads the ``fastchain`` domain's push/pop ranges from ``NVTX_EVENTS``
 (eventType 59; the domain from its NvtxDomainCreate row, eventType 75;

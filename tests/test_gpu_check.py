@@ -91,14 +91,19 @@ def test_a_step_past_its_time_is_killed_with_its_children_and_keeps_its_output(
 
 
 # A GPU test file in miniature: one passes, one is an expected failure with
-# its reason, one hangs past the step's limit.
+# its reason, one hangs past the step's limit with a child that ignores
+# SIGINT (as a loader worker does).
 HANGING_TESTS = """
-import time, pytest
+import subprocess, sys, time, pytest
 def test_passes():
     pass
 def test_refused():
     pytest.xfail('cuDNN refused the key: REASON-X')
 def test_hangs():
+    child = subprocess.Popen([sys.executable, '-c', 'import signal, time; '
+                              'signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)'])
+    with open({pid_file!r}, 'w') as f:
+        f.write(str(child.pid))
     time.sleep(120)
 """
 
@@ -114,18 +119,21 @@ def test_a_pytest_step_past_its_time_still_reports_every_reason_and_the_hung_tes
     monkeypatch.setattr(gpu_check, 'GRACE_SECONDS', 1)
     (tmp_path / 'logs').mkdir()
     tests = tmp_path / 'test_node.py'
-    tests.write_text(HANGING_TESTS)
+    pid_file = tmp_path / 'child.pid'
+    tests.write_text(HANGING_TESTS.format(pid_file=str(pid_file)))
     argv = [sys.executable, '-m', 'pytest', '-p', 'no:cacheprovider'] + \
         gpu_check.PYTEST_REPORT + [str(tests)]
     start = time.monotonic()
     result = gpu_check.run_step('gpu_tests', argv, {}, 14, str(tmp_path))
-    assert result['status'] == 'timed out after 14 s'
+    assert result['status'] == 'timed out after 14 s (interrupted at 8 s so pytest wrote its ' \
+        'summary)'
     assert time.monotonic() - start < 30
     log = (tmp_path / 'logs' / 'gpu_tests.log').read_text()
     assert 'test_passes PASSED' in log                  # -v: each outcome as it came
     assert 'REASON-X' in log                            # the xfail's reason, from -rx
     assert 'test_hangs' in log and 'KeyboardInterrupt' in log     # where it stopped
     assert result['figures']['passed'] == 1 and result['figures']['xfailed'] == 1
+    assert gone(int(pid_file.read_text())), 'a child of the interrupted step outlived it'
 
 
 def test_the_deadline_skips_what_cannot_start_and_the_archive_is_written(tmp_path):

@@ -33,7 +33,7 @@ def fix(cuda_major=None):
     """The packages that bring cuDNN back on CuPy 14."""
     major = 12 if cudnn_wheel(cuda_major).endswith('12') else 13
     return ('pip install {} {} (cuDNN 9 through its graph API: fastchain runs Chainer\'s '
-            'convolutions and BatchNormalization there; the {} extra)'.format(
+            'convolutions there, and BatchNormalization with FASTCHAIN_CUDNN_BN=1; the {} extra)'.format(
                 PACKAGE, cudnn_wheel(cuda_major),
                 'gpu-cudnn' if major == 13 else 'gpu-cudnn-cuda12'))
 

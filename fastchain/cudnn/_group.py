@@ -65,8 +65,9 @@ class CudnnGroup(Group):
             State('cudnn', status.available, False, why=status.why, fix=status.fix,
                   note=None if status is not graphs else
                   'cuDNN graphs ({}): CuPy {} has no cuDNN, fastchain runs convolutions '
-                  'and BatchNormalization through cuDNN 9 graphs (not bitwise equal to '
-                  "Chainer's im2col, as cuDNN never was)".format(
+                  'through cuDNN 9 graphs (not bitwise equal to '
+                  "Chainer's im2col, as cuDNN never was); BatchNormalization's graphs only "
+                  'with FASTCHAIN_CUDNN_BN=1 (not yet proven on a GPU)'.format(
                       graphs.version, cuda.cupy_status().version)),
             State('tensor_cores', tc_ok, False,
                   why=status.why or (None if tc_ok else

@@ -157,7 +157,7 @@ def conv_functions():
 BN_ENV = 'FASTCHAIN_CUDNN_BN'
 BN_OFF = ("BatchNormalization's cuDNN graphs are off until proven on a GPU (the one GPU run "
           'so far, an H200 on 2026-11-27: cuDNN refused 9 of 10 generated keys and the '
-          "10th did not pass its comparison with Chainer's); {}=1 turns them on".format(BN_ENV))
+          "10th failed its test, the reason not recorded); {}=1 turns them on".format(BN_ENV))
 
 
 def _bn_refusal(x, gamma, axis, layouts, running):

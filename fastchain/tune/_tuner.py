@@ -266,7 +266,7 @@ def choices(kind=None):
 def summary():
     """{kind: {'keys', 'decided', 'from_cache' (decided keys read from a cache
     file), 'picked' {alternative: keys}, 'ms' {alternative: sum of medians over
-    the decided keys}, and 'overruled' (keys whose pick the check over whole
+    the decided keys, for the alternatives timed}, and 'overruled' (keys whose pick the check over whole
     steps set back to the default) where there are; over the 'compared'
     keys whose pick and default (the first alternative) were both timed,
     'picked_ms' and 'default_ms', the sums of their medians}}: one line's
@@ -275,7 +275,7 @@ def summary():
     with _lock:
         for c in _choices.values():
             s = out.setdefault(c.kind, {'keys': 0, 'decided': 0, 'from_cache': 0,
-                                        'picked': {}, 'ms': {n: 0.0 for n in c.names}})
+                                        'picked': {}, 'ms': {}})
             s['keys'] += 1
             if c.picked is None:
                 continue
@@ -312,10 +312,11 @@ def describe(summary):
         if s.get('overruled'):
             line += (' ({} picks overruled by the check over whole steps: the defaults '
                      'ran faster there)'.format(s['overruled']))
-        if s['decided'] and len(s['ms']) <= LISTED:
+        if s['decided'] and len(set(s['ms']) | set(s['picked'])) <= LISTED:
             line += ': {}; sum of medians: {}'.format(
                 ', '.join('{} {}'.format(n, k) for n, k in ranked),
-                ', '.join('{} {:.1f} ms'.format(n, ms) for n, ms in s['ms'].items()))
+                ', '.join('{} {:.1f} ms'.format(n, ms) for n, ms in s['ms'].items())
+                or 'none timed (the default kept)')
         elif s['decided']:
             shown = ranked[:5]
             line += ': {} different picks, the most: {}{}'.format(

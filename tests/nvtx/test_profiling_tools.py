@@ -100,7 +100,8 @@ def test_summariser_reads_an_nsys_export_of_a_real_run(nvtx_tool, tmp_path):
 
 def test_summariser_reads_the_recorders_log_as_it_reads_the_export(nvtx_tool, tmp_path):
     """Where nsys cannot report (the GPU node), the injection recorder's log
-    of the same calls gives the same breakdown as nsys's export of them."""
+    gives the breakdown the export path gives for the same calls (laid out
+    as nsys's SQLite export is, by to_sqlite)."""
     run(nvtx_tool, tmp_path, poison=())
     log = str(tmp_path / 'nvtx.log')
     export = str(tmp_path / 'report.sqlite')

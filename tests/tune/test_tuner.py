@@ -310,6 +310,18 @@ def test_a_kind_with_plans_of_its_own_per_key_is_summed_not_listed(tuner, monkey
                     "(each key's first) 36.0 ms")
 
 
+def test_a_kind_decided_before_any_trial_says_none_was_timed(tuner, monkeypatch):
+    """Not '0.0 ms' for alternatives never timed (the GPU ladder's loader
+    depth, decided when its tuning ran out)."""
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    alternatives = tuple((n, lambda n=n: n) for n in 'ab')
+    _tuner.call('k', ('two',), alternatives)            # warm-up only: nothing timed
+    _tuner.decide_now(('k',))
+    assert _tuner.summary()['k']['ms'] == {}
+    assert _tuner.describe(_tuner.summary()) == [
+        'k: 1 of 1 keys decided: a 1; sum of medians: none timed (the default kept)']
+
+
 def test_decide_now_takes_the_fastest_timed_so_far_or_the_default(tuner, monkeypatch):
     monkeypatch.setattr(_tuner, 'enabled', True)
     tuner.update(a=3.0, b=1.0, c=2.0)

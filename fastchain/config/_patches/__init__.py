@@ -34,8 +34,9 @@ fused_update  replaces update kernels of rules the inner layers have set up
 cpu_conv      replaces convolution kernels (nothing runs inside it)
 onednn        replaces convolution kernels where cpu_conv is off, and
               BatchNormalization's (nothing runs inside it)
-cudnn         runs GPU convolutions and BatchNormalization through cuDNN
-              graphs where CuPy has no cuDNN; on the BatchNormalization
+cudnn         runs GPU convolutions (and, with FASTCHAIN_CUDNN_BN=1,
+              BatchNormalization) through cuDNN graphs where CuPy has no
+              cuDNN; on the BatchNormalization
               points it passes CPU arrays on to Chainer, as onednn passes
               GPU arrays, so the two never both act on one call
 fp16          innermost on ``GradientMethod.setup``: fp32 master weights and
