@@ -88,7 +88,7 @@ def plan(args):
         'gpu_tests': ([py, '-m', 'pytest', '-m', 'gpu', '-p', 'no:cacheprovider']
                       + PYTEST_REPORT
                       # one test at most this long (pytest-timeout, where installed)
-                      + ['-o', 'timeout={}'.format(120 if quick else 300)]
+                      + ['-o', 'timeout={}'.format(90 if quick else 300)]
                       + gpu_test_files(),
                       # a third of the cuDNN graphs' generated cases in the quick form
                       {'FASTCHAIN_GPU_CASES': '0.34'} if quick else {}, 300 if quick else 900),
