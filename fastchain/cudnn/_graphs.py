@@ -10,8 +10,9 @@ memory pool and the device's cuDNN handle set to CuPy's current stream.
 Which plan: without autotune, the heuristics' first. With autotune
 (``fastchain.tune._tuner.enabled``, what ``enable(autotune=...)`` sets), on
 the key's first call every plan that builds (at most ``MAX_PLANS``) is run
-``TRIALS`` times after one untimed run, each timed with CUDA events, and the
-fastest median is kept, for convolutions also against the same graph on
+``TRIALS`` times after one untimed run, each timed with CUDA events (one
+trial only for a plan that took over ``_plans.SLOW`` times the best so far),
+and the fastest median is kept, for convolutions also against the same graph on
 channels-last (NHWC) copies, the transposes timed with it (cuDNN's
 TensorCore engines favour NHWC; Chainer's arrays stay NCHW outside).
 The key's first call gives the kept plan's result (it runs last); the
@@ -33,14 +34,13 @@ kept, Chainer's code runs for that key from then on, and ``doctor`` and
 """
 
 import collections
-import statistics
 import threading
 
 import numpy
 
 from fastchain.cudnn import _frontend, _keys
 from fastchain.cudnn._plans import (is_oom, more_plans, plan_count,  # noqa: F401 (is_oom)
-                                     plan_label)
+                                     plan_label, time_plan)
 
 TRIALS = 3
 REPEATS = 5             # runs between one pair of CUDA events (a trial: their mean)
@@ -361,26 +361,16 @@ def _choose(entry, run, tuning, conv_layouts=False):
     choice = _tuner.choice('cudnn_graph', entry.key, names, lambda: _keys.describe(entry.key))
     if choice.picked is not None:           # read from a cache file
         return candidates[names.index(choice.picked)], False
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    events = cupy.cuda.Event(), cupy.cuda.Event()
     times = {}
     for candidate in candidates:
         try:
-            run(*candidate)                 # warm: first-call costs, caches
-            trials = []
-            for _ in range(TRIALS):
-                # back to back between one pair of events: the host's time to
-                # launch a run hides behind the runs queued before it
-                start.record()
-                for _ in range(REPEATS):
-                    run(*candidate)
-                end.record()
-                end.synchronize()
-                trials.append(cupy.cuda.get_elapsed_time(start, end) / REPEATS)
+            times[candidate] = time_plan(lambda: run(*candidate), events, TRIALS, REPEATS,
+                                         min(times.values(), default=None))
         except Exception as e:
             if is_oom(e):
                 raise
             continue                        # a plan that fails to run is not a candidate
-        times[candidate] = statistics.median(trials)
     if not times:
         raise Unsupported('no cuDNN plan ran for this key')
     chosen = min(times, key=lambda c: (times[c], candidates.index(c)))

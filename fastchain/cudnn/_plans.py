@@ -1,5 +1,13 @@
 """The plans of a built cuDNN graph: which indices built, their count and
-their names (:mod:`fastchain.cudnn._graphs`)."""
+their names, and a plan's timing under autotune (:mod:`fastchain.cudnn._graphs`)."""
+
+import statistics
+
+# A plan whose first trial took more than this many times the best median so
+# far gets no more trials: it cannot be picked, and cuDNN's slowest engines
+# took 15-136 ms a run on the first GPU run (16 runs each, of a 91 s tuning
+# pass) where the picks took about 0.1-2 ms.
+SLOW = 3.0
 
 
 def plan_count(graph):
@@ -84,3 +92,25 @@ def plan_label(g, plan):
 def is_oom(e):
     """CuPy's out-of-memory: a condition of the moment, not of the key."""
     return type(e).__name__ == 'OutOfMemoryError'
+
+
+def time_plan(run, events, trials, repeats, best=None):
+    """Median ms of ``run``'s trials, after one untimed run (first-call
+    costs, caches): each trial ``repeats`` runs back to back between one
+    pair of CUDA ``events`` (the host's time to launch a run hides behind
+    the runs queued before it). One trial only where it took more than
+    ``SLOW`` times ``best``."""
+    import cupy
+    start, end = events
+    run()
+    times = []
+    for _ in range(trials):
+        start.record()
+        for _ in range(repeats):
+            run()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / repeats)
+        if best is not None and times[0] > SLOW * best:
+            break
+    return statistics.median(times)

@@ -251,6 +251,28 @@ def test_autotune_times_every_plan_and_layout_and_keeps_the_fastest(monkeypatch)
     assert [e[:2] for e in fe.executions[before:]] == [('nchw', 1)]
 
 
+def test_autotune_gives_a_plan_far_slower_than_the_best_one_trial_and_keeps_the_pick(
+        monkeypatch):
+    """cuDNN's slowest engines took up to 136 ms a run on the GPU where the
+    picks took 0.1-2 ms: a plan whose first trial is over SLOW times the best
+    so far gets no more trials; the pick is the one full timing gives."""
+    from fastchain.cudnn import _plans
+    fe = standin.install(monkeypatch)
+    fe.plan_costs = {'nchw': [1.0, 50.0, 2.0, 2.9], 'nhwc': [4.0]}
+    monkeypatch.setattr(_tuner, 'enabled', True)
+    _graphs.conv(key_of('conv forward'), *_conv_arrays())
+    runs = [e[:2] for e in fe.executions]
+    full, cut = 1 + _graphs.TRIALS * _graphs.REPEATS, 1 + _graphs.REPEATS
+    assert _plans.SLOW == 3.0
+    assert [runs.count(('nchw', i)) for i in range(4)] == [full + 1, cut, full, full]
+    assert runs.count(('nhwc', 0)) == cut       # 4.0 > 3 x 1.0
+    assert runs[-1] == ('nchw', 0)
+    (choice,) = _tuner.choices('cudnn_graph')
+    assert choice['picked'] == 'nchw plan 0'
+    assert choice['median_ms'] == {'nchw plan 0': 1.0, 'nchw plan 1': 50.0, 'nchw plan 2': 2.0,
+                                   'nchw plan 3': 2.9, 'nhwc plan 0': 4.0}
+
+
 def test_without_autotune_the_heuristics_first_plan_and_no_nhwc_graph(monkeypatch):
     fe = standin.install(monkeypatch)
     fe.plan_costs = {'nchw': [3.0, 1.0]}
