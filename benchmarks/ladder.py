@@ -30,6 +30,10 @@ talk:
   baseline_again      the baseline built again, an A/A control: baseline_again/baseline is
                         the run's noise floor (a ratio no accelerator can be told apart from)
 
+Before the rungs, loading a batch the baseline's way (in the training
+process) is timed apart (``time_loading``): the note gives it and its share
+of the baseline's step, the part of that step no cuDNN rung can speed up.
+
 A rung that cannot run here is listed with the reason. Rows are
 iterations per second (the median of the turns or windows below);
 ``RUNG/baseline`` is a rung's speed over the baseline's,
@@ -141,6 +145,40 @@ def build_rung(rung, paths, args, device, cudnn_ok, fp16_ok):
         for handle in reversed(fastchain.active_handles()):
             handle.disable()
     return updater.update, close
+
+
+LOAD_BATCHES = 8       # batches timed by time_loading (after one untimed)
+
+
+def time_loading(paths, batch, crop, batches=LOAD_BATCHES):
+    """What loading one batch costs in the training process, as the baseline,
+    cudnn and autotune rungs load (plain.py's dataset: JPEG decode, fp32
+    crop, flip and normalisation; a SerialIterator; the batch concatenated
+    on the host, as the converter does before its copy to the device):
+    {'ms': the median of ``batches`` batches after one untimed, 'batches'}.
+    On a GPU, where such a step is the host's, this is the loading's share
+    of the baseline's step, measured apart."""
+    import chainer
+    dataset = plain.Preprocessed(list_pairs(paths), paths['root'], crop, numpy.float32)
+    iterator = chainer.iterators.SerialIterator(dataset, batch, shuffle=True)
+    times = []
+    for _ in range(batches + 1):
+        start = time.perf_counter()
+        chainer.dataset.concat_examples(iterator.next())
+        times.append(time.perf_counter() - start)
+    return {'ms': round(statistics.median(times[1:]) * 1e3, 2), 'batches': batches}
+
+
+def loading_note(loading, baseline):
+    """The note on ``time_loading``'s figure beside the baseline's speed."""
+    text = ('Loading a batch in the training process (the baseline, cudnn and autotune rungs\' '
+            'way: JPEG decode, crop, flip and normalisation, a SerialIterator, the batch '
+            'concatenated on the host), timed apart before the rungs: median {} ms over {} '
+            'batches'.format(loading['ms'], loading['batches']))
+    if baseline:
+        text += ', {:.0%} of the baseline\'s step ({:.1f} ms)'.format(
+            loading['ms'] / (1e3 / baseline), 1e3 / baseline)
+    return text + '.'
 
 
 def torch_rung(paths, args, workers, gpu=None):
@@ -626,6 +664,7 @@ def main(argv=None):
     rows = _common.Rows('iterations/s')
     builders = setup.rungs(rows)
     timed = timed_rungs(args, builders, rows)
+    setup.loading = time_loading(setup.paths, args.batch, args.crop)
     if args.interleave == 'turns':
         measured = run_turns(args, setup, timed, rows, argv, builders)
     else:
@@ -828,6 +867,9 @@ def report(args, setup, rows, measured, final=True):
               'changed_lines_plain_to_all': len(diff), 'changed_lines': diff,
               'talk_changed_lines': 8}
     config.update(measured)
+    loading = getattr(setup, 'loading', None)
+    if loading is not None:
+        config['loading_in_process'] = loading
     config['samples'] = {n: [round(v, 4) for v in vs] for n, vs in rows.windows.items()}
     choices = measured['autotune_choices'] or {}
     if measured['interleave'] == 'turns':
@@ -862,6 +904,9 @@ def report(args, setup, rows, measured, final=True):
              ('Targets on a GPU (issue #19): autotune/baseline >= 2.1 (the talk\'s cuDNN and '
               'autotune rungs), all/torch >= 0.8.' if setup.gpu else
               'Target on CPU: all/baseline >= 1.5.')]
+    if loading is not None:
+        notes.append(loading_note(loading, rows.median('baseline')
+                                  if 'baseline' in rows.windows else None))
     unit = 'rounds' if measured['interleave'] == 'turns' else 'windows'
     if measured.get('out_of_memory'):
         notes.insert(0, 'WARNING: rungs out of GPU memory at batch {} (left out from then '

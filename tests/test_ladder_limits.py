@@ -276,3 +276,18 @@ def test_rungs_must_be_known_and_include_the_baseline(text, message):
                        .replace(')', r'\)')):
         ladder.rung_list(text)
     assert ladder.rung_list(' baseline, torch ') == ['baseline', 'torch']
+
+
+def test_loading_is_timed_apart_and_named_with_its_share_of_the_baseline(tmp_path):
+    """The first GPU run's cudnn rung gained 1.35x where the talk's gained
+    2x: the baseline loads its JPEGs in the training process. The ladder
+    times that loading apart and says its share of the baseline's step."""
+    from fastchain.data import make_demo_dataset
+    paths = make_demo_dataset(str(tmp_path / 'jpegs'), n_train=2, n_val=0, size=(40, 60),
+                              seed=1)
+    loading = ladder.time_loading(paths, batch=4, crop=32, batches=3)
+    assert loading['batches'] == 3 and loading['ms'] > 0
+    note = ladder.loading_note({'ms': 150.0, 'batches': 8}, baseline=4.0)
+    assert note.endswith('median 150.0 ms over 8 batches, 60% of the baseline\'s step '
+                         '(250.0 ms).')
+    assert ladder.loading_note({'ms': 150.0, 'batches': 8}, None).endswith('8 batches.')
