@@ -126,33 +126,40 @@ def is_recorder_log(path):
         rest.count(b'\t') >= 5
 
 
-def read_recorder_log(path, domain='fastchain'):
-    """fastchain's push/pop ranges from the recorder's log as summary Ranges
-    (thread = the recorder's thread id; ranges still open at the end left
-    out)."""
-    categories, stacks, ranges = {}, collections.defaultdict(list), []
+def recorder_events(path):
+    """The recorder's lines as (kind, thread, time_ns, domain, category,
+    extra, message); a last line cut off mid-write is left out."""
+    events = []
     with open(path, errors='replace') as f:
         for n, line in enumerate(f, 1):
-            parts = line.rstrip('\n').split('\t', 6)
             try:
-                kind, tid, t, dom, category, _, message = parts
-                tid, t, category = int(tid), int(t), int(category)
+                kind, tid, t, dom, category, extra, message = line.rstrip('\n').split('\t', 6)
+                events.append((kind, int(tid), int(t), dom, int(category), int(extra), message))
             except ValueError:
                 if not line.endswith('\n'):
                     break               # the last line of a run cut off mid-write
                 raise ReportError('line {}: not a line of the NVTX recorder (kind, thread, '
                                   'time, domain, category, extra, message, tab-separated)'
                                   .format(n))
-            if dom != domain:
-                continue
-            if kind == 'category':
-                categories[category] = message
-            elif kind == 'push':
-                stacks[tid].append((t, message, category))
-            elif kind == 'pop' and stacks[tid]:
-                start, name, category = stacks[tid].pop()
-                ranges.append(_summary.Range(name, categories.get(category, ''), tid, start, t,
-                                             len(stacks[tid])))
+    return events
+
+
+def read_recorder_log(path, domain='fastchain'):
+    """fastchain's push/pop ranges from the recorder's log as summary Ranges
+    (thread = the recorder's thread id; ranges still open at the end left
+    out)."""
+    categories, stacks, ranges = {}, collections.defaultdict(list), []
+    for kind, tid, t, dom, category, _, message in recorder_events(path):
+        if dom != domain:
+            continue
+        if kind == 'category':
+            categories[category] = message
+        elif kind == 'push':
+            stacks[tid].append((t, message, category))
+        elif kind == 'pop' and stacks[tid]:
+            start, name, category = stacks[tid].pop()
+            ranges.append(_summary.Range(name, categories.get(category, ''), tid, start, t,
+                                         len(stacks[tid])))
     if not ranges:
         raise ReportError('no closed {!r} range in this recorder log: run the training with '
                           'fastchain.enable(nvtx=True) and the recorder attached'

@@ -4,10 +4,13 @@ import glob
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, '..', '..', 'profiling'))
+from summarize import recorder_events  # noqa: E402  (the recorder's log, parsed once)
 
 
 def nvtx_include_dir():
@@ -55,12 +58,7 @@ def nvtx_tool(tmp_path_factory):
 
 def read_log(path):
     """[(kind, thread, time_ns, domain, category, extra, message)]."""
-    events = []
-    with open(path) as f:
-        for line in f:
-            kind, tid, t, domain, category, extra, message = line.rstrip('\n').split('\t', 6)
-            events.append((kind, int(tid), int(t), domain, int(category), int(extra), message))
-    return events
+    return recorder_events(path)
 
 
 def nest(events, domain='fastchain'):
