@@ -191,7 +191,7 @@ wheelhouse-check: wheelhouse
 	$(WHEELCHECK_VENV)/bin/python -m pip --disable-pip-version-check -q install \
 	  --no-index --find-links $(WHEELHOUSE) hypothesis
 	$(WHEELCHECK_VENV)/bin/python benchmarks/gpu_check.py --quick --device @numpy \
-	  --steps doctor,gpu_tests,resnet_fp32,nvtx --image-size 32 --batch 2 \
+	  --steps doctor,gpu_tests,resnet_fp32,nvtx,breakdown --image-size 32 --batch 2 \
 	  --results $(WHEELCHECK_VENV)/gpu-check --pack $(WHEELCHECK_VENV)/gpu-check.tar.gz
 
 clean:

@@ -24,8 +24,10 @@ second), ``resnet_demo`` (the recipe on the generated JPEGs, with the
 device prefetcher), ``nvtx`` (a recipe run with the NVTX injection recorder
 attached, counting the ranges received, and the step breakdown from them in
 ``logs/nvtx_summary.txt``, host time: ``nsys`` cannot report on the node),
-``nccl`` (the NCCL communicator with one rank), then the benchmarks: ladder,
-overhead, loader, nvtx_cost (their ``--quick`` forms with ``--quick``).
+``nccl`` (the NCCL communicator with one rank), then the benchmarks:
+breakdown (where a step's time goes: host phases, and the device's kernels
+through PyTorch's profiler), ladder, overhead, loader, nvtx_cost (their
+``--quick`` forms with ``--quick``).
 ``--steps`` picks some, in the order given (a full check split over several
 commands: ``--unpack`` merges their archives here); ``--device @numpy`` runs
 the same on a CPU (to try the script itself: the GPU-only steps then say why
@@ -48,7 +50,7 @@ ROOT = os.path.dirname(HERE)
 RECIPE = os.path.join(ROOT, 'recipes', 'resnet50', 'train.py')
 
 STEPS = ('doctor', 'gpu_tests', 'resnet_fp32', 'resnet_fp16', 'resnet_demo', 'nvtx', 'nccl',
-         'ladder', 'overhead', 'loader', 'nvtx_cost')
+         'breakdown', 'ladder', 'overhead', 'loader', 'nvtx_cost')
 GPU_ONLY = ('nccl',)
 # Modules a step cannot run without, and where they come from on the node.
 NEEDS = {'gpu_tests': ('pytest', 'hypothesis'), 'nccl': ('pytest',)}
@@ -106,6 +108,9 @@ def plan(args):
                  {'FASTCHAIN_NVTX_LOG': os.path.join(out, 'logs', 'nvtx_ranges.tsv')}, 300),
         'nccl': ([py, '-m', 'pytest', '-p', 'no:cacheprovider'] + PYTEST_REPORT
                  + ['-k', 'nccl', os.path.join(ROOT, 'tests', 'distributed')], {}, 300),
+        'breakdown': ([py, os.path.join(HERE, 'breakdown.py'), '--device', device, '--batch',
+                       str(args.batch), '--crop', str(args.image_size)]
+                      + bench_common, {}, 300 if quick else 900),
         'ladder': ([py, os.path.join(HERE, 'ladder.py'), '--device', device, '--batch',
                     str(args.ladder_batch or args.batch), '--crop', str(args.image_size)]
                    + (['--rungs', args.ladder_rungs] if args.ladder_rungs else [])
@@ -177,6 +182,8 @@ def figures(name, text, out):
         m = re.search(r'(\d+) {}'.format(outcome), text)
         if m:
             found[outcome] = int(m.group(1))
+    if name == 'breakdown':
+        found.update(breakdown_figures(out))
     if name == 'nvtx':
         log = os.path.join(out, 'logs', 'nvtx_ranges.tsv')
         if os.path.exists(log):
@@ -185,6 +192,28 @@ def figures(name, text, out):
             found['nvtx_pushes'] = kinds.count('push')
             found['nvtx_pops'] = kinds.count('pop')
             found.update(nvtx_breakdown(log, os.path.join(out, 'logs', 'nvtx_summary.txt')))
+    return found
+
+
+def breakdown_figures(out):
+    """Per variant of benchmarks/breakdown.py's report: the step, and on a
+    GPU the device's busy time, idle share and its three largest kinds of
+    work (ms per step)."""
+    found = {}
+    for stem in ('breakdown-quick', 'breakdown'):
+        path = os.path.join(out, stem + '.json')
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            variants = json.load(f).get('config', {}).get('variants', {})
+        for variant, d in variants.items():
+            keep = {'step_ms': d.get('step_ms')}
+            device = d.get('device') or {}
+            if device.get('work'):
+                keep.update(busy_ms=device.get('busy'), idle_share=device.get('idle_share'),
+                            kinds=dict(list(device.get('kinds', {}).items())[:3]))
+            found[variant] = keep
+        break
     return found
 
 

@@ -49,5 +49,5 @@ class ResNet50(nn.Module):
         return self.fc(h.mean((2, 3)))
 
 
-def resnet50(n_classes=1000):
-    return ResNet50(n_classes)
+def resnet50(n_classes=1000, width=64):
+    return ResNet50(n_classes, width)

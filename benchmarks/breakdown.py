@@ -1,0 +1,465 @@
+"""Where a ResNet-50 training step's time goes, on the device present: the
+host's phases and, on a GPU, the device's kernels, for plain Chainer, the
+ladder's GPU rungs and PyTorch, one after another in one process.
+
+    python benchmarks/breakdown.py                  # on GPU 0 where one works
+    python benchmarks/breakdown.py --quick          # fewer steps
+    python benchmarks/breakdown.py --device @numpy --batch 2 --crop 32 --width 4
+                                                    # the host side, on a CPU
+
+The data are a fixed set of synthetic images in host memory (two batches,
+no JPEG decode, no loader workers): what is measured is the step's model
+part, its conversion and copy to the device included. The ladder times
+loading apart (its ``time_loading``).
+
+Variants (each adds to the one before, as the ladder's rungs of the same
+names; autotune off in all of them, cuDNN's heuristic plan for each key:
+autotune added 1% in the ladder's first GPU run, and tuning every key takes
+minutes of a GPU's time):
+
+  baseline       plain Chainer (on CuPy 14: convolutions as im2col + GEMM), fp32
+  cudnn          + fastchain's cuDNN graphs (a GPU's)
+  fp16           + fp16 compute with fp32 master weights and loss scaling (a GPU's)
+  static_graph   + the static-subgraph cache
+  torch          PyTorch eager ResNet-50 on the same batch (on a GPU with AMP,
+                 channels-last and cudnn.benchmark), when torch is installed
+
+Each variant is built, warmed up (``--warmup`` steps: first calls, graph
+builds, the schedule), then runs ``--steps`` steps, each ended by a device
+synchronisation (so a step's work is inside its own window; training
+without it overlaps a step's tail with the next step's launches). Measured:
+
+- the step's wall time (host clock, after the synchronisation);
+- the host's phases: fastchain's in-process timeline (``enable(timeline=
+  ...)``: data, convert, forward, backward, loss_scale, update), medians.
+  On a GPU these are the host's time in each phase: a phase that waits for
+  the device (a synchronisation) holds the device's time too;
+- on a GPU, from PyTorch's profiler, which records every kernel and copy of
+  the process through CUPTI (CuPy's, cuBLAS's, cuDNN's, NCCL's as well as
+  PyTorch's): the device's busy time per step (the union of its kernels and
+  copies), its idle share (the part of the step the device waited for the
+  host), the device time by kind of work (classes of kernel names,
+  ``KINDS``) and by the host phase that launched it (a kernel's launch call,
+  matched by its correlation id, placed in the timeline's phases), and the
+  kernels that took the most time.
+
+Writes JSON and Markdown (``breakdown[-quick].json/.md``) and, with
+``--traces DIR``, each variant's profiler trace (Perfetto opens them).
+"""
+
+import collections
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common  # noqa: E402
+
+VARIANTS = ('baseline', 'cudnn', 'fp16', 'static_graph', 'torch')
+GPU_VARIANTS = ('cudnn', 'fp16')        # the same steps as the one before on a CPU
+RUNG = {'fp16': 'fp32_preprocessing'}    # the ladder's rung of the same options
+STEP_ANNOTATION = 'fastchain.breakdown.step'
+CLASSES = 1000
+# kind of device work: the first pattern the lower-cased kernel name matches
+KINDS = (
+    ('allreduce (NCCL)', r'nccl'),
+    ('convolution (im2col + col2im)', r'im2col|col2im'),
+    ('batch normalization', r'bn_|batch_norm|batchnorm|update_mean_var'),
+    ('layout (NCHW <-> NHWC)', r'nchwtonhwc|nhwctonchw|nchw2nhwc|nhwc2nchw|transpose'),
+    ('convolution (cuDNN)', r'conv|fprop|dgrad|wgrad|implicit_gemm|winograd|cudnn'),
+    ('GEMM (cuBLAS)', r'gemm|nvjet|cutlass|xmma'),
+    ('optimizer update', r'momentum|sgd|adam|multi_tensor'),
+    ('copy', r'^memcpy|^memset|copy'),
+    ('reduction', r'reduce|sum|mean|var|max|min|argm'),
+    ('elementwise', r'.'),
+)
+
+
+def kind(name):
+    low = name.lower()
+    for label, pattern in KINDS:
+        if re.search(pattern, low):
+            return label
+    return 'elementwise'
+
+
+# -- the profiler's trace ----------------------------------------------------
+
+def read_trace(trace):
+    """From a PyTorch profiler trace (the chrome-trace dict its
+    ``export_chrome_trace`` writes; times in microseconds): ``steps`` ((start,
+    end) of each ``STEP_ANNOTATION``), ``work`` ((name, start, end,
+    correlation) of each kernel, copy and memset on the device) and
+    ``launches`` ({correlation: host time of the launch call})."""
+    steps, work, launches = [], [], {}
+    for e in trace.get('traceEvents', ()):
+        if e.get('ph') != 'X':
+            continue
+        cat, args = e.get('cat'), e.get('args') or {}
+        start = float(e['ts'])
+        end = start + float(e.get('dur', 0))
+        if cat == 'user_annotation' and e.get('name') == STEP_ANNOTATION:
+            steps.append((start, end))
+        elif cat in ('kernel', 'gpu_memcpy', 'gpu_memset'):
+            name = e.get('name', '?')
+            if cat != 'kernel' and not name.lower().startswith(('memcpy', 'memset')):
+                name = cat.replace('gpu_', '') + ' ' + name
+            work.append((name, start, end, args.get('correlation')))
+        elif cat in ('cuda_runtime', 'cuda_driver') and args.get('correlation') is not None:
+            launches[args['correlation']] = start
+    steps.sort()
+    work.sort(key=lambda w: w[1])
+    return {'steps': steps, 'work': work, 'launches': launches}
+
+
+def union(intervals):
+    """Total length covered by (start, end) intervals."""
+    total, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
+
+
+def device_breakdown(read, phase_at=None):
+    """Per step (medians over the steps; ms): ``step`` (the annotation's
+    window), ``busy`` (the union of the device's work inside it), ``idle_share``;
+    totals per step (means; ms) of device time by ``kinds`` and, with
+    ``phase_at`` (trace time of a launch -> the host phase, or None), by
+    ``phases``; ``top`` kernels by time; ``work`` (how many were recorded)."""
+    steps, work = read['steps'], read['work']
+    per_step, by_kind, by_phase = [], collections.Counter(), collections.Counter()
+    by_name = collections.Counter()
+    inside = 0
+    for start, end in steps:
+        mine = [(max(s, start), min(e, end)) for _, s, e, _ in work if s < end and e > start]
+        busy = union(mine)
+        per_step.append({'step': (end - start) / 1e3, 'busy': busy / 1e3,
+                         'idle_share': 1 - busy / (end - start) if end > start else 0.0})
+    for name, s, e, corr in work:
+        if not any(s < hi and e > lo for lo, hi in steps):
+            continue
+        inside += 1
+        by_kind[kind(name)] += e - s
+        by_name[name] += e - s
+        if phase_at is not None:
+            launched = read['launches'].get(corr)
+            phase = phase_at(launched) if launched is not None else None
+            by_phase[phase or 'unknown'] += e - s
+    n = len(steps) or 1
+    result = {'steps': len(steps), 'work': inside,
+              'kinds': {k: round(v / n / 1e3, 3) for k, v in by_kind.most_common()},
+              'phases': {k: round(v / n / 1e3, 3) for k, v in by_phase.most_common()},
+              'top': [(name[:120], round(v / n / 1e3, 3)) for name, v in by_name.most_common(8)]}
+    if per_step:
+        for key in ('step', 'busy', 'idle_share'):
+            result[key] = round(statistics.median(s[key] for s in per_step), 4)
+    return result
+
+
+def phase_locator(ranges, host_starts, trace_starts):
+    """trace time (us) -> the innermost host phase (timeline ranges, ns of
+    ``time.perf_counter_ns``) at that time: 'other' inside a step and none of
+    its phases, None outside the steps. The two clocks are matched by
+    the steps: the median of (trace start - host start) over them."""
+    from fastchain.nvtx._summary import PHASES
+    if not host_starts or len(host_starts) != len(trace_starts):
+        return None
+    offset = statistics.median(t * 1e3 - h for h, t in zip(host_starts, trace_starts))
+    spans = sorted((r.start, r.end, r.depth, r.category) for r in ranges
+                   if r.category in PHASES or (r.category, r.name) == ('step', 'step'))
+
+    def at(trace_us):
+        ns = trace_us * 1e3 - offset
+        best = None
+        for start, end, depth, category in spans:
+            if start > ns:
+                break
+            if end >= ns and (best is None or depth >= best[0]):
+                best = (depth, category)
+        if best is None:
+            return None
+        return 'other' if best[1] == 'step' else best[1]    # in a step, in none of its phases
+    return at
+
+
+# -- the variants --------------------------------------------------------------
+
+def chainer_variant(name, device, batch, crop, width, timeline):
+    """(step, close, handle) of one of the Chainer variants."""
+    import chainer
+    import chainer.links as L
+    from chainer import training
+    import fastchain
+    from fastchain.models import ResNet
+    from ladder import rung_options
+    # fp16's rung with fp32 data, cast on the device (the ladder's fp32_preprocessing)
+    gpu = device.xp is not numpy
+    options, _ = rung_options(RUNG.get(name, name), gpu, fp16_ok=gpu)
+    options.update(autotune=False, loader_workers=0, prefetch_to_device=False,
+                   timeline=timeline)
+    handle = fastchain.enable(**options)
+    numpy.random.seed(0)
+    model = L.Classifier(ResNet(50, CLASSES, width=width))
+    model.to_device(device)
+    optimizer = chainer.optimizers.MomentumSGD(lr=0.01)
+    optimizer.setup(model)
+    rng = numpy.random.RandomState(1)
+    data = chainer.datasets.TupleDataset(
+        rng.uniform(-1, 1, (2 * batch, 3, crop, crop)).astype(numpy.float32),
+        rng.randint(0, CLASSES, 2 * batch).astype(numpy.int32))
+    iterator = chainer.iterators.SerialIterator(data, batch, shuffle=False)
+    updater = training.StandardUpdater(iterator, optimizer, device=device)
+
+    def close():
+        updater.finalize()
+        for h in reversed(fastchain.active_handles()):
+            h.disable()
+    return updater.update, close, handle
+
+
+def torch_variant(device, batch, crop, width):
+    import torch
+    import torch_resnet
+    on_gpu = device.xp is not numpy
+    dev = torch.device('cuda', device.device.id) if on_gpu else torch.device('cpu')
+    if on_gpu:
+        torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    model = torch_resnet.resnet50(CLASSES, width=width).to(dev)
+    layout = torch.channels_last if on_gpu else torch.contiguous_format
+    model = model.to(memory_format=layout)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler('cuda', enabled=on_gpu)
+    rng = numpy.random.RandomState(1)
+    x_host = torch.from_numpy(rng.uniform(-1, 1, (batch, 3, crop, crop)).astype(numpy.float32))
+    t_host = torch.from_numpy(rng.randint(0, CLASSES, batch).astype(numpy.int64))
+    if on_gpu:
+        x_host, t_host = x_host.pin_memory(), t_host.pin_memory()
+
+    def step():
+        x = x_host.to(dev, non_blocking=True).contiguous(memory_format=layout)
+        t = t_host.to(dev, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(dev.type, dtype=torch.float16, enabled=on_gpu):
+            loss = torch.nn.functional.cross_entropy(model(x), t)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    def close():
+        model.to('cpu')
+    return step, close, None
+
+
+def measure(step, sync, steps, warmup, profile):
+    """Runs ``warmup`` steps, then ``steps`` annotated steps (under PyTorch's
+    profiler where ``profile``), each ended by ``sync``: (host start ns of
+    each step, wall seconds of each, the trace dict or None)."""
+    for _ in range(warmup):
+        step()
+    sync()
+    starts, walls, trace = [], [], None
+    context = None
+    if profile:
+        import torch
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        context = torch_profile(activities=activities)
+        context.__enter__()
+        with torch.profiler.record_function('fastchain.breakdown.start'):
+            pass        # its first call initialises (a millisecond): not in a step's
+    try:
+        for _ in range(steps):
+            if profile:
+                annotation = torch.profiler.record_function(STEP_ANNOTATION)
+                annotation.__enter__()
+            start = time.perf_counter_ns()
+            step()
+            sync()
+            walls.append((time.perf_counter_ns() - start) / 1e9)
+            starts.append(start)
+            if profile:
+                annotation.__exit__(None, None, None)
+    finally:
+        if context is not None:
+            context.__exit__(None, None, None)
+    if context is not None:
+        fd, path = tempfile.mkstemp(suffix='.json')
+        os.close(fd)
+        try:
+            context.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        finally:
+            os.remove(path)
+    return starts, walls, trace
+
+
+def parse(argv=None):
+    p = _common.parser('breakdown', __doc__.split('\n\n')[0])
+    p.add_argument('--device', default=None,
+                   help='@cupy:N or @numpy (default: GPU 0 where one works)')
+    p.add_argument('--batch', type=int, default=None, help='default 32 on a GPU, 8 on a CPU')
+    p.add_argument('--crop', type=int, default=None, help='image size (224 on a GPU, 32 on a CPU)')
+    p.add_argument('--width', type=int, default=64,
+                   help="the first stage's width (64: ResNet-50; smaller: a cheaper graph "
+                        'of the same shape, for trying the script)')
+    p.add_argument('--steps', type=int, default=None, help='measured steps (20; 10 quick)')
+    p.add_argument('--warmup', type=int, default=5, help='steps before the measured ones')
+    p.add_argument('--variants', default=','.join(VARIANTS),
+                   help='comma-separated, from: ' + ', '.join(VARIANTS))
+    p.add_argument('--traces', metavar='DIR', help="also write each variant's profiler trace here")
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(',') if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error('--variants: unknown {} (known: {})'.format(', '.join(unknown),
+                                                            ', '.join(VARIANTS)))
+    return args
+
+
+def has_torch(gpu):
+    try:
+        import torch
+    except ImportError:
+        return False, 'PyTorch is not installed (pip install torch)'
+    if gpu and not torch.cuda.is_available():
+        return False, "PyTorch here has no CUDA (its CPU build): no kernels to record"
+    return True, None
+
+
+def run(args):
+    from fastchain.backends import cuda
+    try:
+        device = cuda.get_device(args.device)
+    except RuntimeError as e:
+        sys.exit(str(e))
+    gpu = device.xp is not numpy
+    device.use()
+    args.batch = args.batch or (32 if gpu else 8)
+    args.crop = args.crop or (224 if gpu else 32)
+    args.steps = args.steps or (10 if args.quick else 20)
+    torch_ok, torch_why = has_torch(gpu)
+
+    def sync():
+        if gpu:
+            device.device.synchronize()
+
+    rows = _common.Rows('iterations/s')
+    details = {}
+    workdir = tempfile.mkdtemp(prefix='fastchain-breakdown-')
+    for name in args.variants:
+        if name in GPU_VARIANTS and not gpu:
+            rows.skip(name, "a GPU's rung: on a CPU the same steps as the one before it")
+            continue
+        if name == 'torch' and not torch_ok:
+            rows.skip(name, torch_why)
+            continue
+        timeline = os.path.join(workdir, name + '.json')
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')     # "fp16 is slower on a CPU", etc.
+            if name == 'torch':
+                step, close, handle = torch_variant(device, args.batch, args.crop, args.width)
+            else:
+                step, close, handle = chainer_variant(name, device, args.batch, args.crop,
+                                                      args.width, timeline)
+        try:
+            starts, walls, trace = measure(step, sync, args.steps, args.warmup,
+                                           profile=gpu and torch_ok)
+            detail = {'step_ms': round(statistics.median(walls) * 1e3, 3)}
+            ranges = []
+            if handle is not None:
+                recorded = handle.resources['timeline']
+                ranges = list(recorded.ranges)
+                summary = recorded.summary(skip=args.warmup)
+                detail['host_phases_ms'] = {p: round(v, 3) for p, v in
+                                            summary['median_ms'].items() if v}
+            if trace is not None:
+                read = read_trace(trace)
+                at = phase_locator(ranges, starts, [s for s, _ in read['steps']]) \
+                    if ranges else None
+                detail['device'] = device_breakdown(read, at)
+                if args.traces:
+                    os.makedirs(args.traces, exist_ok=True)
+                    with open(os.path.join(args.traces, name + '.trace.json'), 'w') as f:
+                        json.dump(trace, f)
+            details[name] = detail
+            for wall in walls:
+                rows.add(name, 1 / wall)
+        finally:
+            close()
+            if gpu:
+                import cupy
+                sync()
+                cupy.get_default_memory_pool().free_all_blocks()
+        # written after every variant: a run cut off keeps the variants done
+        report(args, device, rows, details, gpu, torch_ok, final=False)
+    return report(args, device, rows, details, gpu, torch_ok, final=True)
+
+
+def report(args, device, rows, details, gpu, torch_ok, final):
+    config = {'batch': args.batch, 'crop': args.crop, 'width': args.width,
+              'steps': args.steps, 'warmup': args.warmup, 'device': str(device),
+              'variants': details}
+    ratios = {'{}/baseline'.format(v): rows.ratio(v, 'baseline') for v in VARIANTS[1:]}
+    ratios['static_graph/torch'] = rows.ratio('static_graph', 'torch')
+    notes = describe(details, gpu, torch_ok)
+    if not final:
+        notes.append('Written after {}: the run had not finished.'.format(
+            ', '.join(details) or 'no variant'))
+    return _common.write('breakdown', args, config, rows, ratios, notes, quiet=not final)
+
+
+def describe(details, gpu, profiled):
+    """The notes: one paragraph per variant, the largest parts first."""
+    notes = ['Each step ends with a device synchronisation; iterations/s are of such steps '
+             '(the ladder compares speeds with loading and without the synchronisation). '
+             'Autotune off in every variant.']
+    if gpu and not profiled:
+        notes.append('No device figures: PyTorch (its profiler records the kernels) is '
+                      'missing or has no CUDA here.')
+    for name, d in details.items():
+        parts = ['{}: step {:.1f} ms'.format(name, d['step_ms'])]
+        dev = d.get('device')
+        if dev and dev.get('steps'):
+            if not dev['work']:
+                parts.append('the profiler recorded no device work of this process '
+                             '(the device shares are unknown)')
+            else:
+                parts.append('device busy {:.1f} ms, idle {:.0%} of the step (the host\'s '
+                             'part)'.format(dev['busy'], dev['idle_share']))
+                parts.append('device time by kind: ' + ', '.join(
+                    '{} {:.1f} ms'.format(k, v) for k, v in list(dev['kinds'].items())[:6]))
+                if dev['phases']:
+                    parts.append('by the phase that launched it: ' + ', '.join(
+                        '{} {:.1f} ms'.format(k, v) for k, v in dev['phases'].items()))
+        phases = d.get('host_phases_ms')
+        if phases:
+            parts.append('host phases (median ms): ' + ', '.join(
+                '{} {:.1f}'.format(k, v) for k, v in sorted(phases.items(),
+                                                           key=lambda kv: -kv[1])))
+        notes.append('; '.join(parts) + '.')
+    return notes
+
+
+def main(argv=None):
+    run(parse(argv))
+
+
+if __name__ == '__main__':
+    main()

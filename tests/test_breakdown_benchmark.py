@@ -1,0 +1,180 @@
+"""benchmarks/breakdown.py: reading PyTorch profiler traces (the device side,
+from a trace in the schema PyTorch's profiler writes on a GPU, and a real
+one recorded here), placing a kernel's launch in the host's phases, and the
+whole script on a CPU at a toy size."""
+
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, '..', 'benchmarks'))
+import breakdown  # noqa: E402
+
+
+def _event(cat, name, ts, dur, **args):
+    return {'ph': 'X', 'cat': cat, 'name': name, 'pid': 1, 'tid': 7, 'ts': ts, 'dur': dur,
+            'args': args}
+
+
+def _gpu_trace():
+    """Two annotated steps, [1000, 1100) and [1200, 1300) us, in the events
+    PyTorch's profiler (Kineto) writes for a GPU run: kernels and copies on
+    the device, the launch calls (runtime and driver API) on the host, each
+    pair sharing a correlation id; one kernel between the steps."""
+    return {'traceEvents': [
+        {'ph': 'M', 'name': 'process_name', 'pid': 1, 'tid': 0, 'ts': 0, 'args': {}},
+        _event('user_annotation', breakdown.STEP_ANNOTATION, 1000, 100),
+        _event('user_annotation', breakdown.STEP_ANNOTATION, 1200, 100),
+        _event('user_annotation', 'something else', 1000, 300),
+        _event('cuda_driver', 'cuLaunchKernel', 1002, 3, correlation=1),
+        _event('cuda_runtime', 'cudaLaunchKernel', 1004, 3, correlation=2),
+        _event('cuda_runtime', 'cudaMemcpyAsync', 1040, 3, correlation=3),
+        _event('cuda_driver', 'cuLaunchKernel', 1205, 3, correlation=5),
+        _event('kernel', 'im2col', 1010, 20, correlation=1),
+        _event('kernel', 'sm90_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x32', 1020, 30,
+               correlation=2),
+        _event('gpu_memcpy', 'Memcpy HtoD (Pageable -> Device)', 1060, 10, correlation=3),
+        _event('kernel', 'cupy_multiply__float32_float32_float32', 1150, 10, correlation=4),
+        _event('kernel', 'momentum_sgd', 1210, 50, correlation=5),
+    ]}
+
+
+def test_device_breakdown_of_a_gpu_trace():
+    read = breakdown.read_trace(_gpu_trace())
+    assert read['steps'] == [(1000.0, 1100.0), (1200.0, 1300.0)]
+    assert read['launches'] == {1: 1002.0, 2: 1004.0, 3: 1040.0, 5: 1205.0}
+    phases = {1002.0: 'forward', 1004.0: 'backward', 1040.0: 'convert', 1205.0: 'update'}
+    d = breakdown.device_breakdown(read, phases.get)
+    # step 1: im2col [1010, 1030) and the GEMM [1020, 1050) overlap (40 us
+    # covered), the copy 10 more; step 2: the update, 50: both 50 of 100 us
+    assert d['steps'] == 2 and d['busy'] == pytest.approx(0.05)
+    assert d['idle_share'] == pytest.approx(0.5) and d['step'] == pytest.approx(0.1)
+    # the kernel between the steps is no step's
+    assert d['work'] == 4
+    # per step (2 steps): each kind's summed time, not the union
+    assert d['kinds'] == pytest.approx({'convolution (im2col + col2im)': 0.01,
+                                        'GEMM (cuBLAS)': 0.015, 'copy': 0.005,
+                                        'optimizer update': 0.025})
+    assert d['phases'] == pytest.approx({'forward': 0.01, 'backward': 0.015,
+                                         'convert': 0.005, 'update': 0.025})
+    assert d['top'][0] == ('momentum_sgd', 0.025)
+    # no locator: no phases; a launch the trace lacks: 'unknown'
+    assert breakdown.device_breakdown(read)['phases'] == {}
+    assert breakdown.device_breakdown(read, lambda t: None)['phases'] == {'unknown': 0.055}
+
+
+@pytest.mark.parametrize('name, expected', [
+    ('im2col', 'convolution (im2col + col2im)'),
+    ('col2im', 'convolution (im2col + col2im)'),
+    ('sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc', 'convolution (cuDNN)'),
+    ('cudnn_generated_fort_native_conv_dgrad', 'convolution (cuDNN)'),
+    ('void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1, true>',
+     'batch normalization'),
+    ('void at::native::batch_norm_collect_statistics_channels_last_kernel<float>',
+     'batch normalization'),
+    ('bn_bwd', 'batch normalization'),
+    ('nchwToNhwcKernel', 'layout (NCHW <-> NHWC)'),
+    ('nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN', 'GEMM (cuBLAS)'),
+    ('cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4', 'GEMM (cuBLAS)'),
+    ('momentum_sgd', 'optimizer update'),
+    ('void at::native::multi_tensor_apply_kernel<TensorListMetadata<4>>', 'optimizer update'),
+    ('ncclDevKernel_AllReduce_Sum_f32_RING_LL', 'allreduce (NCCL)'),
+    ('Memcpy HtoD (Pageable -> Device)', 'copy'),
+    ('cupy_copy__float32_float16', 'copy'),
+    ('cupy_sum', 'reduction'),
+    ('cupy_multiply__float32_float32_float32', 'elementwise'),
+    ('void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>',
+     'elementwise'),
+])
+def test_kinds_of_kernel_names(name, expected):
+    assert breakdown.kind(name) == expected
+
+
+def test_union_of_intervals():
+    assert breakdown.union([]) == 0
+    assert breakdown.union([(0, 10), (5, 8), (20, 25), (9, 12)]) == 17
+    assert breakdown.union([(3, 4), (0, 1)]) == 2
+
+
+def test_phase_locator_matches_the_clocks_by_the_steps():
+    from fastchain.nvtx._summary import Range
+    # host ns: a step at 5_000_000 with forward and backward inside, its
+    # trace start at 1000 us (the clocks 4_000_000 ns apart)
+    ranges = [Range('step', 'step', 1, 5_000_000, 5_100_000, 0),
+              Range('forward', 'forward', 1, 5_000_000, 5_040_000, 1),
+              Range('backward', 'backward', 1, 5_040_000, 5_090_000, 1),
+              Range('res2/a/conv1', 'link', 1, 5_001_000, 5_002_000, 2)]
+    at = breakdown.phase_locator(ranges, [5_000_000, 6_000_000], [1000.0, 2000.0])
+    assert at(1010.0) == 'forward'          # 5_010_000 ns, the link range is no phase
+    assert at(1001.5) == 'forward'
+    assert at(1050.0) == 'backward'
+    assert at(1095.0) == 'other'            # inside the step, in no phase of it
+    assert at(1200.0) is None
+    assert breakdown.phase_locator(ranges, [], []) is None
+    assert breakdown.phase_locator(ranges, [1], [1.0, 2.0]) is None
+
+
+def test_a_real_profiler_trace_is_read():
+    """A trace PyTorch's profiler records here (no GPU: no kernels): its step
+    annotations are found, on a clock the locator can match to the host's."""
+    torch = pytest.importorskip('torch')
+    x = torch.ones(32, 32)
+    calls = []
+
+    def step():
+        calls.append(1)
+        return x @ x
+    starts, walls, trace = breakdown.measure(step, lambda: None, steps=3, warmup=2,
+                                             profile=True)
+    assert len(calls) == 5 and len(starts) == len(walls) == 3
+    read = breakdown.read_trace(json.loads(json.dumps(trace)))
+    assert len(read['steps']) == 3 and read['work'] == []
+    # the clocks differ by one offset: each step's (trace - host) within 1 ms of the others
+    gaps = [t * 1e3 - h for h, (t, _) in zip(starts, read['steps'])]
+    assert max(gaps) - min(gaps) < 1e6
+    d = breakdown.device_breakdown(read)
+    assert d['steps'] == 3 and d['busy'] == 0 and d['idle_share'] == 1
+
+
+def test_the_script_on_a_cpu(tmp_path):
+    result = breakdown.run(breakdown.parse([
+        '--device', '@numpy', '--batch', '2', '--crop', '32', '--width', '4', '--steps', '3',
+        '--warmup', '3', '--results', str(tmp_path), '--variants', 'baseline,cudnn,static_graph']))
+    with open(tmp_path / 'breakdown.json') as f:
+        written = json.load(f)
+    assert written['ratios'] == result['ratios']
+    rows = {r['name']: r for r in written['rows']}
+    assert set(rows) == {'baseline', 'static_graph'} and rows['baseline']['windows'] == 3
+    assert [u['name'] for u in written['unavailable']] == ['cudnn']
+    variants = written['config']['variants']
+    for name in ('baseline', 'static_graph'):
+        phases = variants[name]['host_phases_ms']
+        assert phases['forward'] > 0 and phases['backward'] > 0 and phases['update'] > 0
+        # the phases are inside the step (its wall time, synchronised)
+        assert sum(phases.values()) <= variants[name]['step_ms'] * 1.2
+        assert 'device' not in variants[name]          # no GPU: no kernels
+    assert (tmp_path / 'breakdown.md').read_text().startswith('## breakdown')
+    with pytest.raises(SystemExit):
+        breakdown.parse(['--variants', 'baseline,nope'])
+
+
+def test_a_run_cut_off_keeps_the_variants_done(tmp_path, monkeypatch):
+    real = breakdown.chainer_variant
+
+    def failing(name, *args):
+        if name == 'static_graph':
+            raise RuntimeError('out of memory (stand-in)')
+        return real(name, *args)
+    monkeypatch.setattr(breakdown, 'chainer_variant', failing)
+    with pytest.raises(RuntimeError, match='stand-in'):
+        breakdown.run(breakdown.parse([
+            '--device', '@numpy', '--batch', '2', '--crop', '32', '--width', '4', '--steps',
+            '2', '--warmup', '1', '--results', str(tmp_path),
+            '--variants', 'baseline,static_graph']))
+    with open(tmp_path / 'breakdown.json') as f:
+        written = json.load(f)
+    assert [r['name'] for r in written['rows']] == ['baseline']
+    assert written['notes'][-1] == 'Written after baseline: the run had not finished.'
