@@ -69,6 +69,7 @@ PYTEST_STEPS = ('gpu_tests', 'nccl')
 # pytest's own report: each test's outcome as it ends (-v: which one hung),
 # the reasons of failures, errors, skips and xfails, the slowest tests
 PYTEST_REPORT = ['-v', '-rfEsx', '--durations=20']
+TUNE_CACHE = 'tune-cache.json'   # the ladder's autotune choices, beside the results
 NVTX_WARMUP_STEPS = 5           # left out of the nvtx step's breakdown (first calls, plans)
 
 
@@ -114,6 +115,9 @@ def plan(args):
         'ladder': ([py, os.path.join(HERE, 'ladder.py'), '--device', device, '--batch',
                     str(args.ladder_batch or args.batch), '--crop', str(args.image_size)]
                    + (['--rungs', args.ladder_rungs] if args.ladder_rungs else [])
+                   # autotune's choices kept with the results: a later run on the same
+                   # kind of node (the file is committed with them) skips its tuning pass
+                   + ['--tune-cache', os.path.join(out, TUNE_CACHE)]
                    + bench_common,
                    {}, 600 if quick else 1800),
         'overhead': ([py, os.path.join(HERE, 'overhead.py'), '--device', device]

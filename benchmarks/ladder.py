@@ -398,7 +398,12 @@ def parse(argv):
                         'out. The "all" rung still runs the tuning pass when a tuned rung is '
                         'timed'.format(', '.join(ALL_ROWS)))
     p.add_argument('--serve', metavar='RUNG', help=argparse.SUPPRESS)
-    p.add_argument('--tune-cache', help=argparse.SUPPRESS)
+    p.add_argument('--tune-cache', metavar='PATH',
+                   help="autotune's choices read from this file (enable()'s tune_cache) "
+                        'before the tuning pass and written back after it: a later run on '
+                        'the same machine and versions skips the measurements it holds '
+                        '(the report counts the choices read from it). On a CPU (turns) '
+                        'the rungs share a file of their own; this is the windows mode\'s')
     p.add_argument('--tune-seconds', type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.started = time.monotonic()
@@ -685,7 +690,7 @@ def run_turns(args, setup, names, rows, argv, builders=()):
     ready, byes = {}, {}
     with tempfile.TemporaryDirectory(prefix='ladder-') as tmp, \
             _turns.Coordinator() as coordinator:
-        cache = os.path.join(tmp, 'tune.json')
+        cache = args.tune_cache or os.path.join(tmp, 'tune.json')
         base = [sys.executable, os.path.abspath(__file__)] + argv + ['--tune-cache', cache]
         share, began = tuning_seconds(args), time.monotonic()     # for all rungs together
         for name in order:
@@ -746,6 +751,14 @@ def run_windows(args, builders, rows, setup=None, on_window=None, timed=None):
     # autotune rung, whose fp32 keys the fp16 "all" rung never meets.
     names = list(builders) if timed is None else list(timed)
     tuning = {}
+    cache = {'path': getattr(args, 'tune_cache', None)}
+    if cache['path']:
+        from fastchain.tune import _cache
+        cache['read'] = _cache.load(cache['path'])
+
+    def keep_choices():
+        if cache['path']:
+            cache['holds'] = _cache.save(cache['path'])
     for name in ('all', 'autotune') if gpu else ('all',):
         if name not in builders or not any(tuned(n) for n in names) or (
                 name == 'autotune' and name not in names):
@@ -760,6 +773,7 @@ def run_windows(args, builders, rows, setup=None, on_window=None, timed=None):
         if gpu:
             gc.collect()
         release()
+    keep_choices()
     warmup = {}
     ran, last, out_of_room, cut = 0, 0.0, {}, False
 
@@ -768,7 +782,8 @@ def run_windows(args, builders, rows, setup=None, on_window=None, timed=None):
                 'iterations_per_window': per_window,
                 'warmup_steps': {n: warmup_steps(n, setup) for n in names},
                 'warmup': warmup, 'cut_mid_window': cut, 'out_of_memory': out_of_room,
-                'tuning': tuning, 'autotune_choices': tune.summary()}
+                'tuning': tuning, 'autotune_choices': tune.summary(),
+                **({'tune_cache': dict(cache)} if cache['path'] else {})}
 
     for w in range(windows):
         if w and not next_fits(args, last):
@@ -821,6 +836,7 @@ def run_windows(args, builders, rows, setup=None, on_window=None, timed=None):
             on_window(measured())
         if cut:
             break
+    keep_choices()          # and what the windows decided
     return measured()
 
 
@@ -886,6 +902,12 @@ def report(args, setup, rows, measured, final=True):
                'fp32 keys) ran until autotune had decided every key (choices are shared by '
                'the rungs): {}. Rungs take turns, each window starting one rung later; '
                '"@paired" ratios are medians of per-window ratios.').format(measured['tuning'])
+        kept = measured.get('tune_cache')
+        if kept:
+            how += (" Autotune's choices: {} read from {} (this machine's and versions', "
+                    'decided by an earlier run: their keys were not measured again), the file '
+                    'holding {} after this run.').format(kept.get('read', 0), kept['path'],
+                                                         kept.get('holds', 'none'))
     notes = ['Changed lines from the plain script to the "all" row: {} ({}); the talk '
              'needed 8.'.format(len(diff), '; '.join(diff)),
              'autotune (on from the autotune rung up, and in "all"; keyed by shapes and '

@@ -255,6 +255,8 @@ def test_a_step_limit_replaces_its_default_and_the_ladder_gets_its_rungs(tmp_pat
     assert planned['doctor'][2] == 120                  # its default
     argv = planned['ladder'][0]
     assert argv[argv.index('--rungs') + 1] == 'baseline,autotune,all,torch'
+    # autotune's choices are kept beside the results (packed, committed, read next time)
+    assert argv[argv.index('--tune-cache') + 1] == str(tmp_path / 'tune-cache.json')
 
 
 @pytest.mark.parametrize('text, message', [

@@ -291,3 +291,43 @@ def test_loading_is_timed_apart_and_named_with_its_share_of_the_baseline(tmp_pat
     assert note.endswith('median 150.0 ms over 8 batches, 60% of the baseline\'s step '
                          '(250.0 ms).')
     assert ladder.loading_note({'ms': 150.0, 'batches': 8}, None).endswith('8 batches.')
+
+
+def test_windows_read_autotune_choices_from_the_cache_file_and_keep_them(tmp_path):
+    """--tune-cache in the windows mode (a GPU's): the first run measures
+    and writes its choices; the next run on the same machine reads them and
+    measures nothing again, and the report says how many it read."""
+    import fastchain
+    from fastchain.tune import _tuner
+    calls = {'fast': 0, 'slow': 0}
+
+    def fast():
+        calls['fast'] += 1
+
+    def slow():
+        calls['slow'] += 1
+        time.sleep(0.002)
+
+    def build_all():
+        handle = fastchain.enable(autotune=True, loader_workers=0, static_graph=False)
+        step = lambda: _tuner.call('ladder_cache_test', ('key', 1),
+                                   (('slow', slow), ('fast', fast)))
+        return step, handle.disable
+
+    def run():
+        builders = {'baseline': stand_in(0.001), 'all': build_all}
+        args = args_for(None, 1)
+        args.tune_cache = str(tmp_path / 'tune.json')
+        return ladder.run_windows(args, builders, _common.Rows('iterations/s'))
+    try:
+        first = run()
+        assert first['tune_cache']['read'] == 0 and first['tune_cache']['holds'] >= 1
+        assert calls['slow'] > 0            # measured
+        assert _tuner.pick('ladder_cache_test', ('key', 1)) == 'fast'
+        _tuner.forget('ladder_cache_test')  # a new process, as far as the tuner knows
+        calls.update(fast=0, slow=0)
+        second = run()
+        assert second['tune_cache']['read'] >= 1
+        assert calls == {'fast': calls['fast'], 'slow': 0} and calls['fast'] > 0
+    finally:
+        _tuner.forget('ladder_cache_test')
