@@ -60,6 +60,27 @@ def no_handle_leaks_into_the_next_test():
         onednn.calls.clear()
 
 
+@pytest.fixture(autouse=True)
+def no_stand_in_cupy_answer_outlives_its_test(monkeypatch):
+    """fastchain's GPU probes are cached per process (lru_cache): one asked
+    while a test had a stand-in CuPy in sys.modules would go on answering
+    for it after the stand-in is gone (a later test asking whether a GPU
+    works would hear the stand-in's answer). Requesting ``monkeypatch``
+    makes this teardown run before the test's own monkeypatch undoes the
+    stand-in, while it can still be seen."""
+    before = sys.modules.get('cupy')
+    yield
+    if sys.modules.get('cupy') is before:
+        return
+    probes = [m for name, m in list(sys.modules.items())
+              if name.startswith('fastchain.backends.') and m is not None]
+    for module in probes:
+        for value in list(vars(module).values()):
+            if callable(getattr(value, 'cache_clear', None)) and \
+                    getattr(value, '__module__', None) == module.__name__:
+                value.cache_clear()
+
+
 @pytest.fixture
 def fresh_fixes():
     """Chainer's static_graph without fastchain's fixes before and after a test,
