@@ -12,36 +12,48 @@ no JPEG decode, no loader workers): what is measured is the step's model
 part, its conversion and copy to the device included. The ladder times
 loading apart (its ``time_loading``).
 
-Variants (each adds to the one before, as the ladder's rungs of the same
-names; autotune off in all of them, cuDNN's heuristic plan for each key:
-autotune added 1% in the ladder's first GPU run, and tuning every key takes
-minutes of a GPU's time):
+Variants (the options of the ladder's rungs named, autotune off in all of
+them: cuDNN's heuristic plan for each key; autotune added 1% in the ladder's
+first GPU run, and tuning every key takes minutes of a GPU's time), run in
+this order:
 
   baseline       plain Chainer (on CuPy 14: convolutions as im2col + GEMM), fp32
-  cudnn          + fastchain's cuDNN graphs (a GPU's)
-  fp16           + fp16 compute with fp32 master weights and loss scaling (a GPU's)
-  static_graph   + the static-subgraph cache
+  static_graph   fastchain's cuDNN graphs, fp16 compute with fp32 master weights and
+                 loss scaling, and the static-subgraph cache (on a CPU: the cache alone)
   torch          PyTorch eager ResNet-50 on the same batch (on a GPU with AMP,
                  channels-last and cudnn.benchmark), when torch is installed
+  cudnn          the cuDNN graphs alone, fp32 (a GPU's; left out, with the reason,
+                 where they cannot run)
+  fp16           the cuDNN graphs and fp16 on fp32 data cast on the device (the
+                 ladder's fp32_preprocessing rung; a GPU's)
 
 Each variant is built, warmed up (``--warmup`` steps: first calls, graph
-builds, the schedule), then runs ``--steps`` steps, each ended by a device
+builds, the schedule), runs ``--steps`` timed steps, then on a GPU
+``--profiled`` more under PyTorch's profiler, each step ended by a device
 synchronisation (so a step's work is inside its own window; training
-without it overlaps a step's tail with the next step's launches). Measured:
+without it overlaps a step's tail with the next step's launches). A variant
+that fails is named with its error and the others still run; the report is
+written after every variant. Measured:
 
-- the step's wall time (host clock, after the synchronisation);
+- the step's wall time (host clock, after the synchronisation; the timed
+  steps, without the profiler);
 - the host's phases: fastchain's in-process timeline (``enable(timeline=
-  ...)``: data, convert, forward, backward, loss_scale, update), medians.
-  On a GPU these are the host's time in each phase: a phase that waits for
-  the device (a synchronisation) holds the device's time too;
+  ...)``: data, convert, forward, backward, loss_scale, update), medians
+  over the timed steps. On a GPU these are the host's time in each phase:
+  a phase that waits for the device (a synchronisation) holds the device's
+  time too;
+- which convolution calls ran on cuDNN graphs and which stayed Chainer's,
+  with the reasons (``cudnn_paths``);
 - on a GPU, from PyTorch's profiler, which records every kernel and copy of
   the process through CUPTI (CuPy's, cuBLAS's, cuDNN's, NCCL's as well as
   PyTorch's): the device's busy time per step (the union of its kernels and
   copies), its idle share (the part of the step the device waited for the
-  host), the device time by kind of work (classes of kernel names,
-  ``KINDS``) and by the host phase that launched it (a kernel's launch call,
-  matched by its correlation id, placed in the timeline's phases), and the
-  kernels that took the most time.
+  host; an upper bound, the profiler's tracing costing the host a little),
+  the device time by kind of work (classes of kernel names, ``KINDS``) and
+  by the host phase that launched it (a kernel's launch call, matched by its
+  correlation id, placed in the timeline's phases; ``located_share`` says
+  how much of the device time could be placed), and the kernels that took
+  the most time.
 
 Writes JSON and Markdown (``breakdown[-quick].json/.md``) and, with
 ``--traces DIR``, each variant's profiler trace (Perfetto opens them).
@@ -63,7 +75,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common  # noqa: E402
 
-VARIANTS = ('baseline', 'cudnn', 'fp16', 'static_graph', 'torch')
+# run in this order: the fullest of fastchain's and the peer first after the
+# baseline (a run cut off at its limit keeps those); cudnn and fp16 then
+# split the static_graph variant's gain into its parts
+VARIANTS = ('baseline', 'static_graph', 'torch', 'cudnn', 'fp16')
 GPU_VARIANTS = ('cudnn', 'fp16')        # the same steps as the one before on a CPU
 RUNG = {'fp16': 'fp32_preprocessing'}    # the ladder's rung of the same options
 STEP_ANNOTATION = 'fastchain.breakdown.step'
@@ -75,14 +90,18 @@ KINDS = (
     ('batch normalization', r'bn_|batch_norm|batchnorm|update_mean_var'),
     ('layout (NCHW <-> NHWC)', r'nchwtonhwc|nhwctonchw|nchw2nhwc|nhwc2nchw|transpose'),
     ('convolution (cuDNN)', r'conv|fprop|dgrad|wgrad|implicit_gemm|winograd|cudnn'),
-    ('GEMM (cuBLAS)', r'gemm|nvjet|cutlass|xmma'),
+    ('GEMM', r'gemm|gemv|nvjet|cutlass|xmma|splitkreduce'),
+    ('pooling', r'pool'),
+    ('softmax and loss', r'softmax|crossent|nll_loss|log_softmax'),
     ('optimizer update', r'momentum|sgd|adam|multi_tensor'),
     ('copy', r'^memcpy|^memset|copy'),
-    ('reduction', r'reduce|sum|mean|var|max|min|argm'),
-    ('elementwise', r'.'),
+    # CuPy's two-operand maximum/minimum (Chainer's ReLU) are elementwise
+    ('elementwise', r'maximum|minimum'),
+    # CuPy's reductions (cupy_sum, cupy_var_core_float32, ...; Chainer's
+    # BatchNormalization statistics among them) and other reduce kernels
+    ('reduction', r'^cupy_(sum|prod|max|min|amax|amin|argmax|argmin|mean|var|nanmean|'
+                  r'nanvar|nansum|all|any|count_nonzero)|reduce'),
 )
-
-
 def kind(name):
     low = name.lower()
     for label, pattern in KINDS:
@@ -159,10 +178,18 @@ def device_breakdown(read, phase_at=None):
             phase = phase_at(launched) if launched is not None else None
             by_phase[phase or 'unknown'] += e - s
     n = len(steps) or 1
+    total = sum(by_kind.values())
     result = {'steps': len(steps), 'work': inside,
               'kinds': {k: round(v / n / 1e3, 3) for k, v in by_kind.most_common()},
               'phases': {k: round(v / n / 1e3, 3) for k, v in by_phase.most_common()},
               'top': [(name[:120], round(v / n / 1e3, 3)) for name, v in by_name.most_common(8)]}
+    if phase_at is not None:
+        # the self-check of the attribution: the share of device time whose
+        # launch call was found and placed in a host phase, and how far the
+        # steps' clock offsets spread
+        result['located_share'] = round(1 - by_phase.get('unknown', 0) / total, 4) \
+            if total else None
+        result['offset_spread_us'] = getattr(phase_at, 'spread_us', None)
     if per_step:
         for key in ('step', 'busy', 'idle_share'):
             result[key] = round(statistics.median(s[key] for s in per_step), 4)
@@ -177,7 +204,8 @@ def phase_locator(ranges, host_starts, trace_starts):
     from fastchain.nvtx._summary import PHASES
     if not host_starts or len(host_starts) != len(trace_starts):
         return None
-    offset = statistics.median(t * 1e3 - h for h, t in zip(host_starts, trace_starts))
+    offsets = [t * 1e3 - h for h, t in zip(host_starts, trace_starts)]
+    offset = statistics.median(offsets)
     spans = sorted((r.start, r.end, r.depth, r.category) for r in ranges
                    if r.category in PHASES or (r.category, r.name) == ('step', 'step'))
 
@@ -192,6 +220,7 @@ def phase_locator(ranges, host_starts, trace_starts):
         if best is None:
             return None
         return 'other' if best[1] == 'step' else best[1]    # in a step, in none of its phases
+    at.spread_us = round((max(offsets) - min(offsets)) / 1e3, 1)
     return at
 
 
@@ -260,54 +289,53 @@ def torch_variant(device, batch, crop, width):
         scaler.update()
 
     def close():
-        model.to('cpu')
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.state.clear()         # its momentum buffers, on the device
     return step, close, None
 
 
-def measure(step, sync, steps, warmup, profile):
-    """Runs ``warmup`` steps, then ``steps`` annotated steps (under PyTorch's
-    profiler where ``profile``), each ended by ``sync``: (host start ns of
-    each step, wall seconds of each, the trace dict or None)."""
+def measure(step, sync, steps, warmup, profiled=0):
+    """Runs ``warmup`` steps, ``steps`` timed steps, then ``profiled`` steps
+    under PyTorch's profiler (its own: CUPTI's tracing costs the host a
+    little per launch, so the timed steps run without it), each step ended
+    by ``sync``. Returns {'walls': seconds of each timed step, 'starts' and
+    'profiled_walls': host start ns and seconds of each profiled step,
+    'trace': the profiler's trace dict or None, 'profiled_from': host ns
+    where the profiled steps began}."""
     for _ in range(warmup):
         step()
     sync()
-    starts, walls, trace = [], [], None
-    context = None
-    if profile:
-        import torch
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(ProfilerActivity.CUDA)
-        context = torch_profile(activities=activities)
-        context.__enter__()
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter_ns()
+        step()
+        sync()
+        walls.append((time.perf_counter_ns() - start) / 1e9)
+    out = {'walls': walls, 'starts': [], 'profiled_walls': [], 'trace': None,
+           'profiled_from': time.perf_counter_ns()}
+    if not profiled:
+        return out
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as context:
         with torch.profiler.record_function('fastchain.breakdown.start'):
             pass        # its first call initialises (a millisecond): not in a step's
-    try:
-        for _ in range(steps):
-            if profile:
-                annotation = torch.profiler.record_function(STEP_ANNOTATION)
-                annotation.__enter__()
-            start = time.perf_counter_ns()
-            step()
-            sync()
-            walls.append((time.perf_counter_ns() - start) / 1e9)
-            starts.append(start)
-            if profile:
-                annotation.__exit__(None, None, None)
-    finally:
-        if context is not None:
-            context.__exit__(None, None, None)
-    if context is not None:
-        fd, path = tempfile.mkstemp(suffix='.json')
-        os.close(fd)
-        try:
-            context.export_chrome_trace(path)
-            with open(path) as f:
-                trace = json.load(f)
-        finally:
-            os.remove(path)
-    return starts, walls, trace
+        for _ in range(profiled):
+            with torch.profiler.record_function(STEP_ANNOTATION):
+                start = time.perf_counter_ns()
+                step()
+                sync()
+                out['profiled_walls'].append((time.perf_counter_ns() - start) / 1e9)
+            out['starts'].append(start)
+    with tempfile.TemporaryDirectory(prefix='fastchain-breakdown-') as tmp:
+        path = os.path.join(tmp, 'trace.json')
+        context.export_chrome_trace(path)
+        with open(path) as f:
+            out['trace'] = json.load(f)
+    return out
 
 
 def parse(argv=None):
@@ -321,6 +349,9 @@ def parse(argv=None):
                         'of the same shape, for trying the script)')
     p.add_argument('--steps', type=int, default=None, help='measured steps (20; 10 quick)')
     p.add_argument('--warmup', type=int, default=5, help='steps before the measured ones')
+    p.add_argument('--profiled', type=int, default=None,
+                   help="steps under PyTorch's profiler after the timed ones, on a GPU "
+                        '(the device figures; default: half of --steps)')
     p.add_argument('--variants', default=','.join(VARIANTS),
                    help='comma-separated, from: ' + ', '.join(VARIANTS))
     p.add_argument('--traces', metavar='DIR', help="also write each variant's profiler trace here")
@@ -343,7 +374,21 @@ def has_torch(gpu):
     return True, None
 
 
+def cudnn_state(gpu):
+    """None where fastchain's cuDNN graphs (or CuPy's cuDNN) can run here, or
+    why not (as the ladder asks: CuPy 13's cuDNN, else the graphs)."""
+    if not gpu:
+        return 'no GPU'
+    from fastchain.backends import cuda
+    status = cuda.cudnn_status()
+    if not status.available:
+        from fastchain.cudnn._group import graph_status
+        status = graph_status()
+    return None if status.available else status.why
+
+
 def run(args):
+    import gc
     from fastchain.backends import cuda
     try:
         device = cuda.get_device(args.device)
@@ -355,85 +400,150 @@ def run(args):
     args.crop = args.crop or (224 if gpu else 32)
     args.steps = args.steps or (10 if args.quick else 20)
     torch_ok, torch_why = has_torch(gpu)
+    profiled = (args.steps + 1) // 2 if args.profiled is None else args.profiled
+    profiled = profiled if gpu and torch_ok else 0
+    no_cudnn = cudnn_state(gpu) if gpu else None
 
     def sync():
         if gpu:
             device.device.synchronize()
 
+    def release():
+        gc.collect()        # Chainer's graphs hold cycles
+        if gpu:
+            import cupy
+            sync()
+            cupy.get_default_memory_pool().free_all_blocks()
+            cupy.get_default_pinned_memory_pool().free_all_blocks()
+            torch = sys.modules.get('torch')
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+
     rows = _common.Rows('iterations/s')
-    details = {}
-    workdir = tempfile.mkdtemp(prefix='fastchain-breakdown-')
-    for name in args.variants:
-        if name in GPU_VARIANTS and not gpu:
-            rows.skip(name, "a GPU's rung: on a CPU the same steps as the one before it")
-            continue
-        if name == 'torch' and not torch_ok:
-            rows.skip(name, torch_why)
-            continue
-        timeline = os.path.join(workdir, name + '.json')
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore')     # "fp16 is slower on a CPU", etc.
-            if name == 'torch':
-                step, close, handle = torch_variant(device, args.batch, args.crop, args.width)
-            else:
-                step, close, handle = chainer_variant(name, device, args.batch, args.crop,
-                                                      args.width, timeline)
-        try:
-            starts, walls, trace = measure(step, sync, args.steps, args.warmup,
-                                           profile=gpu and torch_ok)
-            detail = {'step_ms': round(statistics.median(walls) * 1e3, 3)}
-            ranges = []
-            if handle is not None:
-                recorded = handle.resources['timeline']
-                ranges = list(recorded.ranges)
-                summary = recorded.summary(skip=args.warmup)
-                detail['host_phases_ms'] = {p: round(v, 3) for p, v in
-                                            summary['median_ms'].items() if v}
-            if trace is not None:
-                read = read_trace(trace)
-                at = phase_locator(ranges, starts, [s for s, _ in read['steps']]) \
-                    if ranges else None
-                detail['device'] = device_breakdown(read, at)
-                if args.traces:
-                    os.makedirs(args.traces, exist_ok=True)
-                    with open(os.path.join(args.traces, name + '.trace.json'), 'w') as f:
-                        json.dump(trace, f)
-            details[name] = detail
-            for wall in walls:
-                rows.add(name, 1 / wall)
-        finally:
-            close()
-            if gpu:
-                import cupy
-                sync()
-                cupy.get_default_memory_pool().free_all_blocks()
-        # written after every variant: a run cut off keeps the variants done
-        report(args, device, rows, details, gpu, torch_ok, final=False)
+    details = {'_run': {'cudnn_unavailable': no_cudnn, 'profiled_steps': profiled}}
+    with tempfile.TemporaryDirectory(prefix='fastchain-breakdown-') as workdir:
+        for name in args.variants:
+            if name in GPU_VARIANTS and not gpu:
+                rows.skip(name, "a GPU's rung: on a CPU the same steps as the one before it")
+                continue
+            if name == 'cudnn' and no_cudnn:
+                rows.skip(name, "fastchain's cuDNN graphs cannot run here: " + no_cudnn)
+                continue
+            if name == 'torch' and not torch_ok:
+                rows.skip(name, torch_why)
+                continue
+            try:
+                details[name] = one_variant(name, args, device, gpu, sync, profiled,
+                                            os.path.join(workdir, name + '.json'))
+                for wall in details[name].pop('walls'):
+                    rows.add(name, 1 / wall)
+            except Exception as e:      # named; the variants after it still run
+                import traceback
+                rows.skip(name, 'failed: {}: {}'.format(type(e).__name__, e))
+                details[name] = {'error': traceback.format_exc(limit=8)}
+                import fastchain
+                for h in reversed(fastchain.active_handles()):
+                    h.disable()
+            finally:
+                release()
+            # written after every variant: a run cut off keeps the variants done
+            report(args, device, rows, details, gpu, torch_ok, final=False)
     return report(args, device, rows, details, gpu, torch_ok, final=True)
+
+
+def one_variant(name, args, device, gpu, sync, profiled, timeline):
+    """Builds, measures and closes one variant: its details (``walls``: the
+    timed steps' seconds, for the rows)."""
+    from fastchain.cudnn import _paths
+    from fastchain.nvtx import _summary
+    _paths.forget()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')     # "fp16 is slower on a CPU", etc.
+        if name == 'torch':
+            step, close, handle = torch_variant(device, args.batch, args.crop, args.width)
+        else:
+            step, close, handle = chainer_variant(name, device, args.batch, args.crop,
+                                                  args.width, timeline)
+    try:
+        measured = measure(step, sync, args.steps, args.warmup, profiled)
+    finally:
+        if handle is not None:
+            recorded = handle.resources['timeline']
+            recorded.save = lambda *a, **k: None    # its trace and chart are not wanted
+        close()
+    walls = measured['walls']
+    detail = {'walls': walls, 'step_ms': round(statistics.median(walls) * 1e3, 3),
+              'walls_ms': [round(w * 1e3, 3) for w in walls]}
+    if measured['profiled_walls']:
+        detail['profiled_step_ms'] = round(statistics.median(measured['profiled_walls']) * 1e3,
+                                           3)
+    ranges = []
+    if handle is not None:
+        ranges = list(recorded.ranges)
+        # the host's phases of the timed steps (not of the profiled ones)
+        timed = [r for r in ranges if r.start < measured['profiled_from']]
+        summary = _summary.summarize(timed, skip=args.warmup)
+        detail['host_phases_ms'] = {p: round(v, 3) for p, v in summary['median_ms'].items()
+                                    if v}
+        detail['host_steps_ms'] = [round(sum(s[p] for p in _summary.PHASES) / 1e6, 3)
+                                   for s in summary['per_step']]
+    paths = _paths.summary()
+    if paths:
+        detail['cudnn_paths'] = paths       # which calls ran on cuDNN graphs, which not, why
+    if measured['trace'] is not None:
+        read = read_trace(measured['trace'])
+        at = phase_locator(ranges, measured['starts'], [s for s, _ in read['steps']]) \
+            if ranges else None
+        detail['device'] = device_breakdown(read, at)
+        if args.traces:
+            os.makedirs(args.traces, exist_ok=True)
+            with open(os.path.join(args.traces, name + '.trace.json'), 'w') as f:
+                json.dump(measured['trace'], f)
+    return detail
 
 
 def report(args, device, rows, details, gpu, torch_ok, final):
     config = {'batch': args.batch, 'crop': args.crop, 'width': args.width,
               'steps': args.steps, 'warmup': args.warmup, 'device': str(device),
-              'variants': details}
+              'run': details.get('_run'),
+              'variants': {k: v for k, v in details.items() if not k.startswith('_')}}
     ratios = {'{}/baseline'.format(v): rows.ratio(v, 'baseline') for v in VARIANTS[1:]}
     ratios['static_graph/torch'] = rows.ratio('static_graph', 'torch')
     notes = describe(details, gpu, torch_ok)
     if not final:
         notes.append('Written after {}: the run had not finished.'.format(
-            ', '.join(details) or 'no variant'))
+            ', '.join(config['variants']) or 'no variant'))
     return _common.write('breakdown', args, config, rows, ratios, notes, quiet=not final)
 
 
 def describe(details, gpu, profiled):
-    """The notes: one paragraph per variant, the largest parts first."""
-    notes = ['Each step ends with a device synchronisation; iterations/s are of such steps '
-             '(the ladder compares speeds with loading and without the synchronisation). '
-             'Autotune off in every variant.']
+    """The notes: how it was measured, then one paragraph per variant."""
+    run = details.get('_run', {})
+    notes = ['Each step ends with a device synchronisation; iterations/s are of such steps, '
+             'timed without the profiler (the ladder compares speeds with loading and '
+             'without the synchronisation). Autotune off in every variant. The fp16 variant '
+             'is the ladder\'s fp32_preprocessing rung\'s options: fp32 data cast on the '
+             'device, fp16 compute with fp32 master weights and loss scaling.']
     if gpu and not profiled:
         notes.append('No device figures: PyTorch (its profiler records the kernels) is '
-                      'missing or has no CUDA here.')
+                     'missing or has no CUDA here.')
+    elif gpu:
+        notes.append('Device figures from {} more steps under PyTorch\'s profiler (CUPTI: '
+                     'every kernel and copy of the process); its tracing costs the host a '
+                     'little per launch, so idle shares there are upper bounds (each '
+                     'variant\'s profiled_step_ms beside its step_ms). Kinds are classes of '
+                     'kernel names (KINDS in benchmarks/breakdown.py); phases are where the '
+                     'host launched each kernel.'.format(run.get('profiled_steps')))
+    if run.get('cudnn_unavailable') and gpu:
+        notes.append("fastchain's cuDNN graphs could not run here ({}): the cudnn variant is "
+                     'left out and the fp16 and static_graph variants ran Chainer\'s im2col.'
+                     .format(run['cudnn_unavailable']))
     for name, d in details.items():
+        if name.startswith('_'):
+            continue
+        if 'error' in d:
+            notes.append('{}: failed: {}'.format(name, d['error'].strip().splitlines()[-1]))
+            continue
         parts = ['{}: step {:.1f} ms'.format(name, d['step_ms'])]
         dev = d.get('device')
         if dev and dev.get('steps'):
@@ -441,18 +551,29 @@ def describe(details, gpu, profiled):
                 parts.append('the profiler recorded no device work of this process '
                              '(the device shares are unknown)')
             else:
-                parts.append('device busy {:.1f} ms, idle {:.0%} of the step (the host\'s '
-                             'part)'.format(dev['busy'], dev['idle_share']))
+                parts.append('under the profiler {:.1f} ms, device busy {:.1f} ms, idle {:.0%} '
+                             'of the step (the host\'s part)'.format(
+                                 d.get('profiled_step_ms', 0), dev['busy'], dev['idle_share']))
                 parts.append('device time by kind: ' + ', '.join(
                     '{} {:.1f} ms'.format(k, v) for k, v in list(dev['kinds'].items())[:6]))
                 if dev['phases']:
                     parts.append('by the phase that launched it: ' + ', '.join(
                         '{} {:.1f} ms'.format(k, v) for k, v in dev['phases'].items()))
+                located = dev.get('located_share')
+                if located is not None and located < 0.9:
+                    parts.append('WARNING: only {:.0%} of the device time was placed in a '
+                                 'phase (launch calls not found, or the clocks not matched: '
+                                 'offsets spread {} us)'.format(located,
+                                                                dev.get('offset_spread_us')))
         phases = d.get('host_phases_ms')
         if phases:
             parts.append('host phases (median ms): ' + ', '.join(
                 '{} {:.1f}'.format(k, v) for k, v in sorted(phases.items(),
                                                            key=lambda kv: -kv[1])))
+        conv = (d.get('cudnn_paths') or {}).get('conv forward')
+        if conv:
+            parts.append('convolution forward calls: ' + ', '.join(
+                '{} {}'.format(k, v) for k, v in conv['paths'].items()))
         notes.append('; '.join(parts) + '.')
     return notes
 

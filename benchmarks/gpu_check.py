@@ -200,24 +200,32 @@ def figures(name, text, out):
 
 
 def breakdown_figures(out):
-    """Per variant of benchmarks/breakdown.py's report: the step, and on a
-    GPU the device's busy time, idle share and its three largest kinds of
-    work (ms per step)."""
+    """Per variant of benchmarks/breakdown.py's report (the newer of its
+    quick and full files): the step, and on a GPU the device's busy time,
+    idle share, its three largest kinds of work and phases (ms per step)
+    and how much of its time could be placed in a phase; a failed variant's
+    error line."""
+    reports = [os.path.join(out, stem + '.json') for stem in ('breakdown-quick', 'breakdown')]
+    reports = [p for p in reports if os.path.exists(p)]
+    if not reports:
+        return {}
+    with open(max(reports, key=os.path.getmtime)) as f:
+        variants = json.load(f).get('config', {}).get('variants', {})
     found = {}
-    for stem in ('breakdown-quick', 'breakdown'):
-        path = os.path.join(out, stem + '.json')
-        if not os.path.exists(path):
+    for variant, d in variants.items():
+        if 'error' in d:
+            found[variant] = {'error': d['error'].strip().splitlines()[-1]}
             continue
-        with open(path) as f:
-            variants = json.load(f).get('config', {}).get('variants', {})
-        for variant, d in variants.items():
-            keep = {'step_ms': d.get('step_ms')}
-            device = d.get('device') or {}
-            if device.get('work'):
-                keep.update(busy_ms=device.get('busy'), idle_share=device.get('idle_share'),
-                            kinds=dict(list(device.get('kinds', {}).items())[:3]))
-            found[variant] = keep
-        break
+        keep = {'step_ms': d.get('step_ms')}
+        device = d.get('device') or {}
+        if device.get('work'):
+            keep.update(busy_ms=device.get('busy'), idle_share=device.get('idle_share'),
+                        kinds=dict(list(device.get('kinds', {}).items())[:3]),
+                        phases=dict(list(device.get('phases', {}).items())[:3]),
+                        located_share=device.get('located_share'))
+        elif device:
+            keep['device'] = 'the profiler recorded no device work'
+        found[variant] = keep
     return found
 
 

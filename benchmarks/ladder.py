@@ -402,8 +402,8 @@ def parse(argv):
                    help="autotune's choices read from this file (enable()'s tune_cache) "
                         'before the tuning pass and written back after it: a later run on '
                         'the same machine and versions skips the measurements it holds '
-                        '(the report counts the choices read from it). On a CPU (turns) '
-                        'the rungs share a file of their own; this is the windows mode\'s')
+                        '(the report counts the choices read from it); the rungs\' '
+                        'processes share it on a CPU (turns)')
     p.add_argument('--tune-seconds', type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.started = time.monotonic()
@@ -829,6 +829,7 @@ def run_windows(args, builders, rows, setup=None, on_window=None, timed=None):
                 release()
             if on_window is not None:
                 on_window(measured())
+        keep_choices()      # what this window decided: kept if the run is stopped later
         print('window {}/{}: '.format(w + 1, windows) + ', '.join(
             '{} {:.2f}'.format(n, v[-1]) for n, v in rows.windows.items()), flush=True)
         last, ran = time.monotonic() - began, w + 1
@@ -904,10 +905,11 @@ def report(args, setup, rows, measured, final=True):
                '"@paired" ratios are medians of per-window ratios.').format(measured['tuning'])
         kept = measured.get('tune_cache')
         if kept:
-            how += (" Autotune's choices: {} read from {} (this machine's and versions', "
-                    'decided by an earlier run: their keys were not measured again), the file '
-                    'holding {} after this run.').format(kept.get('read', 0), kept['path'],
-                                                         kept.get('holds', 'none'))
+            how += (" Autotune's cache file {}: {} choices of this machine and versions "
+                    'read from it before the tuning pass (decided by an earlier run; a key '
+                    'met again with the same alternatives was not measured again), {} held '
+                    'after this run.').format(kept['path'], kept.get('read', 0),
+                                              kept.get('holds', 'none'))
     notes = ['Changed lines from the plain script to the "all" row: {} ({}); the talk '
              'needed 8.'.format(len(diff), '; '.join(diff)),
              'autotune (on from the autotune rung up, and in "all"; keyed by shapes and '

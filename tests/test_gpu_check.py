@@ -309,3 +309,32 @@ def test_the_gpu_plan_in_developers_md_uses_flags_the_script_takes():
         assert set(args.limits) <= set(steps), call     # a limit for a step not run
         if args.ladder_rungs:
             assert 'ladder' in steps and ladder.rung_list(args.ladder_rungs), call
+
+
+def test_breakdown_figures_come_from_the_newer_report(tmp_path):
+    gpu_check = load_script()
+    assert gpu_check.breakdown_figures(str(tmp_path)) == {}
+
+    def write(stem, variants, mtime):
+        path = tmp_path / (stem + '.json')
+        path.write_text(json.dumps({'config': {'variants': variants}}))
+        os.utime(path, (mtime, mtime))
+    device = {'work': 40, 'busy': 30.0, 'idle_share': 0.7, 'located_share': 0.98,
+              'kinds': {'convolution (cuDNN)': 20.0, 'elementwise': 5.0, 'GEMM': 3.0,
+                        'copy': 2.0},
+              'phases': {'backward': 18.0, 'forward': 9.0, 'update': 2.0, 'convert': 1.0}}
+    write('breakdown', {'baseline': {'step_ms': 500.0}}, 1000)
+    write('breakdown-quick', {'baseline': {'step_ms': 100.0, 'device': device},
+                              'torch': {'step_ms': 40.0, 'device': {'work': 0, 'steps': 5}},
+                              'fp16': {'error': 'Traceback ...\nRuntimeError: no plan\n'}},
+          2000)
+    found = gpu_check.breakdown_figures(str(tmp_path))
+    assert found == {
+        'baseline': {'step_ms': 100.0, 'busy_ms': 30.0, 'idle_share': 0.7,
+                     'located_share': 0.98,
+                     'kinds': {'convolution (cuDNN)': 20.0, 'elementwise': 5.0, 'GEMM': 3.0},
+                     'phases': {'backward': 18.0, 'forward': 9.0, 'update': 2.0}},
+        'torch': {'step_ms': 40.0, 'device': 'the profiler recorded no device work'},
+        'fp16': {'error': 'RuntimeError: no plan'}}
+    os.utime(tmp_path / 'breakdown.json', (3000, 3000))     # a full run after the quick one
+    assert gpu_check.breakdown_figures(str(tmp_path)) == {'baseline': {'step_ms': 500.0}}
