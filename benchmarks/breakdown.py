@@ -17,13 +17,13 @@ them: cuDNN's heuristic plan for each key; autotune added 1% in the ladder's
 first GPU run, and tuning every key takes minutes of a GPU's time), run in
 this order:
 
-  baseline       plain Chainer (on CuPy 14: convolutions as im2col + GEMM), fp32
+  baseline       plain Chainer (use_cudnn 'never': convolutions as im2col + GEMM), fp32
   static_graph   fastchain's cuDNN graphs, fp16 compute with fp32 master weights and
                  loss scaling, and the static-subgraph cache (on a CPU: the cache alone)
   torch          PyTorch eager ResNet-50 on the same batch (on a GPU with AMP,
                  channels-last and cudnn.benchmark), when torch is installed
-  cudnn          the cuDNN graphs alone, fp32 (a GPU's; left out, with the reason,
-                 where they cannot run)
+  cudnn          cuDNN alone (fastchain's graphs on CuPy 14, CuPy's own cuDNN on
+                 CuPy 13), fp32 (a GPU's; left out, with the reason, where neither runs)
   fp16           the cuDNN graphs and fp16 on fp32 data cast on the device (the
                  ladder's fp32_preprocessing rung; a GPU's)
 
@@ -62,6 +62,13 @@ Writes JSON and Markdown (``breakdown[-quick].json/.md``) and, with
 import collections
 import json
 import os
+
+# PyTorch's profiler leaves CUPTI attached after a session unless this is
+# '1' (Kineto reads it when a session stops), and a process it stays
+# attached to runs slower: every variant after the first one profiled would
+# be timed with it. Set before torch is imported; fastchain captures no CUDA
+# graph (the case that variable's default protects).
+os.environ.setdefault('TEARDOWN_CUPTI', '1')
 import re
 import statistics
 import sys
@@ -79,7 +86,7 @@ import _common  # noqa: E402
 # baseline (a run cut off at its limit keeps those); cudnn and fp16 then
 # split the static_graph variant's gain into its parts
 VARIANTS = ('baseline', 'static_graph', 'torch', 'cudnn', 'fp16')
-GPU_VARIANTS = ('cudnn', 'fp16')        # the same steps as the one before on a CPU
+GPU_VARIANTS = ('cudnn', 'fp16')        # on a CPU the baseline's steps
 RUNG = {'fp16': 'fp32_preprocessing'}    # the ladder's rung of the same options
 STEP_ANNOTATION = 'fastchain.breakdown.step'
 CLASSES = 1000
@@ -88,20 +95,23 @@ KINDS = (
     ('allreduce (NCCL)', r'nccl'),
     ('convolution (im2col + col2im)', r'im2col|col2im'),
     ('batch normalization', r'bn_|batch_norm|batchnorm|update_mean_var'),
-    ('layout (NCHW <-> NHWC)', r'nchwtonhwc|nhwctonchw|nchw2nhwc|nhwc2nchw|transpose'),
-    ('convolution (cuDNN)', r'conv|fprop|dgrad|wgrad|implicit_gemm|winograd|cudnn'),
-    ('GEMM', r'gemm|gemv|nvjet|cutlass|xmma|splitkreduce'),
+    ('convolution (cuDNN)', r'conv|fprop|dgrad|wgrad|implicit_gemm|winograd'),
     ('pooling', r'pool'),
-    ('softmax and loss', r'softmax|crossent|nll_loss|log_softmax'),
+    ('softmax and loss', r'softmax|crossent|nll_loss'),
+    # CuPy's two-operand maximum/minimum (Chainer's ReLU), cuDNN's activations
+    ('elementwise', r'maximum|minimum|activation'),
+    ('layout (NCHW <-> NHWC)', r'nchwtonhwc|nhwctonchw|nchw2nhwc|nhwc2nchw|transpose'),
+    ('convolution (cuDNN)', r'cudnn'),      # cuDNN's other kernels: its convolution engines
+    ('GEMM', r'gemm|gemv|nvjet|cutlass|xmma|splitkreduce'),
     ('optimizer update', r'momentum|sgd|adam|multi_tensor'),
     ('copy', r'^memcpy|^memset|copy'),
-    # CuPy's two-operand maximum/minimum (Chainer's ReLU) are elementwise
-    ('elementwise', r'maximum|minimum'),
     # CuPy's reductions (cupy_sum, cupy_var_core_float32, ...; Chainer's
     # BatchNormalization statistics among them) and other reduce kernels
     ('reduction', r'^cupy_(sum|prod|max|min|amax|amin|argmax|argmin|mean|var|nanmean|'
                   r'nanvar|nansum|all|any|count_nonzero)|reduce'),
 )
+
+
 def kind(name):
     low = name.lower()
     for label, pattern in KINDS:
@@ -240,6 +250,9 @@ def chainer_variant(name, device, batch, crop, width, timeline):
     options.update(autotune=False, loader_workers=0, prefetch_to_device=False,
                    timeline=timeline)
     handle = fastchain.enable(**options)
+    # the timeline is read in this process: its trace, chart and summary files
+    # (written when the handle is disabled) are not wanted
+    handle.resources['timeline'].save = lambda *a, **k: None
     numpy.random.seed(0)
     model = L.Classifier(ResNet(50, CLASSES, width=width))
     model.to_device(device)
@@ -420,11 +433,13 @@ def run(args):
                 torch.cuda.empty_cache()
 
     rows = _common.Rows('iterations/s')
-    details = {'_run': {'cudnn_unavailable': no_cudnn, 'profiled_steps': profiled}}
+    details = {'_run': {'cudnn_unavailable': no_cudnn, 'profiled_steps': profiled,
+                        'teardown_cupti': os.environ.get('TEARDOWN_CUPTI'),
+                        'torch': sys.modules['torch'].__version__ if torch_ok else None}}
     with tempfile.TemporaryDirectory(prefix='fastchain-breakdown-') as workdir:
         for name in args.variants:
             if name in GPU_VARIANTS and not gpu:
-                rows.skip(name, "a GPU's rung: on a CPU the same steps as the one before it")
+                rows.skip(name, "a GPU's rung: on a CPU the baseline's steps")
                 continue
             if name == 'cudnn' and no_cudnn:
                 rows.skip(name, "fastchain's cuDNN graphs cannot run here: " + no_cudnn)
@@ -443,12 +458,23 @@ def run(args):
                 details[name] = {'error': traceback.format_exc(limit=8)}
                 import fastchain
                 for h in reversed(fastchain.active_handles()):
-                    h.disable()
+                    cleanup(details, name, 'disabling its fastchain handle', h.disable)
             finally:
-                release()
+                cleanup(details, name, 'giving its memory back', release)
             # written after every variant: a run cut off keeps the variants done
             report(args, device, rows, details, gpu, torch_ok, final=False)
     return report(args, device, rows, details, gpu, torch_ok, final=True)
+
+
+def cleanup(details, name, what, fn):
+    """``fn()``; an error in it (a handle's closers, a synchronisation after
+    a device error) kept in the report, not raised: the variants after it
+    still run."""
+    try:
+        fn()
+    except Exception as e:
+        details['_run'].setdefault('cleanup_errors', []).append(
+            '{}: {}: {}: {}'.format(name, what, type(e).__name__, e))
 
 
 def one_variant(name, args, device, gpu, sync, profiled, timeline):
@@ -467,9 +493,6 @@ def one_variant(name, args, device, gpu, sync, profiled, timeline):
     try:
         measured = measure(step, sync, args.steps, args.warmup, profiled)
     finally:
-        if handle is not None:
-            recorded = handle.resources['timeline']
-            recorded.save = lambda *a, **k: None    # its trace and chart are not wanted
         close()
     walls = measured['walls']
     detail = {'walls': walls, 'step_ms': round(statistics.median(walls) * 1e3, 3),
@@ -479,7 +502,7 @@ def one_variant(name, args, device, gpu, sync, profiled, timeline):
                                            3)
     ranges = []
     if handle is not None:
-        ranges = list(recorded.ranges)
+        ranges = list(handle.resources['timeline'].ranges)
         # the host's phases of the timed steps (not of the profiled ones)
         timed = [r for r in ranges if r.start < measured['profiled_from']]
         summary = _summary.summarize(timed, skip=args.warmup)
@@ -489,12 +512,22 @@ def one_variant(name, args, device, gpu, sync, profiled, timeline):
                                    for s in summary['per_step']]
     paths = _paths.summary()
     if paths:
-        detail['cudnn_paths'] = paths       # which calls ran on cuDNN graphs, which not, why
+        # which calls ran on cuDNN graphs, which not, and why: over all the
+        # variant's steps (warm-up, timed and profiled)
+        detail['cudnn_paths'] = paths
+        detail['cudnn_paths_steps'] = args.warmup + args.steps + profiled
     if measured['trace'] is not None:
         read = read_trace(measured['trace'])
-        at = phase_locator(ranges, measured['starts'], [s for s, _ in read['steps']]) \
-            if ranges else None
+        trace_starts = [s for s, _ in read['steps']]
+        at = phase_locator(ranges, measured['starts'], trace_starts) if ranges else None
         detail['device'] = device_breakdown(read, at)
+        if handle is not None and at is None:
+            # a Chainer variant whose device time could not be placed in phases: said
+            detail['device']['located_share'] = None
+            detail['device']['not_located'] = (
+                'no timeline ranges' if not ranges else
+                '{} profiled steps on the host, {} in the trace'.format(
+                    len(measured['starts']), len(trace_starts)))
         if args.traces:
             os.makedirs(args.traces, exist_ok=True)
             with open(os.path.join(args.traces, name + '.trace.json'), 'w') as f:
@@ -516,17 +549,20 @@ def report(args, device, rows, details, gpu, torch_ok, final):
     return _common.write('breakdown', args, config, rows, ratios, notes, quiet=not final)
 
 
-def describe(details, gpu, profiled):
+def describe(details, gpu, torch_ok):
     """The notes: how it was measured, then one paragraph per variant."""
     run = details.get('_run', {})
     notes = ['Each step ends with a device synchronisation; iterations/s are of such steps, '
              'timed without the profiler (the ladder compares speeds with loading and '
-             'without the synchronisation). Autotune off in every variant. The fp16 variant '
-             'is the ladder\'s fp32_preprocessing rung\'s options: fp32 data cast on the '
-             'device, fp16 compute with fp32 master weights and loss scaling.']
-    if gpu and not profiled:
+             'without the synchronisation). Autotune off in fastchain\'s variants (cuDNN\'s '
+             'heuristic plans); PyTorch ran with cudnn.benchmark, as its users train. The '
+             'fp16 variant is the ladder\'s fp32_preprocessing rung\'s options: fp32 data '
+             'cast on the device, fp16 compute with fp32 master weights and loss scaling.']
+    if gpu and not torch_ok:
         notes.append('No device figures: PyTorch (its profiler records the kernels) is '
                      'missing or has no CUDA here.')
+    elif gpu and not run.get('profiled_steps'):
+        notes.append('No device figures: --profiled 0.')
     elif gpu:
         notes.append('Device figures from {} more steps under PyTorch\'s profiler (CUPTI: '
                      'every kernel and copy of the process); its tracing costs the host a '
@@ -534,6 +570,8 @@ def describe(details, gpu, profiled):
                      'variant\'s profiled_step_ms beside its step_ms). Kinds are classes of '
                      'kernel names (KINDS in benchmarks/breakdown.py); phases are where the '
                      'host launched each kernel.'.format(run.get('profiled_steps')))
+    for error in run.get('cleanup_errors', ()):
+        notes.append('Error while cleaning up after ' + error)
     if run.get('cudnn_unavailable') and gpu:
         notes.append("fastchain's cuDNN graphs could not run here ({}): the cudnn variant is "
                      'left out and the fp16 and static_graph variants ran Chainer\'s im2col.'
@@ -560,7 +598,10 @@ def describe(details, gpu, profiled):
                     parts.append('by the phase that launched it: ' + ', '.join(
                         '{} {:.1f} ms'.format(k, v) for k, v in dev['phases'].items()))
                 located = dev.get('located_share')
-                if located is not None and located < 0.9:
+                if dev.get('not_located'):
+                    parts.append('WARNING: the device time could not be placed in phases ({})'
+                                 .format(dev['not_located']))
+                elif located is not None and located < 0.9:
                     parts.append('WARNING: only {:.0%} of the device time was placed in a '
                                  'phase (launch calls not found, or the clocks not matched: '
                                  'offsets spread {} us)'.format(located,
@@ -572,7 +613,8 @@ def describe(details, gpu, profiled):
                                                            key=lambda kv: -kv[1])))
         conv = (d.get('cudnn_paths') or {}).get('conv forward')
         if conv:
-            parts.append('convolution forward calls: ' + ', '.join(
+            parts.append('convolution forward calls over its {} steps: '.format(
+                d.get('cudnn_paths_steps')) + ', '.join(
                 '{} {}'.format(k, v) for k, v in conv['paths'].items()))
         notes.append('; '.join(parts) + '.')
     return notes

@@ -76,6 +76,11 @@ def test_device_breakdown_of_a_gpu_trace():
     ('void at::native::batch_norm_collect_statistics_channels_last_kernel<float>',
      'batch normalization'),
     ('bn_bwd', 'batch normalization'),
+    ('void cudnn::pooling_fw_4d_kernel<float, float, cudnn::maxpooling_func<float>>',
+     'pooling'),
+    ('void cudnn::detail::softmax_fw_kernel<2, float, float, 256, 1, 1, 0>', 'softmax and loss'),
+    ('void cudnn::ops::activation_fw_4d_kernel<float, float, 128, 1, 4>', 'elementwise'),
+    ('cudnn_generated_fort_native_sm90_fused_conv_bias_activation', 'convolution (cuDNN)'),
     ('nchwToNhwcKernel', 'layout (NCHW <-> NHWC)'),
     ('nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTN', 'GEMM'),
     ('cutlass_80_tensorop_s1688gemm_128x128_32x3_nn_align4', 'GEMM'),
@@ -222,3 +227,24 @@ def test_a_run_cut_off_keeps_the_variants_done(tmp_path, monkeypatch):
         written = json.load(f)
     assert [r['name'] for r in written['rows']] == ['baseline']
     assert written['notes'][-1] == 'Written after baseline: the run had not finished.'
+
+
+def test_an_error_while_cleaning_up_is_reported_and_the_next_variant_runs(tmp_path,
+                                                                          monkeypatch):
+    import gc
+    real, failed = gc.collect, []
+
+    def collect(*args):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError('device lost (stand-in)')
+        return real(*args)
+    monkeypatch.setattr(gc, 'collect', collect)
+    _cpu_run(tmp_path, 'baseline,static_graph', steps=2)
+    with open(tmp_path / 'breakdown.json') as f:
+        written = json.load(f)
+    assert [r['name'] for r in written['rows']] == ['baseline', 'static_graph']
+    assert written['config']['run']['cleanup_errors'] == [
+        'baseline: giving its memory back: RuntimeError: device lost (stand-in)']
+    assert 'Error while cleaning up after baseline: giving its memory back: RuntimeError: ' \
+           'device lost (stand-in)' in written['notes']
