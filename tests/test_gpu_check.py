@@ -338,3 +338,14 @@ def test_breakdown_figures_come_from_the_newer_report(tmp_path):
         'fp16': {'error': 'RuntimeError: no plan'}}
     os.utime(tmp_path / 'breakdown.json', (3000, 3000))     # a full run after the quick one
     assert gpu_check.breakdown_figures(str(tmp_path)) == {'baseline': {'step_ms': 500.0}}
+
+
+def test_gpu_test_files_run_in_the_order_that_says_most_first():
+    gpu_check = load_script()
+    files = [os.path.relpath(f, gpu_check.ROOT) for f in gpu_check.gpu_test_files()]
+    assert files[0].startswith('tests/cudnn/') and \
+        files[-1] == 'tests/distributed/test_learners.py'
+    precision = [i for i, f in enumerate(files) if f.startswith('tests/precision/')]
+    assert precision and max(precision) < files.index('tests/recipes/test_resnet50.py')
+    # every file with a GPU test, once
+    assert len(files) == len(set(files)) and 'tests/data/test_prefetch.py' in files
