@@ -287,7 +287,7 @@ def run_step(name, argv, env, seconds, out, tick=None, every=60):
         stdout = open(doctor, 'w') if name == 'doctor' else f
         try:
             proc = subprocess.Popen(argv, stdout=stdout, stderr=f, cwd=ROOT,
-                                    start_new_session=True,
+                                    start_new_session=True, preexec_fn=_sigint_default,
                                     env=dict(os.environ, PYTHONUNBUFFERED='1', **env))
             rc, interrupted = None, False
             while rc is None and time.monotonic() - start < seconds:
@@ -324,6 +324,15 @@ def run_step(name, argv, env, seconds, out, tick=None, every=60):
             text += f.read()
     return {'status': status, 'seconds': round(time.monotonic() - start, 1),
             'figures': figures(name, text, out), 'log': os.path.relpath(log, out)}
+
+
+def _sigint_default():
+    """In the step's process before it starts: SIGINT back to its default.
+    A command started in the background (a non-interactive shell's ``&``, as
+    a remote runner may start it) inherits SIGINT ignored, Python then keeps
+    it ignored, and the interrupt that makes pytest write its summary would
+    do nothing (found when CI, run in the background, lost that summary)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def signal_group(proc, sig):

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -109,15 +110,19 @@ def test_hangs():
 
 
 def test_a_pytest_step_past_its_time_still_reports_every_reason_and_the_hung_test(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, request):
     """On the node the first run's GPU tests were cut at their limit and
     the kill took pytest's summary with it: which keys cuDNN refused and
     why, and which test failed, were lost. A pytest step is interrupted
     first, so pytest writes that summary."""
     gpu_check = load_script()
     # margins for a loaded machine: pytest may take seconds to start there,
-    # and seconds to write its summary (CI once cut it at 6 s)
+    # and seconds to write its summary
     monkeypatch.setattr(gpu_check, 'INTERRUPT_SECONDS', 10)
+    # as when gpu_check itself was started in the background (a shell's &):
+    # SIGINT ignored, which its steps would inherit
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     monkeypatch.setattr(gpu_check, 'GRACE_SECONDS', 1)
     (tmp_path / 'logs').mkdir()
     tests = tmp_path / 'test_node.py'
