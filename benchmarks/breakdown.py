@@ -237,7 +237,7 @@ def phase_locator(ranges, host_starts, trace_starts):
 # -- the variants --------------------------------------------------------------
 
 def chainer_variant(name, device, batch, crop, width, timeline):
-    """(step, close, handle) of one of the Chainer variants."""
+    """(step, close, handle, the enable() options) of one of the Chainer variants."""
     import chainer
     import chainer.links as L
     from chainer import training
@@ -269,7 +269,7 @@ def chainer_variant(name, device, batch, crop, width, timeline):
         updater.finalize()
         for h in reversed(fastchain.active_handles()):
             h.disable()
-    return updater.update, close, handle
+    return updater.update, close, handle, options
 
 
 def torch_variant(device, batch, crop, width):
@@ -304,7 +304,8 @@ def torch_variant(device, batch, crop, width):
     def close():
         optimizer.zero_grad(set_to_none=True)
         optimizer.state.clear()         # its momentum buffers, on the device
-    return step, close, None
+    return step, close, None, {'amp': on_gpu, 'channels_last': on_gpu,
+                               'cudnn_benchmark': on_gpu}
 
 
 def measure(step, sync, steps, warmup, profiled=0):
@@ -367,9 +368,17 @@ def parse(argv=None):
                         '(the device figures; default: half of --steps)')
     p.add_argument('--variants', default=','.join(VARIANTS),
                    help='comma-separated, from: ' + ', '.join(VARIANTS))
-    p.add_argument('--traces', metavar='DIR', help="also write each variant's profiler trace here")
+    p.add_argument('--traces', metavar='DIR',
+                   help="also write each variant's profiler trace here (on a GPU, where the "
+                        'profiler runs; Perfetto opens them)')
     args = p.parse_args(argv)
+    if args.windows is not None:
+        p.error('--windows: the breakdown has no windows; --steps sets how many steps are '
+                'timed')
     args.variants = [v.strip() for v in args.variants.split(',') if v.strip()]
+    twice = sorted({v for v in args.variants if args.variants.count(v) > 1})
+    if twice:
+        p.error('--variants: {} given more than once'.format(', '.join(twice)))
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         p.error('--variants: unknown {} (known: {})'.format(', '.join(unknown),
@@ -439,7 +448,7 @@ def run(args):
     with tempfile.TemporaryDirectory(prefix='fastchain-breakdown-') as workdir:
         for name in args.variants:
             if name in GPU_VARIANTS and not gpu:
-                rows.skip(name, "a GPU's rung: on a CPU the baseline's steps")
+                rows.skip(name, 'needs a GPU (on a CPU it would repeat the baseline\'s steps)')
                 continue
             if name == 'cudnn' and no_cudnn:
                 rows.skip(name, "fastchain's cuDNN graphs cannot run here: " + no_cudnn)
@@ -486,16 +495,18 @@ def one_variant(name, args, device, gpu, sync, profiled, timeline):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')     # "fp16 is slower on a CPU", etc.
         if name == 'torch':
-            step, close, handle = torch_variant(device, args.batch, args.crop, args.width)
+            step, close, handle, options = torch_variant(device, args.batch, args.crop,
+                                                         args.width)
         else:
-            step, close, handle = chainer_variant(name, device, args.batch, args.crop,
-                                                  args.width, timeline)
+            step, close, handle, options = chainer_variant(name, device, args.batch,
+                                                           args.crop, args.width, timeline)
     try:
         measured = measure(step, sync, args.steps, args.warmup, profiled)
     finally:
         close()
     walls = measured['walls']
-    detail = {'walls': walls, 'step_ms': round(statistics.median(walls) * 1e3, 3),
+    detail = {'options': {k: v for k, v in options.items() if k != 'timeline'},
+              'walls': walls, 'step_ms': round(statistics.median(walls) * 1e3, 3),
               'walls_ms': [round(w * 1e3, 3) for w in walls]}
     if measured['profiled_walls']:
         detail['profiled_step_ms'] = round(statistics.median(measured['profiled_walls']) * 1e3,
@@ -538,26 +549,43 @@ def one_variant(name, args, device, gpu, sync, profiled, timeline):
 def report(args, device, rows, details, gpu, torch_ok, final):
     config = {'batch': args.batch, 'crop': args.crop, 'width': args.width,
               'steps': args.steps, 'warmup': args.warmup, 'device': str(device),
+              'quick': args.quick, 'variants_asked': args.variants, 'traces': args.traces,
               'run': details.get('_run'),
               'variants': {k: v for k, v in details.items() if not k.startswith('_')}}
     ratios = {'{}/baseline'.format(v): rows.ratio(v, 'baseline') for v in VARIANTS[1:]}
     ratios['static_graph/torch'] = rows.ratio('static_graph', 'torch')
-    notes = describe(details, gpu, torch_ok)
+    notes = describe(details, gpu, torch_ok, args.traces)
     if not final:
         notes.append('Written after {}: the run had not finished.'.format(
             ', '.join(config['variants']) or 'no variant'))
     return _common.write('breakdown', args, config, rows, ratios, notes, quiet=not final)
 
 
-def describe(details, gpu, torch_ok):
+def describe(details, gpu, torch_ok, traces=None):
     """The notes: how it was measured, then one paragraph per variant."""
     run = details.get('_run', {})
-    notes = ['Each step ends with a device synchronisation; iterations/s are of such steps, '
-             'timed without the profiler (the ladder compares speeds with loading and '
-             'without the synchronisation). Autotune off in fastchain\'s variants (cuDNN\'s '
-             'heuristic plans); PyTorch ran with cudnn.benchmark, as its users train. The '
-             'fp16 variant is the ladder\'s fp32_preprocessing rung\'s options: fp32 data '
-             'cast on the device, fp16 compute with fp32 master weights and loss scaling.']
+    ran = [n for n, d in details.items() if not n.startswith('_') and 'error' not in d]
+    how = ('Each step ends with a device synchronisation; iterations/s are of such steps, '
+           'timed without the profiler. The variants ran one after another, not alternated '
+           '(each is built once): drift between them is not cancelled, so their ratios are '
+           'indications; the ladder is the speed comparison (with loading, alternated, '
+           'without the synchronisation). Autotune off in fastchain\'s variants (cuDNN\'s '
+           'heuristic plans).')
+    if 'torch' in ran:
+        how += (' PyTorch ran {}; it has no host phases here (the timeline records '
+                'Chainer\'s).'.format('with AMP, channels-last and cudnn.benchmark, as its '
+                                        'users train' if gpu else 'in fp32'))
+    if 'fp16' in ran:
+        how += (' The fp16 variant is the ladder\'s fp32_preprocessing rung\'s options: fp32 '
+                'data cast on the device, fp16 compute with fp32 master weights and loss '
+                'scaling.')
+    if not gpu:
+        how += (' On a CPU: step times and host phases only (no device figures, no traces, '
+                'no cuDNN).')
+    notes = [how]
+    if traces and not gpu:
+        notes.append('--traces {}: nothing written (the profiler runs on a GPU only).'
+                     .format(traces))
     if gpu and not torch_ok:
         notes.append('No device figures: PyTorch (its profiler records the kernels) is '
                      'missing or has no CUDA here.')

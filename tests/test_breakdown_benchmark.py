@@ -184,8 +184,22 @@ def test_the_script_on_a_cpu(tmp_path):
             assert 0 < host <= wall
         assert 'device' not in v and 'profiled_step_ms' not in v     # no GPU: no kernels
     assert (tmp_path / 'breakdown.md').read_text().startswith('## breakdown')
+    # what each variant ran with is in the report: the rung's options, autotune off
+    assert variants['baseline']['options']['cudnn'] == 'never'
+    assert variants['static_graph']['options']['static_graph'] is True
+    assert variants['static_graph']['options']['autotune'] is False
+    assert written['config']['variants_asked'] == ['baseline', 'cudnn', 'static_graph']
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--variants', 'baseline,nope'], '--variants: unknown nope'),
+    (['--variants', 'baseline,torch,baseline'], '--variants: baseline given more than once'),
+    (['--windows', '3'], '--windows: the breakdown has no windows; --steps sets'),
+])
+def test_wrong_arguments_are_refused_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit):
-        breakdown.parse(['--variants', 'baseline,nope'])
+        breakdown.parse(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_a_variant_that_fails_is_named_and_the_others_still_run(tmp_path, monkeypatch):
