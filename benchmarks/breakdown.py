@@ -273,39 +273,25 @@ def chainer_variant(name, device, batch, crop, width, timeline):
 
 
 def torch_variant(device, batch, crop, width):
+    """(step, close, None, its settings) of PyTorch's variant
+    (``torch_resnet.trainer``) on the same kind of synthetic batch."""
     import torch
     import torch_resnet
     on_gpu = device.xp is not numpy
     dev = torch.device('cuda', device.device.id) if on_gpu else torch.device('cpu')
-    if on_gpu:
-        torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
-    model = torch_resnet.resnet50(CLASSES, width=width).to(dev)
-    layout = torch.channels_last if on_gpu else torch.contiguous_format
-    model = model.to(memory_format=layout)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scaler = torch.amp.GradScaler('cuda', enabled=on_gpu)
+    train = torch_resnet.trainer(CLASSES, dev, width=width)
     rng = numpy.random.RandomState(1)
     x_host = torch.from_numpy(rng.uniform(-1, 1, (batch, 3, crop, crop)).astype(numpy.float32))
     t_host = torch.from_numpy(rng.randint(0, CLASSES, batch).astype(numpy.int64))
     if on_gpu:
         x_host, t_host = x_host.pin_memory(), t_host.pin_memory()
 
-    def step():
-        x = x_host.to(dev, non_blocking=True).contiguous(memory_format=layout)
-        t = t_host.to(dev, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(dev.type, dtype=torch.float16, enabled=on_gpu):
-            loss = torch.nn.functional.cross_entropy(model(x), t)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-
     def close():
-        optimizer.zero_grad(set_to_none=True)
-        optimizer.state.clear()         # its momentum buffers, on the device
-    return step, close, None, {'amp': on_gpu, 'channels_last': on_gpu,
-                               'cudnn_benchmark': on_gpu}
+        train.optimizer.zero_grad(set_to_none=True)
+        train.optimizer.state.clear()       # its momentum buffers, on the device
+    return (lambda: train(x_host, t_host)), close, None, {
+        'amp': on_gpu, 'channels_last': on_gpu, 'cudnn_benchmark': on_gpu}
 
 
 def measure(step, sync, steps, warmup, profiled=0):

@@ -192,17 +192,11 @@ def torch_rung(paths, args, workers, gpu=None):
 
     on_gpu = gpu is not None
     device = torch.device('cuda', gpu) if on_gpu else torch.device('cpu')
-    if on_gpu:
-        torch.backends.cudnn.benchmark = True
     loader = torch.utils.data.DataLoader(
         torch_dataset(paths, args.crop, plain.MEAN, 1 / 255), batch_size=args.batch,
         shuffle=True, num_workers=workers, drop_last=True, persistent_workers=workers > 0,
         pin_memory=on_gpu)
-    model = torch_resnet.resnet50(len(paths['classes'])).to(device)
-    layout = torch.channels_last if on_gpu else torch.contiguous_format
-    model = model.to(memory_format=layout)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scaler = torch.amp.GradScaler('cuda', enabled=on_gpu)
+    train = torch_resnet.trainer(len(paths['classes']), device)
     state = {'it': iter(loader)}
 
     def step():
@@ -211,14 +205,7 @@ def torch_rung(paths, args, workers, gpu=None):
         except StopIteration:
             state['it'] = iter(loader)
             x, t = next(state['it'])
-        x = x.to(device, non_blocking=True).contiguous(memory_format=layout)
-        t = t.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.float16, enabled=on_gpu):
-            loss = torch.nn.functional.cross_entropy(model(x), t)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        train(x, t)
 
     def close():
         # the loader's persistent workers end now, not when collected (windows
