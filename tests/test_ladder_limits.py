@@ -71,6 +71,23 @@ def test_rounds_of_turns_end_when_on_round_says_so():
     assert len(seen) == 6           # three rounds of two turns, then the stop
 
 
+class _Clock:
+    """A clock a step advances by its cost: the tuner's picks then follow
+    the costs, not how a loaded machine happened to schedule a sleep."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def _virtual_clock(monkeypatch, tuner):
+    clock = _Clock()
+    monkeypatch.setattr(tuner, 'time', clock)
+    return clock
+
+
 def test_a_choice_timed_over_whole_steps_left_by_the_tuning_is_decided_early(monkeypatch):
     """A loader-like choice whose turns need more steps than the pass has:
     the pass ends at its step limit and the choice takes the fastest count
@@ -79,6 +96,7 @@ def test_a_choice_timed_over_whole_steps_left_by_the_tuning_is_decided_early(mon
     monkeypatch.setattr(_tuner, 'enabled', True)
     monkeypatch.setattr(_tuner, 'forced', {})
     _tuner.forget()
+    clock = _virtual_clock(monkeypatch, _tuner)
     turns = _tuner.Turns(settle=3, timed=2)
     cost = {'4': 0.004, '2': 0.001, '1': 0.003}
     ran = []
@@ -86,7 +104,7 @@ def test_a_choice_timed_over_whole_steps_left_by_the_tuning_is_decided_early(mon
     def step():
         name = turns.step('loader_workers', ('pool',), ('4', '2', '1'))
         ran.append(name)
-        time.sleep(cost[name])
+        clock.now += cost[name]
 
     try:
         # a turn is 5 steps, recorded as the next begins: 3 untimed turns,
@@ -113,11 +131,12 @@ def test_the_pass_goes_past_its_step_limit_while_a_whole_step_choice_measures(mo
     monkeypatch.setattr(_tuner, 'forced', {})
     monkeypatch.setattr(_tuner, 'TRIALS', 2)
     _tuner.forget()
+    clock = _virtual_clock(monkeypatch, _tuner)
     turns = _tuner.Turns(settle=1, timed=1)
     cost = {'2': 0.003, '1': 0.001}
 
     def step():
-        time.sleep(cost[turns.step('loader_workers', ('pool',), ('2', '1'))])
+        clock.now += cost[turns.step('loader_workers', ('pool',), ('2', '1'))]
 
     try:
         # turns of 2 steps: 2 untimed, then 2 timed each; decided at step 13
