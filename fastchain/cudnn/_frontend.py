@@ -125,11 +125,19 @@ def handle(device_id):
     return h
 
 
+_bound = {}     # (device, thread) -> the stream its handle was last set to
+
+
 def bind_stream(device_id):
-    """The device's handle, set to CuPy's current stream (graphs run there)."""
+    """The device's handle, set to CuPy's current stream (graphs run there);
+    set again only when that stream is another than the handle's last."""
     import cupy
     h = handle(device_id)
-    module().set_stream(handle=h, stream=cupy.cuda.get_current_stream().ptr)
+    key = (device_id, threading.get_ident())
+    stream = cupy.cuda.get_current_stream().ptr
+    if _bound.get(key) != stream:
+        module().set_stream(handle=h, stream=stream)
+        _bound[key] = stream
     return h
 
 
@@ -139,3 +147,4 @@ def forget():
     status.cache_clear()
     _loaded = None
     _handles.clear()
+    _bound.clear()

@@ -110,13 +110,23 @@ def tensor_cores_allowed(dtype, setting):
     return setting == 'always'
 
 
+_NAMES = {}     # dtype -> its name (NumPy's ``dtype.name`` is a Python property)
+
+
+def dtype_name(dtype):
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = numpy.dtype(dtype).name
+    return name
+
+
 def conv_key(op, node, x_shape, w_shape, y_shape, dtype, tensor_cores, deterministic,
              device, workspace=None):
     """``workspace``: the most bytes a plan may take (the graphs' limit,
     ``workspace_limit``, which ``enable(workspace_size=...)`` sets)."""
     stride, pad, dilation = conv_geometry(node)
     return ConvKey(op, tuple(x_shape), tuple(w_shape), tuple(y_shape),
-                   numpy.dtype(dtype).name, stride, pad, dilation, int(node.groups),
+                   dtype_name(dtype), stride, pad, dilation, int(node.groups),
                    bool(tensor_cores), bool(deterministic), int(device),
                    None if workspace is None else int(workspace))
 
@@ -150,7 +160,7 @@ def bn_refusal(x, gamma, axis, layouts=None, running=(None, None)):
 
 
 def bn_key(op, x, gamma, eps, running, device):
-    return BNKey(op, tuple(x.shape), x.dtype.name, gamma.dtype.name, float(eps),
+    return BNKey(op, tuple(x.shape), dtype_name(x.dtype), dtype_name(gamma.dtype), float(eps),
                  bool(running), int(device))
 
 

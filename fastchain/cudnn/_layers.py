@@ -73,17 +73,15 @@ def _through_graph(next_, node, inputs, op, a, b, out, key_shapes, bias=None):
 
 def _run_conv(op, node, key, a, b, out):
     """The graph for ``key`` into ``out``; False (counted) where cuDNN has
-    no engine for it, and Chainer's code is to run."""
-    reason = _graphs.refused(key)
-    if reason is None:
-        try:
-            _graphs.conv(key, a, b, out)
-            _paths.record(op, 'graph')
-            return True
-        except _graphs.Unsupported as e:
-            reason = e.reason
-    _paths.record(op, 'chainer', reason)
-    return False
+    no engine for it (a refusal kept raises at once), and Chainer's code is
+    to run."""
+    try:
+        _graphs.conv(key, a, b, out)
+    except _graphs.Unsupported as e:
+        _paths.record(op, 'chainer', e.reason)
+        return False
+    _paths.record(op, 'graph')
+    return True
 
 
 def _key(op, node, x_shape, w_shape, y_shape, dtype, device):

@@ -186,6 +186,7 @@ class Graph:
         # deselected and unbuilt plans stay in the list: nothing to tell
         if index in self.frontend.dead.get(self.layout, ()):
             raise RuntimeError('plan {} is not executable'.format(index))
+        self.frontend.size_queries.append((self.layout, index))
         return 256 * index if index in self.built else 0
 
     def execute_plan_at_index(self, pack, workspace, index, handle=None):
@@ -203,6 +204,7 @@ class Graph:
         assert index in self.built, 'plan {} executed unbuilt'.format(index)
         self.executed.append(index)
         self.frontend.executions.append((self.layout, index, pack))
+        self.frontend.workspaces.append((self.layout, index, workspace.size))
         self.frontend.clock.now += self.frontend.plan_costs.get(self.layout, [1.0])[index]
 
 
@@ -211,6 +213,7 @@ def frontend(clock, backend=90300):
     m = types.ModuleType('cudnn')
     m.__version__ = '1.16.0'
     m.graphs, m.executions, m.streams, m.handles = [], [], [], []
+    m.workspaces, m.size_queries = [], []     # (layout, plan, bytes), (layout, plan)
     m.fail_plans = {}       # layout -> plan indices that raise when executed
     m.dead = {}             # layout -> plan indices kept in the list but never built
     m.per_index = True      # build_plan_at_index (frontend 1.x); False: build_plans alone

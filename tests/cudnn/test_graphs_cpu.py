@@ -215,7 +215,13 @@ def test_one_build_per_key_and_a_refusal_is_kept(monkeypatch):
     pack = fe.executions[0][2]
     assert sorted(t.name for t in pack) == ['conv_fprop_out0', 'w', 'x']
     assert pack[fe.graphs[0].tensors[0]] is a
-    assert fe.streams == [1234, 1234]       # CuPy's current stream, each call
+    # CuPy's current stream, set on the handle when it is another than the last
+    assert fe.streams == [1234]
+    cuda = sys.modules['cupy'].cuda
+    for ptr in (5678, 5678, 1234):
+        monkeypatch.setattr(cuda, 'get_current_stream', lambda p=ptr: types.SimpleNamespace(ptr=p))
+        _graphs.conv(key, a, b, out)
+    assert fe.streams == [1234, 5678, 1234]
     # A key cuDNN has no engine for: refused once, the reason kept, no rebuild.
     fe.unsupported.add('nchw')
     other = key_of('conv forward', dtype='e')
@@ -246,9 +252,14 @@ def test_autotune_times_every_plan_and_layout_and_keeps_the_fastest(monkeypatch)
     assert choice['picked'] == 'nchw plan 1'
     assert choice['median_ms'] == {'nchw plan 0': 3.0, 'nchw plan 1': 1.0,
                                    'nchw plan 2': 2.0, 'nhwc plan 0': 1.5}
-    before = len(fe.executions)
+    before, queries = len(fe.executions), list(fe.size_queries)
     _graphs.conv(key, a, b, out)            # no search the second time
     assert [e[:2] for e in fe.executions[before:]] == [('nchw', 1)]
+    # each run had its plan's workspace; the size is asked of the frontend
+    # once per plan (the run's own query included), not per call
+    assert {w for w in fe.workspaces} == {('nchw', 0, 1), ('nchw', 1, 256), ('nchw', 2, 512),
+                                         ('nhwc', 0, 1)}
+    assert fe.size_queries[len(queries):] == []
 
 
 def test_autotune_gives_a_plan_far_slower_than_the_best_one_trial_and_keeps_the_pick(
