@@ -104,8 +104,9 @@ def plan(args):
                                   '--demo-root', os.path.join(runs, 'demo-data'),
                                   '--out', os.path.join(runs, 'demo')]
                         + (['--epochs', '1'] if quick else []), {}, 600),
-        'nvtx': (recipe + ['--data', 'synthetic', '--nvtx', '--iterations', iters,
-                           '--out', os.path.join(runs, 'nvtx')] + size,
+        # autotune off: the ranges are the point, not a first step timing every key
+        'nvtx': (recipe + ['--data', 'synthetic', '--nvtx', '--no-autotune', '--iterations',
+                           iters, '--out', os.path.join(runs, 'nvtx')] + size,
                  {'FASTCHAIN_NVTX_LOG': os.path.join(out, 'logs', 'nvtx_ranges.tsv')}, 300),
         'nccl': ([py, '-m', 'pytest', '-p', 'no:cacheprovider'] + PYTEST_REPORT
                  + ['-k', 'nccl', os.path.join(ROOT, 'tests', 'distributed')], {}, 300),

@@ -95,6 +95,9 @@ def parse_args(argv=None):
                    help="measure and choose: cuDNN's algorithms where cuDNN works, "
                    "fastchain's bitwise-equal CPU kernels, fused update and static "
                    'cache everywhere (on by default; this flag asks for it explicitly)')
+    g.add_argument('--no-autotune', action='store_true',
+                   help="autotune off: cuDNN's heuristics' first plan and fastchain's "
+                        'defaults, nothing measured (no tuning steps at the start)')
     g.add_argument('--loaderjobs', type=int, default=None,
                    help="loader worker processes (0: load in the main process; default: "
                    "0, or with --all this process's share of the node's cores)")
@@ -205,8 +208,12 @@ def enable_accelerators(args):
         options['fp16'] = True
     if args.fp32:
         options['fp16'] = False
+    if args.autotune and args.no_autotune:
+        sys.exit('--autotune and --no-autotune contradict each other: give one')
     if args.autotune:
         options['autotune'] = True
+    if args.no_autotune:
+        options['autotune'] = False
     if args.static_graph:
         options['static_graph'] = True
     if args.nvtx:

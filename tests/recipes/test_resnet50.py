@@ -340,13 +340,19 @@ def test_fp32_keeps_all_in_fp32_and_contradicting_fp16_is_refused(tmp_path, monk
     monkeypatch.setattr(fastchain, 'enable', lambda **options: asked.append(options))
     train.enable_accelerators(train.parse_args(['--all']))
     train.enable_accelerators(train.parse_args(['--all', '--fp32']))
-    assert [a['fp16'] for a in asked] == ['auto', False]
+    train.enable_accelerators(train.parse_args(['--all', '--no-autotune']))
+    assert [a['fp16'] for a in asked] == ['auto', False, 'auto']
+    assert [a['autotune'] for a in asked] == [None, None, False]
     result = run(tmp_path, '--data', 'synthetic', '--iterations', '2', '--all', '--fp32')
     assert 'fp16               off' in result.stdout
     r = subprocess.run([sys.executable, RECIPE, '--data', 'synthetic', '--fp16', '--fp32',
                         '--out', str(tmp_path / 'o')] + TINY, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 1 and '--fp16 and --fp32 contradict each other' in r.stderr
+    r = subprocess.run([sys.executable, RECIPE, '--data', 'synthetic', '--autotune',
+                        '--no-autotune', '--out', str(tmp_path / 'o')] + TINY,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and '--autotune and --no-autotune contradict' in r.stderr
 
 
 def test_a_gpu_that_cannot_be_used_is_named_with_the_fix(tmp_path):
