@@ -903,7 +903,7 @@ def report(args, setup, rows, measured, final=True):
              'structure; the "all" rung\'s choices): ' +
              ('; '.join(tune.describe(choices)) or 'nothing to choose'),
              'onednn and all_onednn: enable(onednn=True), oneDNN/PyTorch kernels that are '
-             "NOT bitwise equal to Chainer's (README, 'What is the same training'); "
+             "NOT bitwise equal to Chainer's (README, 'The same training'); "
              'NumPy\'s BLAS on one thread while they run.',
              how,
              'baseline_again is the baseline built again (an A/A control): '

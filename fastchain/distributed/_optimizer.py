@@ -76,10 +76,9 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
     the rank and the operation. A rank that exits (``sys.exit()``) while the
     others wait for it ends the job within seconds.
     """
+    _check_arguments(optimizer, comm, bucket_cap_mb)
     if communicator_of(optimizer) is not None:
         raise ValueError('this optimizer is already data-parallel')
-    if bucket_cap_mb <= 0:
-        raise ValueError('bucket_cap_mb must be > 0, got {!r}'.format(bucket_cap_mb))
     if isinstance(distributed_after, bool) or \
             not isinstance(distributed_after, (int, numpy.integer)) or distributed_after < 0:
         raise ValueError('distributed_after must be a number of samples >= 0, got {!r}'
@@ -107,11 +106,39 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
     return optimizer
 
 
+def _check_arguments(optimizer, comm, bucket_cap_mb):
+    from chainer.optimizer import GradientMethod
+    from fastchain.distributed._base import CommunicatorBase
+    if isinstance(optimizer, type):
+        # the class given for an instance would be patched for the whole process
+        raise TypeError('create_multi_node_optimizer takes an optimizer, not its class: '
+                        'give {0}(...) (e.g. chainer.optimizers.{0}(lr=0.01)), not {0}'
+                        .format(optimizer.__name__))
+    if not isinstance(optimizer, GradientMethod):
+        raise TypeError('create_multi_node_optimizer takes a Chainer GradientMethod (SGD, '
+                        'MomentumSGD, Adam, ...), got {}'.format(type(optimizer).__name__))
+    if not isinstance(comm, CommunicatorBase):
+        raise TypeError('comm must be a communicator from '
+                        'fastchain.distributed.create_communicator(), got {!r}'.format(comm))
+    if isinstance(bucket_cap_mb, bool) or \
+            not isinstance(bucket_cap_mb, (int, float, numpy.integer, numpy.floating)) or \
+            not 0 < bucket_cap_mb < float('inf'):
+        raise ValueError('bucket_cap_mb must be a number of MiB > 0, got {!r}'.format(
+            bucket_cap_mb))
+
+
 def _attach_when_initialized(optimizer, comm, options):
     """Attach now, or, for a model with lazily shaped parameters
     (``L.Linear(None, n)``), at the first update: one forward pass without
     backprop (in test mode) gives them their shapes, then the ranks check and
-    broadcast, then the real step runs on the broadcast weights."""
+    broadcast, then the real step runs on the broadcast weights.
+
+    A first update without a loss function (a custom loop: forward and
+    backward done by the script) comes after the parameters got their shapes
+    and values on each rank, and after the gradients were computed on them:
+    it goes on where every rank drew the same values (one process, or ranks
+    seeded alike), and otherwise stops, saying why and the fix, rather than
+    average gradients of different models."""
     if all(p.array is not None for p in optimizer.target.params()):
         _attach(optimizer, comm, options)
         return
@@ -119,12 +146,9 @@ def _attach_when_initialized(optimizer, comm, options):
     def first_update(next_, lossfun=None, *args, **kwds):
         import chainer
         if lossfun is None:
-            raise RuntimeError(
-                'the model has parameters without a shape yet (lazy initialisation), '
-                'and the first data-parallel update came without a loss function, so '
-                'the ranks could not agree on the weights before the gradients were '
-                'computed: call optimizer.update(lossfun, *inputs) for the first step, '
-                'or give the links their input sizes')
+            _check_shaped_alike(comm, optimizer.target)
+            _attach(optimizer, comm, options, broadcast=False)  # replaces this layer
+            return optimizer.update(None, *args, **kwds)
         with chainer.no_backprop_mode(), chainer.using_config('train', False):
             lossfun(*args, **kwds)
         _attach(optimizer, comm, options)       # replaces this layer
@@ -132,10 +156,53 @@ def _attach_when_initialized(optimizer, comm, options):
     _patches.wrap(optimizer, 'update', 'distributed', first_update)
 
 
-def _attach(optimizer, comm, options):
+def _check_shaped_alike(comm, target):
+    """At a first update without a loss function on a lazily shaped model:
+    every parameter has its shape now, and every rank the same values."""
+    missing = [name for name, p in sorted(target.namedparams()) if p.array is None]
+    if missing:
+        raise RuntimeError(
+            'the first data-parallel update came without a loss function, and parameters '
+            'of the model still have no shape (lazy initialisation, no forward pass gave '
+            'them one): {}. Run the forward pass before optimizer.update(), call '
+            'optimizer.update(lossfun, *inputs), or give the links their input sizes'
+            .format(', '.join(missing)))
+    if comm.size == 1:
+        return
+    everyone = comm.allgather_obj(_values_digest(target),
+                                  what='check of the first step\'s weights (allgather)')
+    if len(set(everyone)) == 1:
+        return
+    if comm.rank != 0:
+        time.sleep(min(10.0, comm.timeout))     # rank 0 reports it (shown once)
+    raise RuntimeError(
+        'the ranks drew different initial values for the parameters the first forward pass '
+        'shaped (lazy initialisation), and computed this first step\'s gradients on them: '
+        'averaged, they would not be any one model\'s. Fix: call optimizer.update(lossfun, '
+        '*inputs) for the first step (fastchain shapes the parameters, gives every rank '
+        "rank 0's values, then computes the gradients), give the links their input sizes "
+        "(L.Linear(n_in, n_out)), or seed every rank alike before the first forward pass "
+        "(numpy.random.seed(0): Chainer's initializers draw from NumPy's global generator)")
+
+
+def _values_digest(link):
+    import hashlib
+    from chainer.backend import CpuDevice
+    digest = hashlib.sha256()
+    for name, p in sorted(link.namedparams()):
+        digest.update(name.encode())
+        digest.update(numpy.ascontiguousarray(CpuDevice().send(p.array)).tobytes())
+    return digest.hexdigest()
+
+
+def _attach(optimizer, comm, options, broadcast=True):
+    """``broadcast``: rank 0's values to every rank (False where every
+    rank's were checked equal after a forward pass each ran on its own
+    batch: their running statistics stay each rank's, as after any step)."""
     target = optimizer.target
     check_same_model(comm, target)
-    broadcast_parameters(comm, target)
+    if broadcast:
+        broadcast_parameters(comm, target)
     sync = GradientSync(comm, list(target.params()), options['cap'], options['dtype'],
                         options['overlap'])
     capture = GradientCapture(sync)

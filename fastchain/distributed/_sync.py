@@ -168,8 +168,8 @@ class GradientSync:
 
     def _start(self, bucket, in_place=False):
         from fastchain.nvtx._annotator import annotator
-        what = 'allreduce of gradient bucket {} ({:.1f} MB)'.format(
-            bucket.index, bucket.nbytes() / 2 ** 20)
+        what = 'allreduce of gradient bucket {} ({})'.format(bucket.index,
+                                                              size_text(bucket.nbytes()))
         with annotator().range('allreduce bucket {}'.format(bucket.index), 'allreduce'):
             if in_place:
                 # The final gradients, reduced where they lie; the small ones
@@ -290,3 +290,12 @@ class GradientCapture(chainer.FunctionHook):
     def backward_postprocess(self, function, in_data, out_grad):
         if 'backward' in getattr(function, '__dict__', {}):
             del function.backward
+
+
+def size_text(nbytes):
+    """'25.0 MiB', '12.5 KiB', '96 bytes': a bucket's size as a message gives it."""
+    if nbytes >= 2 ** 20:
+        return '{:.1f} MiB'.format(nbytes / 2 ** 20)
+    if nbytes >= 2 ** 10:
+        return '{:.1f} KiB'.format(nbytes / 2 ** 10)
+    return '{} bytes'.format(int(nbytes))

@@ -12,7 +12,7 @@ BLAS_THREADS = "NumPy's BLAS threads"
 NOT_BITWISE = ("PyTorch {}'s oneDNN convolutions and BatchNormalization kernels are in "
                "force: results are NOT bitwise equal to Chainer's (each convolution output "
                "within 2**-16 of the sum of the magnitudes it adds up; a training run within the "
-               "differential suite's tolerance, README 'What is the same training'); NumPy's "
+               "differential suite's tolerance, README 'The same training'); NumPy's "
                "BLAS runs on one thread meanwhile, leaving the cores to oneDNN's")
 
 

@@ -4,7 +4,7 @@ What is compared after every step: the loss, every parameter's gradient and
 value, BatchNormalization's running statistics, and the optimizer's state
 (each rule's ``t`` and state arrays, fp32 master weights, ``optimizer.t``).
 
-fastchain claims (README, "What is the same training"):
+fastchain claims (README, "The same training"):
 - bitwise equality with plain Chainer on the CPU in fp32 for static_graph,
   cpu_conv, fused_update, nvtx and timeline, in any combination and any
   enable/disable order, across a snapshot and resume, with autotune

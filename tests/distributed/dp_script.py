@@ -287,6 +287,43 @@ def same_batches():
     done()
 
 
+def lazy_loop():
+    """A custom loop (the script's own forward and backward, then
+    ``update()``) on lazily shaped links: with every rank seeded alike it is
+    the N-rank step from the first one; seeded apart, every rank stops at
+    the first update naming the fix."""
+    def build():
+        return L.Classifier(chainer.Sequential(L.Linear(None, 16), F.relu, L.Linear(None, 3)))
+    numpy.random.seed(0 if sys.argv[3] == 'alike' else 1 + rank)
+    model = build()
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.MomentumSGD(0.1), comm)
+    opt.setup(model)
+    full = data()
+    shard = distributed.scatter_dataset(full, comm)
+    b = 4
+    for k in range(4):
+        x, t = chainer.dataset.concat_examples(shard[k * b:(k + 1) * b])
+        loss = model(x, t)
+        if k == 0:      # one process from the values the first forward drew
+            reference = model.copy(mode='copy')
+            ref_opt = chainer.optimizers.MomentumSGD(0.1).setup(reference)
+        model.cleargrads()
+        loss.backward()
+        try:
+            opt.update()
+        except RuntimeError as e:
+            assert sys.argv[3] == 'apart' and k == 0, e
+            raise
+        xs = [chainer.dataset.concat_examples(full[r * 32 + k * b:r * 32 + (k + 1) * b])
+              for r in range(comm.size)]
+        ref_opt.update(reference, numpy.concatenate([a for a, _ in xs]),
+                       numpy.concatenate([c for _, c in xs]))
+    for (name, p), (_, q) in zip(sorted(model.namedparams()), sorted(reference.namedparams())):
+        numpy.testing.assert_allclose(p.array, q.array, rtol=1e-5, atol=1e-6, err_msg=name)
+    same_everywhere(model)
+    done()
+
+
 def mismatch():
     model = L.Classifier(MLP(hidden=16 if rank == 0 else 17))
     distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), comm).setup(model)
@@ -299,5 +336,5 @@ SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': eval
              'raise': lambda: failing('raise'), 'kill': lambda: failing('kill'),
              'hang': lambda: failing('hang'), 'exit': lambda: failing('exit'),
              'exit0': lambda: failing('exit0'), 'mismatch': mismatch,
-             'same_batches': same_batches}
+             'same_batches': same_batches, 'lazy_loop': lazy_loop}
 SCENARIOS[SCENARIO]()

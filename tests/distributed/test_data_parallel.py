@@ -285,6 +285,24 @@ def test_different_models_are_refused_at_start(tmp_path):
     assert r.seconds < 30
 
 
+def test_a_custom_loop_on_lazily_shaped_links_trains_from_its_first_update(tmp_path):
+    """The script's own forward and backward, then ``opt.update()``, on
+    ``L.Linear(None, n)`` links (a new-user trial: refused on every rank,
+    even on one process). Seeded alike, the ranks train as one process with
+    their batches together from the first step."""
+    r = mpirun('lazy_loop', tmp_path, extra=['alike'])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.ok == ['ok.0', 'ok.1'], r.stderr[-4000:]
+
+
+def test_a_custom_loop_on_lazily_shaped_links_drawn_apart_stops_naming_the_fix(tmp_path):
+    r = mpirun('lazy_loop', tmp_path, extra=['apart'])
+    assert r.returncode != 0 and r.ok == []
+    assert r.stderr.count('the ranks drew different initial values for the parameters') == 1
+    assert 'call optimizer.update(lossfun, *inputs) for the first step' in r.stderr
+    assert r.seconds < 30
+
+
 def test_single_process_runs_the_same_script():
     # Without mpiexec: a world of one; the optimizer works and averages nothing.
     code = '''
@@ -410,3 +428,11 @@ def test_nccl_bucket_path_on_one_gpu(how, monkeypatch):
     device.use()
     comm._setup()
     _faked_world_of_two(comm, device, how, monkeypatch)
+
+
+@pytest.mark.parametrize('nbytes, text', [(25 * 2 ** 20, '25.0 MiB'), (3 * 2 ** 19, '1.5 MiB'),
+                                          (12800, '12.5 KiB'), (96, '96 bytes')])
+def test_a_bucket_is_named_with_a_size_that_says_something(nbytes, text):
+    # a small bucket read "(0.0 MB)" in the messages of a collective that timed out
+    from fastchain.distributed._sync import size_text
+    assert size_text(nbytes) == text

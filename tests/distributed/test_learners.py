@@ -206,10 +206,27 @@ def test_learner_report_counts_samples_steps_and_blocks():
     (dict(learner=distributed.BlockMomentum), 'give an instance'),
     (dict(distributed_after=-1), 'distributed_after must be a number of samples'),
     (dict(distributed_after=2.5), 'distributed_after must be a number of samples'),
+    (dict(bucket_cap_mb='25'), "bucket_cap_mb must be a number of MiB > 0, got '25'"),
+    (dict(bucket_cap_mb=0), 'bucket_cap_mb must be a number of MiB > 0, got 0'),
+    (dict(bucket_cap_mb=float('nan')), 'bucket_cap_mb must be a number of MiB > 0'),
+    (dict(bucket_cap_mb=float('inf')), 'bucket_cap_mb must be a number of MiB > 0'),
 ])
 def test_wrong_options_are_refused_with_the_fix(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), OneRank(), **kwargs)
+
+
+def test_an_optimizer_class_or_no_communicator_is_refused_and_nothing_is_patched():
+    # A class given for an instance was accepted and its setup layered for
+    # the whole process (a new-user trial): every SGD().setup() then failed.
+    with pytest.raises(TypeError, match=r'not its class: give SGD\(\.\.\.\)'):
+        distributed.create_multi_node_optimizer(chainer.optimizers.SGD, OneRank())
+    chainer.optimizers.SGD().setup(chainer.links.Linear(2, 3))     # still plain
+    with pytest.raises(TypeError, match='takes a Chainer GradientMethod'):
+        distributed.create_multi_node_optimizer(object(), OneRank())
+    with pytest.raises(TypeError, match='comm must be a communicator from '
+                                        r'fastchain.distributed.create_communicator\(\), got None'):
+        distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), None)
 
 
 @pytest.mark.parametrize('make, message', [
@@ -324,3 +341,35 @@ def test_a_dropped_data_parallel_optimizer_and_its_model_are_freed(learner):
     for _ in range(3):      # cycles freed in turn
         gc.collect()
     assert opt() is None and model() is None
+
+
+def test_a_custom_loop_on_lazily_shaped_links_trains_on_one_process_as_plain_chainer():
+    """The script's own forward and backward, then ``opt.update()``, on
+    ``L.Linear(None, n)``: refused before, even on one process (a new-user
+    trial); now the same steps as plain Chainer's, bit for bit. An update
+    before any forward names the parameters still without a shape."""
+    rng = numpy.random.RandomState(0)
+    x = rng.randn(8, 5).astype(numpy.float32)
+    t = rng.randint(0, 3, 8).astype(numpy.int32)
+
+    def build():
+        numpy.random.seed(3)
+        return L.Classifier(chainer.Sequential(L.Linear(None, 8), F.relu, L.Linear(None, 3)))
+    plain, parallel = build(), build()
+    opts = [chainer.optimizers.MomentumSGD(0.1).setup(plain),
+            distributed.create_multi_node_optimizer(chainer.optimizers.MomentumSGD(0.1),
+                                                    OneRank()).setup(parallel)]
+    for _ in range(3):
+        for model, opt in zip((plain, parallel), opts):
+            numpy.random.seed(3)        # the lazy draws alike
+            loss = model(x, t)
+            model.cleargrads()
+            loss.backward()
+            opt.update()
+    for (name, p), (_, q) in zip(sorted(plain.namedparams()), sorted(parallel.namedparams())):
+        numpy.testing.assert_array_equal(p.array, q.array, err_msg=name)
+    early = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), OneRank())
+    early.setup(build())
+    with pytest.raises(RuntimeError, match=r'still have no shape .*: /predictor/0/W, '
+                                           r'/predictor/1/W\. Run the forward pass'):
+        early.update()
