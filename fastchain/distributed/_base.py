@@ -108,6 +108,8 @@ class CommunicatorBase(abc.ABC):
         self.timeout = timeout
         self.finalized = False
         self._departures = _departures.Departures(mpi_comm) if self.size > 1 else None
+        self._collectives = 0   # MPI collectives started: the same sequence on every rank
+        self._waits = 0         # waits begun (each one's identity for the stall checks)
 
     # -- lifetime ------------------------------------------------------------
 
@@ -152,24 +154,27 @@ class CommunicatorBase(abc.ABC):
         data = numpy.frombuffer(pickle.dumps(obj), numpy.uint8) if self.rank == root \
             else None
         size = numpy.array([0 if data is None else data.size], numpy.int64)
-        self._wait(self.mpi_comm.Ibcast(size, root=root), what)
+        self._wait(self.mpi_comm.Ibcast(size, root=root), what, op=self._op('Ibcast'))
         if data is None:
             data = numpy.empty(int(size[0]), numpy.uint8)
-        self._wait(self.mpi_comm.Ibcast(data, root=root), what)
+        self._wait(self.mpi_comm.Ibcast(data, root=root), what, op=self._op('Ibcast'))
         return pickle.loads(data.tobytes())
 
     def send_obj(self, obj, dest, what='send_obj'):
         data = numpy.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),
                                 numpy.uint8)
         self._wait(self.mpi_comm.Isend(numpy.array([data.size], numpy.int64), dest,
-                                       tag=71), what, peer=dest)
-        self._wait(self.mpi_comm.Isend(data, dest, tag=72), what, peer=dest)
+                                       tag=71), what, peer=dest, op=self._p2p('send', dest))
+        self._wait(self.mpi_comm.Isend(data, dest, tag=72), what, peer=dest,
+                   op=self._p2p('send', dest))
 
     def recv_obj(self, source, what='recv_obj'):
         size = numpy.zeros(1, numpy.int64)
-        self._wait(self.mpi_comm.Irecv(size, source, tag=71), what, peer=source)
+        self._wait(self.mpi_comm.Irecv(size, source, tag=71), what, peer=source,
+                   op=self._p2p('recv', source))
         data = numpy.empty(int(size[0]), numpy.uint8)
-        self._wait(self.mpi_comm.Irecv(data, source, tag=72), what, peer=source)
+        self._wait(self.mpi_comm.Irecv(data, source, tag=72), what, peer=source,
+                   op=self._p2p('recv', source))
         return pickle.loads(data.tobytes())
 
     def allgather_obj(self, obj, what='allgather_obj'):
@@ -177,11 +182,11 @@ class CommunicatorBase(abc.ABC):
         data = numpy.frombuffer(pickle.dumps(obj), numpy.uint8)
         sizes = numpy.zeros(self.size, numpy.int64)
         self._wait(self.mpi_comm.Iallgather(numpy.array([data.size], numpy.int64), sizes),
-                   what)
+                   what, op=self._op('Iallgather'))
         out = numpy.empty(int(sizes.sum()), numpy.uint8)
         offsets = numpy.concatenate([[0], numpy.cumsum(sizes)[:-1]])
         self._wait(self.mpi_comm.Iallgatherv(
-            data, [out, (sizes, offsets), MPI.BYTE]), what)
+            data, [out, (sizes, offsets), MPI.BYTE]), what, op=self._op('Iallgatherv'))
         return [pickle.loads(out[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
     def allreduce_obj(self, obj, op='sum', what='allreduce_obj'):
@@ -198,7 +203,7 @@ class CommunicatorBase(abc.ABC):
         raise ValueError('op must be sum, max or any, got {!r}'.format(op))
 
     def barrier(self, what='barrier'):
-        self._wait(self.mpi_comm.Ibarrier(), what)
+        self._wait(self.mpi_comm.Ibarrier(), what, op=self._op('Ibarrier'))
 
     def any(self, flag, what='agreement'):
         """True on every rank if ``flag`` is true on any rank (one tiny MPI
@@ -207,7 +212,8 @@ class CommunicatorBase(abc.ABC):
             return bool(flag)
         from mpi4py import MPI
         buf = numpy.array([1 if flag else 0], numpy.int32)
-        self._wait(self.mpi_comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX), what)
+        self._wait(self.mpi_comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.MAX), what,
+                   op=self._op('Iallreduce'))
         return bool(buf[0])
 
     # -- arrays --------------------------------------------------------------
@@ -241,8 +247,22 @@ class CommunicatorBase(abc.ABC):
 
     # -- waiting and giving up -----------------------------------------------
 
-    def _wait(self, request, what, peer=None):
-        """Wait for an mpi4py request for at most ``timeout`` seconds.
+    def _op(self, operation):
+        """The wait for the MPI collective started now: (wait, 'coll', its
+        number among this communicator's collectives, the MPI operation)."""
+        self._collectives += 1
+        self._waits += 1
+        return self._waits, 'coll', self._collectives, operation
+
+    def _p2p(self, direction, peer):
+        """The wait for a point-to-point message: (wait, 'send' or 'recv',
+        the peer)."""
+        self._waits += 1
+        return self._waits, direction, peer
+
+    def _wait(self, request, what, peer=None, op=None):
+        """Wait for an mpi4py request for at most ``timeout`` seconds
+        (``op``: what it waits for, :meth:`_op` or :meth:`_p2p`).
 
         Polls without sleeping: MPI moves a non-blocking collective forward
         only inside MPI calls, so every Test is progress (a blocking MPI wait
@@ -257,17 +277,30 @@ class CommunicatorBase(abc.ABC):
             if now > deadline:
                 self.abort_timeout(what)
             if now - start > 0.01:
-                self.check_peers(what, start, peer)
+                self.check_peers(what, start, peer, op)
             if now - start > 1.0:
                 time.sleep(1e-3)
+        if op is not None and time.monotonic() - start > _departures.STALL:
+            self.wait_ended(op)
 
-    def check_peers(self, what, waiting_since, peer=None):
+    def wait_ended(self, op):
+        """The wait in collective ``op`` ended (the peers learn it if they
+        were told of it)."""
+        if self._departures is not None:
+            self._departures.unstalled(op)
+
+    def check_peers(self, what, waiting_since, peer=None, op=None):
         """Abort the job if a peer has ended its process while this rank
         has waited for it in ``what`` since ``waiting_since`` (see
         ``_departures``): any peer in a collective, ``peer`` in a
-        point-to-point wait."""
+        point-to-point wait; or, given ``op`` (:meth:`_op`, :meth:`_p2p`), if
+        every rank waits and none of the waits can complete (``_departures``)."""
         if self._departures is None:
             return
+        if op is not None:
+            apart = self._departures.stalled(op, what, waiting_since)
+            if apart is not None:
+                self._abort_apart(apart)
         left = self._departures.overdue(waiting_since, peer)
         if left is not None:
             rank, how = left
@@ -297,6 +330,25 @@ class CommunicatorBase(abc.ABC):
         blocked call after Ctrl-C."""
         if self._departures is not None and not self.finalized:
             self._departures.announce(how)
+
+    def _abort_apart(self, everyone):
+        def wait(op, what):
+            if op[0] == 'coll':
+                return 'in its collective #{} ({}, MPI {})'.format(op[1], what, op[2])
+            return '{} rank {} ({})'.format('sending to' if op[0] == 'send' else
+                                            'receiving from', op[1], what)
+        waits = '; '.join('rank {} {}'.format(rank, wait(op, what))
+                          for rank, (op, what) in sorted(everyone.items()))
+        message = ('fastchain: rank {} of {}: the ranks wait for each other in operations '
+                   'that do not match, so none can complete: {}. A collective or an exchange '
+                   'was called on some ranks only: an extension registered on some ranks '
+                   '(multi_node_snapshot and the '
+                   'multi-node evaluator go on every rank), or a collective in a branch that '
+                   'depends on the rank or on local data. Aborting the job.'.format(
+                       self.rank, self.size, waits))
+        print(message, file=sys.stderr, flush=True)
+        self.abort(1)
+        raise RuntimeError(message)     # reached only if abort returned
 
     def abort_timeout(self, what):
         message = ('fastchain: rank {} of {}: {} did not complete within {:g} s: another '

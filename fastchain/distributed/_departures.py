@@ -25,17 +25,36 @@ A rank that leaves a blocked call after Ctrl-C (``_faults.leave_blocked``)
 says so (``LEFT_BLOCKED``) after its exit handlers, and waits for every
 peer's message (:meth:`Departures.settle`), which each sends after its
 own: by then no rank has cleaning up left to do.
+
+Ranks waiting in different collectives (a collective called on some ranks
+only: an extension registered under ``if comm.rank == 0``) wait for each
+other for ever; the timeout would end the job after minutes, blamed on a
+crash. So a rank that has waited ``STALL`` seconds in one of its MPI
+collectives tells its peers which one (its number among the collectives
+this communicator ran, the MPI operation, what it is for), or in a
+message to or from which rank, and that the wait ended when it ends
+(:meth:`Departures.stalled`, :meth:`unstalled`). When every rank is
+stalled, no two wait for a message between them, and they are not all in
+the same collective (``STALL_GRACE`` seconds after the last said so), none
+of the waits can complete: the job is ended naming each rank's. A rank
+stalled alone (its peers still computing, or one hung outside MPI) is the
+timeout's to judge. NCCL's own collectives are not told (their waits are
+on the GPU's stream).
 """
 
+import pickle
 import threading
 import time
 
 import numpy
 
 TAG = 7301
+STALL_TAG = 7302
 GRACE = 1.0
 PATIENCE = 1.0
 SETTLE_LIMIT = 5.0
+STALL = 5.0             # seconds in one collective before the peers are told
+STALL_GRACE = 2.0       # every rank stalled, apart, this long: no collective can complete
 EXITED, FINALIZED, LEFT_BLOCKED = 0, 1, 2      # what a departure message says
 _serial = 0                     # the next Departures' serial, at least
 
@@ -57,6 +76,9 @@ class Departures:
         self._freed = False
         # rank -> (when this process learnt it, EXITED, FINALIZED or LEFT_BLOCKED)
         self.left = {}
+        self._stall = None      # (wait, when told) of this rank's stall the peers know
+        self._ended = 0         # the last wait that ended
+        self.stalls = {}        # rank -> (its wait, what, when learnt)
 
     def check(self, after_announcing=False):
         """``{rank: (noticed_at, how)}`` of the peers that have ended their
@@ -129,3 +151,88 @@ class Departures:
             if how == FINALIZED:
                 self._comm.Free()       # the sends are complete, or given up on
                 self._freed = True
+
+    # -- stalls: waits in collectives that may not be the same -----------------
+
+    def stalled(self, op, what, waiting_since):
+        """While this rank waits (``op``: ``(wait, 'coll', number, MPI
+        operation)`` or ``(wait, 'send' or 'recv', peer)``) for ``what``
+        since ``waiting_since``: past ``STALL`` seconds the peers are told
+        (once a wait). Returns ``{rank: (its wait, what)}`` of every rank
+        when all of them are stalled, none of the waits can complete, and
+        that has held ``STALL_GRACE`` seconds; else None."""
+        now = time.monotonic()
+        if now - waiting_since < STALL:
+            return None
+        with self._lock:
+            if self._closed or self._freed or op[0] <= self._ended:
+                return None     # a wait that ended while another thread looked at it
+            if self._stall is None or self._stall[0] != op[0]:
+                self._tell_stall((self._serial, 'begin', op[1:], what))
+                self._stall = (op[0], now)
+            self._read_stalls()
+            if len(self.stalls) < self._size - 1:
+                return None
+            everyone = {r: (o, w) for r, (o, w, _) in self.stalls.items()}
+            everyone[self._rank] = (op[1:], what)
+            if not _none_can_complete({r: o for r, (o, _) in everyone.items()}):
+                return None
+            since = max([self._stall[1]] + [t for _, _, t in self.stalls.values()])
+            # rank 0 says it; the others only if it has not after 5 s more
+            grace = STALL_GRACE + (0 if self._rank == 0 else 5.0)
+            return everyone if now - since > grace else None
+
+    def unstalled(self, op):
+        """The wait in collective ``op`` ended: peers told of it learn it."""
+        with self._lock:
+            self._ended = max(self._ended, op[0])
+            if self._stall is not None and self._stall[0] <= op[0]:
+                if not (self._closed or self._freed):
+                    self._tell_stall((self._serial, 'end'))
+                self._stall = None
+
+    def _tell_stall(self, message):
+        from mpi4py import MPI
+        data = numpy.frombuffer(pickle.dumps(message), numpy.uint8)
+        try:
+            sends = [self._comm.Isend(data, dest=r, tag=STALL_TAG)
+                     for r in range(self._size) if r != self._rank]
+            deadline = time.monotonic() + PATIENCE
+            while not MPI.Request.Testall(sends) and time.monotonic() < deadline:
+                time.sleep(1e-3)
+        except MPI.Exception:
+            pass        # a peer gone: the departure checks say so
+
+    def _read_stalls(self):
+        from mpi4py import MPI
+        status = MPI.Status()
+        try:
+            while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=STALL_TAG, status=status):
+                data = numpy.empty(status.Get_count(MPI.BYTE), numpy.uint8)
+                rank = status.Get_source()
+                self._comm.Recv(data, source=rank, tag=STALL_TAG)
+                try:
+                    message = pickle.loads(data.tobytes())
+                except Exception:
+                    continue
+                if message[0] != self._serial or not 0 <= rank < self._size:
+                    continue
+                if message[1] == 'begin':
+                    self.stalls[rank] = (message[2], message[3], time.monotonic())
+                else:
+                    self.stalls.pop(rank, None)
+        except MPI.Exception:
+            pass
+
+
+def _none_can_complete(waits):
+    """Whether no wait of ``waits`` (``{rank: ('coll', number, operation)
+    or ('send' or 'recv', peer)}``, every rank's) can complete: two ranks
+    waiting for a message between them may be moving it, and ranks all in
+    the same collective may be in a slow one."""
+    for rank, wait in waits.items():
+        if wait[0] in ('send', 'recv'):
+            other = waits.get(wait[1])
+            if other == ('recv' if wait[0] == 'send' else 'send', rank):
+                return False
+    return len(set(waits.values())) > 1

@@ -38,13 +38,14 @@ class MpiCommunicator(CommunicatorBase):
             self._watchdog.start()
 
     def bcast(self, array, root=0, what='bcast'):
-        self._wait(self.mpi_comm.Ibcast(_contiguous(array), root=root), what)
+        self._wait(self.mpi_comm.Ibcast(_contiguous(array), root=root), what,
+                   op=self._op('Ibcast'))
         return array
 
     def allreduce_start(self, array, what):
         from mpi4py import MPI
         if self.size > 1:
-            with self._watchdog.guard(what):
+            with self._watchdog.guard(what, self._op('Allreduce')):
                 self.mpi_comm.Allreduce(MPI.IN_PLACE, _contiguous(array), op=MPI.SUM)
         return None
 
@@ -56,7 +57,7 @@ class MpiCommunicator(CommunicatorBase):
         if self.size == 1:
             out[0] = array
             return out
-        with self._watchdog.guard(what):
+        with self._watchdog.guard(what, self._op('Allgather')):
             self.mpi_comm.Allgather(_contiguous(array), out)
         return out
 
@@ -83,7 +84,7 @@ class _Watchdog:
 
     def __init__(self, comm):
         self.comm = comm
-        self.current = None         # (what, started, deadline) of the guarded call
+        self.current = None         # (what, started, deadline, op) of the guarded call
         self.stopped = threading.Event()
 
     def start(self):
@@ -93,13 +94,16 @@ class _Watchdog:
                          name='fastchain-collective-watchdog').start()
 
     @contextlib.contextmanager
-    def guard(self, what):
+    def guard(self, what, op=None):
         now = time.monotonic()
-        self.current = (what, now, now + self.comm.timeout)
+        self.current = (what, now, now + self.comm.timeout, op)
         try:
             yield
         finally:
             self.current = None
+            if op is not None and self.comm.size > 1:
+                # always: the watchdog thread may be telling the peers of it now
+                self.comm.wait_ended(op)
 
     def stop(self):
         self.stopped.set()
@@ -110,7 +114,7 @@ class _Watchdog:
             current = self.current
             if current is None:
                 continue
-            what, started, deadline = current
+            what, started, deadline, op = current
             now = time.monotonic()
             if now > deadline:
                 self.comm.abort_timeout(what)
@@ -125,4 +129,4 @@ class _Watchdog:
                 if gone or now - interrupted > INTERRUPT_GRACE:
                     _faults.leave_blocked(self.comm, what)
             elif self.current is current:       # still in the same call
-                self.comm.check_peers(what, started)
+                self.comm.check_peers(what, started, op=op)

@@ -324,6 +324,38 @@ def lazy_loop():
     done()
 
 
+def apart(how):
+    """The ranks in different collectives (``apart``): the job ends in
+    seconds naming each rank's. Ranks that stall in turn, each waiting for
+    the other in the same collective (``turns``): nothing is said, the
+    training goes on."""
+    from fastchain.distributed import _departures
+    _departures.STALL, _departures.STALL_GRACE = 1.0, 0.5
+    if how == 'apart':
+        comm.allgather_obj(rank, what='a test gather')     # both: #1
+        if rank == 0:                                       # rank 0's #2 and #3
+            comm.allgather_obj('extra', what="snapshot: every rank's iterators")
+        else:                                               # rank 1's #2
+            comm.allreduce(numpy.ones(3, numpy.float32), what='allreduce of bucket 0')
+        raise AssertionError('a collective completed on ranks that called different ones')
+    if how == 'snapshot':       # a new-user trial: the snapshot on rank 0 only
+        trainer, _ = make_trainer(os.path.join(OUT, 'r{}'.format(rank)), 6)
+        if rank == 0:
+            trainer.extend(distributed.multi_node_snapshot(comm, extensions.snapshot()),
+                           trigger=(2, 'iteration'))
+        trainer.run()
+        raise AssertionError('the training ended with the snapshot on rank 0 only')
+    for turn in range(4):
+        if rank == turn % 2:
+            time.sleep(1.8)     # the other rank stalls, told, waiting for this one
+        if turn % 2:
+            total = comm.allreduce(numpy.ones(3, numpy.float32), what='turn allreduce')
+            assert total.tolist() == [2.0] * 3
+        else:
+            assert comm.allgather_obj(turn, what='turn gather') == [turn, turn]
+    done()
+
+
 def mismatch():
     model = L.Classifier(MLP(hidden=16 if rank == 0 else 17))
     distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), comm).setup(model)
@@ -336,5 +368,7 @@ SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': eval
              'raise': lambda: failing('raise'), 'kill': lambda: failing('kill'),
              'hang': lambda: failing('hang'), 'exit': lambda: failing('exit'),
              'exit0': lambda: failing('exit0'), 'mismatch': mismatch,
-             'same_batches': same_batches, 'lazy_loop': lazy_loop}
+             'same_batches': same_batches, 'lazy_loop': lazy_loop,
+             'apart': lambda: apart('apart'), 'turns': lambda: apart('turns'),
+             'snapshot_rank0': lambda: apart('snapshot')}
 SCENARIOS[SCENARIO]()

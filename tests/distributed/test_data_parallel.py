@@ -303,6 +303,55 @@ def test_a_custom_loop_on_lazily_shaped_links_drawn_apart_stops_naming_the_fix(t
     assert r.seconds < 30
 
 
+def test_ranks_in_collectives_that_do_not_match_end_the_job_in_seconds_naming_them(tmp_path):
+    """Rank 0 in one more collective than rank 1: each waits for the other
+    for ever (the timeout, minutes later, blamed a crash). The script sets
+    the stall to 1 s (5 s by default)."""
+    r = mpirun('apart', tmp_path)
+    assert r.returncode != 0 and r.ok == []
+    said = [line for line in r.stderr.splitlines() if 'do not match' in line]
+    assert len(said) == 1, r.stderr[-3000:]
+    assert ("rank 0 in its collective #3 (snapshot: every rank's iterators, MPI Iallgather); "
+            "rank 1 in its collective #3 (allreduce of bucket 0, MPI Allreduce)") in said[0]
+    assert 'did not complete within' not in r.stderr
+    assert r.seconds < 30
+
+
+def test_a_snapshot_extension_on_rank_0_only_is_named_in_seconds(tmp_path):
+    # a new-user trial: the extension under `if comm.rank == 0` waited the
+    # whole timeout, then said a rank had crashed or hung
+    r = mpirun('snapshot_rank0', tmp_path)
+    assert r.returncode != 0 and r.ok == []
+    said = [line for line in r.stderr.splitlines() if 'do not match' in line]
+    assert len(said) == 1, r.stderr[-3000:]
+    assert "rank 0 receiving from rank 1 (snapshot: rank 1's iterators" in said[0]
+    assert 'rank 1 in its collective #' in said[0] and 'MPI Allreduce' in said[0]
+    assert 'multi_node_snapshot and the multi-node evaluator go on every rank' in said[0]
+    assert r.seconds < 30
+
+
+def test_ranks_that_wait_for_each_other_in_turn_are_left_to_train(tmp_path):
+    # each rank stalls in turn (past the 1 s stall, told to the peer) while
+    # the other computes: the peer learns the wait ended, nothing is said
+    r = mpirun('turns', tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.ok == ['ok.0', 'ok.1'] and 'do not match' not in r.stderr
+
+
+@pytest.mark.parametrize('waits, stuck', [
+    ({0: ('coll', 3, 'Iallgather'), 1: ('coll', 3, 'Allreduce')}, True),
+    ({0: ('coll', 3, 'Allreduce'), 1: ('coll', 3, 'Allreduce')}, False),   # a slow one
+    ({0: ('coll', 3, 'Allreduce'), 1: ('coll', 4, 'Allreduce')}, True),
+    ({0: ('recv', 1), 1: ('coll', 17, 'Allreduce')}, True),
+    ({0: ('recv', 1), 1: ('send', 0), 2: ('coll', 5, 'Ibarrier')}, False),  # a long message
+    ({0: ('recv', 1), 1: ('recv', 0)}, True),
+    ({0: ('recv', 1), 1: ('recv', 2), 2: ('send', 0)}, True),
+])
+def test_which_waits_can_never_complete(waits, stuck):
+    from fastchain.distributed._departures import _none_can_complete
+    assert _none_can_complete(waits) is stuck
+
+
 def test_single_process_runs_the_same_script():
     # Without mpiexec: a world of one; the optimizer works and averages nothing.
     code = '''
