@@ -154,10 +154,12 @@ class CommunicatorBase(abc.ABC):
         data = numpy.frombuffer(pickle.dumps(obj), numpy.uint8) if self.rank == root \
             else None
         size = numpy.array([0 if data is None else data.size], numpy.int64)
-        self._wait(self.mpi_comm.Ibcast(size, root=root), what, op=self._op('Ibcast'))
+        self._wait(self.mpi_comm.Ibcast(size, root=root), what,
+                   op=self._op('Ibcast from rank {}'.format(root)))
         if data is None:
             data = numpy.empty(int(size[0]), numpy.uint8)
-        self._wait(self.mpi_comm.Ibcast(data, root=root), what, op=self._op('Ibcast'))
+        self._wait(self.mpi_comm.Ibcast(data, root=root), what,
+                   op=self._op('Ibcast from rank {}'.format(root)))
         return pickle.loads(data.tobytes())
 
     def send_obj(self, obj, dest, what='send_obj'):
@@ -272,16 +274,18 @@ class CommunicatorBase(abc.ABC):
         """
         start = time.monotonic()
         deadline = start + self.timeout
-        while not request.Test():
-            now = time.monotonic()
-            if now > deadline:
-                self.abort_timeout(what)
-            if now - start > 0.01:
-                self.check_peers(what, start, peer, op)
-            if now - start > 1.0:
-                time.sleep(1e-3)
-        if op is not None and time.monotonic() - start > _departures.STALL:
-            self.wait_ended(op)
+        try:
+            while not request.Test():
+                now = time.monotonic()
+                if now > deadline:
+                    self.abort_timeout(what)
+                if now - start > 0.01:
+                    self.check_peers(what, start, peer, op)
+                if now - start > 1.0:
+                    time.sleep(1e-3)
+        finally:        # (Ctrl-C too: the peers were told of this wait)
+            if op is not None and time.monotonic() - start > _departures.STALL:
+                self.wait_ended(op)
 
     def wait_ended(self, op):
         """The wait in collective ``op`` ended (the peers learn it if they

@@ -94,20 +94,27 @@ class Departures:
         with self._lock:
             if (self._closed and not after_announcing) or self._freed or MPI.Is_finalized():
                 return dict(self.left)
-            try:
-                while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG):
-                    # Any message of the tag (not the probed source's: on a
-                    # context MPI reused, a stale message may name a rank this
-                    # communicator does not have)
-                    buf = numpy.zeros(3, numpy.int64)
-                    self._comm.Recv(buf, source=MPI.ANY_SOURCE, tag=TAG)
-                    rank, how, serial = (int(v) for v in buf)
-                    if serial == self._serial and 0 <= rank < self._size \
-                            and rank not in self.left:
-                        self.left[rank] = (time.monotonic(), how)
-            except MPI.Exception:
-                pass
+            self._read_departures()
+            # the peers' stalls read as they come, stalled here or not: none
+            # is left queued when the duplicate is freed for MPI to reuse
+            self._read_stalls()
             return dict(self.left)      # a copy: watchdog threads read it too
+
+    def _read_departures(self):
+        from mpi4py import MPI
+        try:
+            while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG):
+                # Any message of the tag (not the probed source's: on a
+                # context MPI reused, a stale message may name a rank this
+                # communicator does not have)
+                buf = numpy.zeros(3, numpy.int64)
+                self._comm.Recv(buf, source=MPI.ANY_SOURCE, tag=TAG)
+                rank, how, serial = (int(v) for v in buf)
+                if serial == self._serial and 0 <= rank < self._size \
+                        and rank not in self.left:
+                    self.left[rank] = (time.monotonic(), how)
+        except MPI.Exception:
+            pass
 
     def settle(self, limit=SETTLE_LIMIT):
         """After this rank announced ``LEFT_BLOCKED``: wait, at most ``limit``
@@ -149,6 +156,17 @@ class Departures:
             except MPI.Exception:
                 pass        # a peer already gone: there is no one to tell
             if how == FINALIZED:
+                # What the peers sent and this rank has not read would reach
+                # the next duplicate MPI gives this context to (a script's own):
+                # read it, and the peers' own end when they end alike (at most
+                # PATIENCE for it: a peer going on past this is said apart)
+                deadline = time.monotonic() + PATIENCE
+                while True:
+                    self._read_departures()
+                    self._read_stalls()
+                    if len(self.left) >= self._size - 1 or time.monotonic() > deadline:
+                        break
+                    time.sleep(1e-3)
                 self._comm.Free()       # the sends are complete, or given up on
                 self._freed = True
 
@@ -171,8 +189,8 @@ class Departures:
                 self._tell_stall((self._serial, 'begin', op[1:], what))
                 self._stall = (op[0], now)
             self._read_stalls()
-            if len(self.stalls) < self._size - 1:
-                return None
+            if len(self.stalls) < self._size - 1 or any(r in self.left for r in self.stalls):
+                return None     # (a rank that left: the departure says so)
             everyone = {r: (o, w) for r, (o, w, _) in self.stalls.items()}
             everyone[self._rank] = (op[1:], what)
             if not _none_can_complete({r: o for r, (o, _) in everyone.items()}):
@@ -196,10 +214,13 @@ class Departures:
         data = numpy.frombuffer(pickle.dumps(message), numpy.uint8)
         try:
             sends = [self._comm.Isend(data, dest=r, tag=STALL_TAG)
-                     for r in range(self._size) if r != self._rank]
+                     for r in range(self._size) if r != self._rank and r not in self.left]
             deadline = time.monotonic() + PATIENCE
             while not MPI.Request.Testall(sends) and time.monotonic() < deadline:
                 time.sleep(1e-3)
+            for request in sends:       # not completed: let MPI finish it alone
+                if request:
+                    request.Free()
         except MPI.Exception:
             pass        # a peer gone: the departure checks say so
 
@@ -230,9 +251,9 @@ def _none_can_complete(waits):
     or ('send' or 'recv', peer)}``, every rank's) can complete: two ranks
     waiting for a message between them may be moving it, and ranks all in
     the same collective may be in a slow one."""
-    for rank, wait in waits.items():
-        if wait[0] in ('send', 'recv'):
-            other = waits.get(wait[1])
-            if other == ('recv' if wait[0] == 'send' else 'send', rank):
+    for a_rank, a in waits.items():
+        for b_rank, b in waits.items():
+            if a[0] == 'send' and b[0] == 'recv' and a[1] == b_rank \
+                    and (b[1] == a_rank or b[1] < 0):       # < 0: from any source
                 return False
     return len(set(waits.values())) > 1

@@ -38,15 +38,18 @@ class MpiCommunicator(CommunicatorBase):
             self._watchdog.start()
 
     def bcast(self, array, root=0, what='bcast'):
-        self._wait(self.mpi_comm.Ibcast(_contiguous(array), root=root), what,
-                   op=self._op('Ibcast'))
+        array = _contiguous(array)
+        self._wait(self.mpi_comm.Ibcast(array, root=root), what,
+                   op=self._op('Ibcast of {} bytes from rank {}'.format(array.nbytes, root)))
         return array
 
     def allreduce_start(self, array, what):
         from mpi4py import MPI
         if self.size > 1:
-            with self._watchdog.guard(what, self._op('Allreduce')):
-                self.mpi_comm.Allreduce(MPI.IN_PLACE, _contiguous(array), op=MPI.SUM)
+            array = _contiguous(array)
+            with self._watchdog.guard(what, self._op('Allreduce of {} bytes'.format(
+                    array.nbytes))):
+                self.mpi_comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
         return None
 
     def allreduce_wait(self, handle):
@@ -57,8 +60,9 @@ class MpiCommunicator(CommunicatorBase):
         if self.size == 1:
             out[0] = array
             return out
-        with self._watchdog.guard(what, self._op('Allgather')):
-            self.mpi_comm.Allgather(_contiguous(array), out)
+        array = _contiguous(array)
+        with self._watchdog.guard(what, self._op('Allgather of {} bytes'.format(array.nbytes))):
+            self.mpi_comm.Allgather(array, out)
         return out
 
     def device(self):

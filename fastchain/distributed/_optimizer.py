@@ -159,14 +159,7 @@ def _attach_when_initialized(optimizer, comm, options):
 def _check_shaped_alike(comm, target):
     """At a first update without a loss function on a lazily shaped model:
     every parameter has its shape now, and every rank the same values."""
-    missing = [name for name, p in sorted(target.namedparams()) if p.array is None]
-    if missing:
-        raise RuntimeError(
-            'the first data-parallel update came without a loss function, and parameters '
-            'of the model still have no shape (lazy initialisation, no forward pass gave '
-            'them one): {}. Run the forward pass before optimizer.update(), call '
-            'optimizer.update(lossfun, *inputs), or give the links their input sizes'
-            .format(', '.join(missing)))
+    _check_shaped(target)
     if comm.size == 1:
         return
     everyone = comm.allgather_obj(_values_digest(target),
@@ -182,7 +175,23 @@ def _check_shaped_alike(comm, target):
         '*inputs) for the first step (fastchain shapes the parameters, gives every rank '
         "rank 0's values, then computes the gradients), give the links their input sizes "
         "(L.Linear(n_in, n_out)), or seed every rank alike before the first forward pass "
-        "(numpy.random.seed(0): Chainer's initializers draw from NumPy's global generator)")
+        "(numpy.random.seed(0), and cupy.random.seed(0) for links on a GPU: Chainer's "
+        "initializers draw from the global generator of the link's array module; seed each "
+        'rank its own way after that step if it draws noise or dropout masks)')
+
+
+def _check_shaped(target):
+    """Every parameter has its shape (the gradients of all of them are
+    averaged, in buckets laid out once)."""
+    missing = [name for name, p in sorted(target.namedparams()) if p.array is None]
+    if missing:
+        raise RuntimeError(
+            'parameters of the model have no shape at its first data-parallel update (lazy '
+            'initialisation): {}. Either no forward pass has run yet (run it before '
+            'optimizer.update(), or call optimizer.update(lossfun, *inputs)), or the forward '
+            'pass does not call their links (give those links their input sizes, or leave '
+            'them out of the model): the data-parallel optimizer averages every '
+            "parameter's gradient and lays them out once".format(', '.join(missing)))
 
 
 def _values_digest(link):
@@ -200,6 +209,7 @@ def _attach(optimizer, comm, options, broadcast=True):
     rank's were checked equal after a forward pass each ran on its own
     batch: their running statistics stay each rank's, as after any step)."""
     target = optimizer.target
+    _check_shaped(target)
     check_same_model(comm, target)
     if broadcast:
         broadcast_parameters(comm, target)

@@ -143,5 +143,35 @@ def mapped(prefix):
         return sorted({line.split()[-1] for line in f if prefix in line})
 
 
+def reuse():
+    """Communicators made and finalised in turn, their ranks stalling in
+    turn (told to the peers), then the script's own duplicate of the world,
+    which MPI may give a freed context: nothing of fastchain's reaches it."""
+    import time
+    from mpi4py import MPI
+    from fastchain.distributed import _departures
+    _departures.STALL, _departures.STALL_GRACE = 0.5, 0.5
+    for round_ in range(3):
+        comm = distributed.create_communicator('mpi')
+        for i in range(2):
+            if comm.rank == (i + round_) % 2:
+                time.sleep(0.8)
+            comm.allreduce(numpy.ones(3), what='step')
+            comm.allgather_obj(i, what='gather')
+        comm.finalize()
+    rank = MPI.COMM_WORLD.rank
+    user = MPI.COMM_WORLD.Dup()
+    time.sleep(0.5)
+    status, stale = MPI.Status(), []
+    while user.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+        buf = numpy.empty(status.Get_count(MPI.BYTE), numpy.uint8)
+        user.Recv(buf, source=status.Get_source(), tag=status.Get_tag())
+        stale.append(status.Get_tag())
+    user.Free()
+    assert stale == [], stale
+    done(rank)
+
+
 {'hooks': hooks, 'ctrl_c_in_python': lambda: ctrl_c(False),
- 'ctrl_c_in_allreduce': lambda: ctrl_c(True), 'raise_with_loader': raise_with_loader}[SCENARIO]()
+ 'ctrl_c_in_allreduce': lambda: ctrl_c(True), 'raise_with_loader': raise_with_loader,
+ 'reuse': reuse}[SCENARIO]()

@@ -312,7 +312,8 @@ def test_ranks_in_collectives_that_do_not_match_end_the_job_in_seconds_naming_th
     said = [line for line in r.stderr.splitlines() if 'do not match' in line]
     assert len(said) == 1, r.stderr[-3000:]
     assert ("rank 0 in its collective #3 (snapshot: every rank's iterators, MPI Iallgather); "
-            "rank 1 in its collective #3 (allreduce of bucket 0, MPI Allreduce)") in said[0]
+            "rank 1 in its collective #3 (allreduce of bucket 0, MPI Allreduce of 12 bytes)"
+            ) in said[0]
     assert 'did not complete within' not in r.stderr
     assert r.seconds < 30
 
@@ -346,6 +347,9 @@ def test_ranks_that_wait_for_each_other_in_turn_are_left_to_train(tmp_path):
     ({0: ('recv', 1), 1: ('send', 0), 2: ('coll', 5, 'Ibarrier')}, False),  # a long message
     ({0: ('recv', 1), 1: ('recv', 0)}, True),
     ({0: ('recv', 1), 1: ('recv', 2), 2: ('send', 0)}, True),
+    ({0: ('recv', -2), 1: ('send', 0), 2: ('coll', 5, 'Ibarrier')}, False),   # any source
+    ({0: ('recv', -2), 1: ('send', 2), 2: ('coll', 5, 'Ibarrier')}, True),
+    ({0: ('send', 1), 1: ('send', 0)}, True),
 ])
 def test_which_waits_can_never_complete(waits, stuck):
     from fastchain.distributed._departures import _none_can_complete

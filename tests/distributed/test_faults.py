@@ -30,6 +30,16 @@ def test_finalize_gives_back_the_hooks_and_leaves_a_users_own(tmp_path):
     assert said == [], r.stderr
 
 
+def test_nothing_of_fastchains_reaches_a_communicator_made_after_its_own(tmp_path):
+    # a reviewer's case: the peers' stall and finalize messages, unread when
+    # a communicator was finalised, reached the script's next duplicate of
+    # the world (MPI reuses a freed context)
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, SCRIPT, 'reuse',
+                        str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['ok.0', 'ok.1'], r.stderr
+
+
 def _ctrl_c_as_in_a_terminal():
     # A job started in the background by a non-interactive shell inherits
     # SIGINT ignored, and Python then keeps it ignored (see

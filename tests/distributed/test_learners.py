@@ -370,6 +370,33 @@ def test_a_custom_loop_on_lazily_shaped_links_trains_on_one_process_as_plain_cha
         numpy.testing.assert_array_equal(p.array, q.array, err_msg=name)
     early = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), OneRank())
     early.setup(build())
-    with pytest.raises(RuntimeError, match=r'still have no shape .*: /predictor/0/W, '
-                                           r'/predictor/1/W\. Run the forward pass'):
+    with pytest.raises(RuntimeError, match=r'no shape at its first data-parallel update '
+                                           r'\(lazy initialisation\): /predictor/0/W, '
+                                           r'/predictor/1/W\. Either no forward pass has run'):
         early.update()
+
+
+@pytest.mark.parametrize('loop', ['custom', 'lossfun'])
+def test_a_lazily_shaped_link_the_forward_never_calls_is_named(loop):
+    # a reviewer's case: with update(lossfun) it failed in the broadcast
+    # with "the mpi communicator needs C-contiguous NumPy arrays"
+    class Model(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.body = L.Linear(None, 3)
+                self.aux = L.Linear(None, 2)        # never called
+
+        def forward(self, x):
+            return self.body(x)
+    model = L.Classifier(Model())
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), OneRank())
+    opt.setup(model)
+    x, t = numpy.ones((2, 4), numpy.float32), numpy.zeros(2, numpy.int32)
+    with pytest.raises(RuntimeError, match=r'\(lazy initialisation\): /predictor/aux/W\. .*'
+                                           r'the forward pass does not call their links'):
+        if loop == 'custom':
+            model(x, t).backward()
+            opt.update()
+        else:
+            opt.update(model, x, t)
