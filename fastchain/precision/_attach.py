@@ -96,11 +96,34 @@ def attach(optimizer, scaler, changes, fp32_update=True):
                           FastchainWarning, stacklevel=_patches.user_stacklevel())
         opt._loss_scale = scaler.scale
 
-    for name, fn in (('check_nan_in_grads', check_nan_in_grads),
+    for name, fn in (('update', _name_dtype_errors),
+                     ('check_nan_in_grads', check_nan_in_grads),
                      ('is_safe_to_update', is_safe_to_update),
                      ('update_loss_scale', update_loss_scale),
                      ('serialize', serialize)):
         changes.wrap(optimizer, name, 'fp16', fn)
+
+
+DTYPE_NOTE = (
+    'fastchain: fp16 is on (chainer.mixed16): the model computes in float16 and the batches '
+    'from the converter are cast to float16. An array the script makes itself (a GAN\'s '
+    'noise, a mask, a constant) stays as made: make it with dtype=chainer.get_dtype(). A '
+    'model built before fastchain.enable(fp16=True) keeps float32 weights: build it after.')
+
+
+def _name_dtype_errors(next_, *args, **kwargs):
+    """``update``: Chainer's type error between float16 and float32 in the
+    step gets a note saying what fp16 changed and the fixes (the error is
+    Chainer's, raised as it was)."""
+    from chainer.utils.type_check import InvalidType
+    try:
+        return next_(*args, **kwargs)
+    except InvalidType as e:
+        text = str(e)
+        if 'float16' in text and 'float32' in text and DTYPE_NOTE not in \
+                getattr(e, '__notes__', ()):
+            e.add_note(DTYPE_NOTE)
+        raise
 
 
 _local = threading.local()

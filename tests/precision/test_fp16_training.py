@@ -362,3 +362,31 @@ def test_a_model_made_before_fp16_is_said_to_fail_at_its_first_step(when):
             with pytest.raises(chainer.utils.type_check.InvalidType,
                                match='float32 != float16|float16 != float32'):
                 optimizer.update(model, *batch)
+
+
+def test_a_float32_array_the_script_makes_gets_a_note_naming_the_fix():
+    """A GAN's noise made in float32 under fp16: Chainer's type error, as it
+    was, with a note on what fp16 changed and chainer.get_dtype(); a type
+    error of another kind, or without fp16, gets none."""
+    from chainer.utils.type_check import InvalidType
+    from fastchain.precision._attach import DTYPE_NOTE
+
+    def step(opt, model, z):
+        opt.update(lambda: F.sum(model(z)))
+
+    with fp16_enable():
+        gen = L.Linear(4, 3)
+        opt = chainer.optimizers.SGD().setup(gen)
+        noise = numpy.random.randn(2, 4).astype(numpy.float32)
+        with pytest.raises(InvalidType) as e:
+            step(opt, gen, noise)
+        assert 'float16 != float32' in str(e.value) and e.value.__notes__ == [DTYPE_NOTE]
+        step(opt, gen, noise.astype(chainer.get_dtype()))       # the fix
+        with pytest.raises(InvalidType) as e:                   # a shape error: no note
+            step(opt, gen, numpy.zeros((2, 5), chainer.get_dtype()))
+        assert not getattr(e.value, '__notes__', None)
+    plain = L.Linear(4, 3)
+    opt = chainer.optimizers.SGD().setup(plain)
+    with pytest.raises(InvalidType) as e:
+        step(opt, plain, numpy.zeros((2, 4), numpy.float16))
+    assert not getattr(e.value, '__notes__', None)
