@@ -25,6 +25,7 @@ for its median time only. With fewer than 3 measured steps no time can be
 more than 3x a median, so nothing is a one-off.
 """
 
+import bisect
 import collections
 import statistics
 
@@ -71,15 +72,17 @@ def summarize(ranges, kernels=None, skip=1, device=None):
     by_thread = collections.defaultdict(list)
     for r in ranges:
         by_thread[r.thread].append(r)
-    for rs in by_thread.values():
+    starts = {}
+    for thread, rs in by_thread.items():
         rs.sort(key=lambda r: (r.start, -r.end))
+        starts[thread] = [r.start for r in rs]
     steps = sorted((r for r in ranges if r.category == 'step' and r.name == 'step'),
                    key=lambda r: r.start)
     skip = skip if len(steps) > skip else 0
     per_step, warmup = [], []
     for i, step in enumerate(steps):
         following = steps[i + 1].start if i + 1 < len(steps) else None
-        phases = _phases(step, by_thread[step.thread], following)
+        phases = _phases(step, by_thread[step.thread], starts[step.thread], following)
         if device is not None:
             lo, hi = phases['window']
             phases['allreduce_device'] = sum(t for at, t in launched if lo <= at <= hi)
@@ -110,13 +113,20 @@ def summarize(ranges, kernels=None, skip=1, device=None):
     return result
 
 
-def _phases(step, thread_ranges, following):
+def _phases(step, thread_ranges, starts, following):
+    """The step's phases and events: its thread's ranges that start in it
+    and the extensions after it, up to the next step (``starts``: the
+    ranges' start times, sorted as they are, so each step looks only at its
+    own: the whole list for every step made saving a long run's timeline
+    take minutes)."""
     out = dict.fromkeys(PHASES, 0)
     out['allreduce'] = 0
     events = collections.Counter()      # (phase, name) -> ns in this step
     children = 0
     end = step.end
-    for r in thread_ranges:
+    lo = bisect.bisect_left(starts, step.start)
+    hi = len(starts) if following is None else bisect.bisect_right(starts, following)
+    for r in thread_ranges[lo:hi]:
         if r.start >= step.start and r.end <= step.end and r is not step:
             if r.depth == step.depth + 1 and r.category in PHASES:
                 out[r.category] += r.end - r.start
@@ -279,6 +289,10 @@ def _unclosed(result):
                 len(result['unclosed']), ', '.join(n for n, _ in result['unclosed']))]
 
 
+BARS_UP_TO = 200    # steps drawn as bars; more as one area a phase
+LABELS = 10         # one-off steps named in the chart (the largest)
+
+
 def plot(result, path):
     """A PNG: the median time per phase of a step, and each step's phases,
     one-off events hatched and named. Returns ``path``, or None where
@@ -308,25 +322,39 @@ def plot(result, path):
     per_step = result['per_step']
     steps = [s['index'] for s in per_step]
     acc = [0.0] * len(per_step)
+    layers = []
     for p in PHASES:
         values = [s['adjusted'][p] / 1e6 for s in per_step]
-        bottom.bar(steps, values, bottom=acc, color=colours[p], width=0.9)
+        layers.append(values)
+        if len(per_step) <= BARS_UP_TO:
+            bottom.bar(steps, values, bottom=acc, color=colours[p], width=0.9)
         acc = [a + v for a, v in zip(acc, values)]
+    if len(per_step) > BARS_UP_TO:
+        # one polygon a phase, not a bar a step and phase (a long run's
+        # tens of thousands of bars took minutes to draw)
+        bottom.stackplot(steps, layers, colors=[colours[p] for p in PHASES], step='mid')
     extra = [sum(s[p] for p in PHASES) / 1e6 - a for s, a in zip(per_step, acc)]
-    if any(s['one_offs'] for s in per_step):
-        # One-offs can dwarf a step: draw them hatched, clipped, and name them.
+    odd = [i for i, s in enumerate(per_step) if s['one_offs']]
+    if odd:
+        # One-offs can dwarf a step: draw them hatched, clipped, and name
+        # the largest (all of them are in the summary).
         ceiling = 2.5 * max(acc)
-        bottom.bar(steps, [min(e, ceiling - a) for e, a in zip(extra, acc)], bottom=acc,
-                   color='white', edgecolor='#d62728', hatch='//', width=0.9,
+        bottom.bar([steps[i] for i in odd], [min(extra[i], ceiling - acc[i]) for i in odd],
+                   bottom=[acc[i] for i in odd], color='white', edgecolor='#d62728',
+                   hatch='//', width=0.9 if len(per_step) <= BARS_UP_TO else 1.0,
                    label='one-off events (clipped at 2.5x the tallest step)')
-        for x, s, a in zip(steps, per_step, acc):
-            if s['one_offs']:
-                bottom.text(x, a, '\n'.join('{} {:.0f} ms'.format(n, ms)
-                                            for n, ms in s['one_offs']),
-                            rotation=90, va='bottom', ha='center', fontsize=7,
-                            bbox={'facecolor': 'white', 'edgecolor': 'none', 'alpha': 0.8})
+        named = sorted(odd, key=lambda i: -extra[i])[:LABELS]
+        for i in named:
+            bottom.text(steps[i], acc[i], '\n'.join('{} {:.0f} ms'.format(n, ms)
+                                                    for n, ms in per_step[i]['one_offs']),
+                        rotation=90, va='bottom', ha='center', fontsize=7,
+                        bbox={'facecolor': 'white', 'edgecolor': 'none', 'alpha': 0.8})
         bottom.set_ylim(0, ceiling * 1.05)
-        bottom.legend(fontsize=7, loc='upper left')
+        bottom.legend(fontsize=7, loc='upper left', title=None if len(named) == len(odd) else
+                      'the {} largest of {} named'.format(len(named), len(odd)),
+                      title_fontsize=7)
+    from matplotlib.ticker import MaxNLocator
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_xlabel('step')
     bottom.set_ylabel('ms')
     fig.tight_layout()
