@@ -54,7 +54,7 @@ def parse(argv):
     p = argparse.ArgumentParser(
         usage=USAGE, description=__doc__.split('\n\n')[0],
         epilog='\n\n'.join(__doc__.split('\n\n')[1:]) + '\n\nExit status: that of the '
-               'first command that fails, 2 for a usage error.',
+               'first command that fails, 2 for a usage error (no nsys, no script).',
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--iterations', metavar='FIRST:LAST', type=_window,
                    help='capture only these iterations (1-based, inclusive)')
@@ -70,6 +70,14 @@ def parse(argv):
     if not args.command:
         p.error('give the training script to profile: nsys_profile.py [options] script.py '
                 '[script args ...]')
+    if not args.dry_run:
+        if not os.path.isfile(args.command[0]):
+            p.error('{}: no such script'.format(args.command[0]))
+        if shutil.which(args.nsys) is None:
+            p.error('{}: nsys not found: install Nsight Systems (it comes with the CUDA '
+                    'toolkit, or from developer.nvidia.com/nsight-systems) or give --nsys '
+                    'its path, or use the built-in timeline: profiling/timeline.py'.format(
+                        args.nsys))
     return args
 
 
@@ -88,10 +96,6 @@ def main(argv=None):
         for i, cmd in enumerate(steps):
             print((prefix if i == 0 else '') + ' '.join(shlex.quote(c) for c in cmd))
         return 0
-    if shutil.which(args.nsys) is None:
-        raise SystemExit('nsys not found: install Nsight Systems (it comes with the CUDA '
-                         'toolkit, or from developer.nvidia.com/nsight-systems), or use '
-                         'the built-in timeline: profiling/timeline.py')
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     for cmd in steps:
         print('+ ' + ' '.join(shlex.quote(c) for c in cmd), flush=True)

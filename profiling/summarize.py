@@ -212,8 +212,17 @@ def main(argv=None):
     p.add_argument('sqlite', help='the file written by `nsys export --type sqlite` (or the '
                                   "NVTX injection recorder's log)")
     p.add_argument('--skip', type=int, default=1, help='warm-up steps to leave out')
-    p.add_argument('--png', help='also draw the breakdown here')
+    p.add_argument('--png', help='also draw the breakdown here (a .png path)')
     args = p.parse_args(argv)
+    if args.skip < 0:
+        p.error('--skip {}: give how many leading steps to leave out, 0 or more'.format(
+            args.skip))
+    if args.png is not None:
+        folder = os.path.dirname(os.path.abspath(args.png))
+        if not args.png.lower().endswith('.png'):
+            p.error('--png {}: give a path ending in .png'.format(args.png))
+        if not os.path.isdir(folder):
+            p.error('--png {}: the folder {} does not exist'.format(args.png, folder))
     try:
         if is_recorder_log(args.sqlite):
             return _report(args, read_recorder_log(args.sqlite), None, None)

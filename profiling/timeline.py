@@ -52,6 +52,9 @@ def parse(argv):
     if not os.path.isfile(command[0]):
         p.error('{}: no such script'.format(command[0]))
     args.command = command
+    if args.output.endswith(('/', os.sep)) or os.path.isdir(args.output):
+        p.error('-o {}: a folder; give the files\' path without extension, e.g. -o {}'.format(
+            args.output, os.path.join(args.output, 'timeline')))
     root, ext = os.path.splitext(args.output)
     if ext.lower() in ('.json', '.png', '.txt'):
         args.output = root      # -o prof/t.json: prof/t.json, not prof/t.json.json
@@ -89,10 +92,12 @@ def run_script(command):
 def main(argv=None):
     args = parse(sys.argv[1:] if argv is None else argv)
     import fastchain
+    from fastchain.nvtx import _group
     trace = args.output + '.json'
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', fastchain.FastchainWarning)
         handle = fastchain.enable(timeline=trace)
+    before = len(_group.opened)
     try:
         status = run_script(args.command)
     finally:
@@ -100,16 +105,30 @@ def main(argv=None):
         handle.disable()
         if sys.exc_info()[0] is not None:
             saved = handle.resources['timeline'].saved or {}
-            print('timeline.py: the script failed; the timeline up to the failure was '
-                  'written to {} and {}'.format(saved.get('json', trace), saved.get('txt')),
-                  file=sys.stderr)
+            if saved.get('summary', {}).get('steps'):
+                print('timeline.py: the script failed; the timeline up to the failure was '
+                      'written to {} and {}'.format(saved.get('json', trace),
+                                                    saved.get('txt')), file=sys.stderr)
+            else:
+                print('timeline.py: the script failed before a training step was recorded '
+                      '({} holds none)'.format(saved.get('json', trace)), file=sys.stderr)
     saved = handle.resources['timeline'].saved
     with open(saved['txt']) as f:
         print(f.read())
+    own = [path for path in _group.opened[before:] if path != trace]
     if not saved['summary']['steps']:
-        print('timeline.py: no training step was recorded: fastchain times the update() '
-              'of Chainer StandardUpdaters built while it is enabled; does the script '
-              'train through one, and leave nvtx on?', file=sys.stderr)
+        if own:
+            print('timeline.py: no training step was recorded here: the script records '
+                  'its own timeline ({}): a handle it enables takes the ranges while it is '
+                  'in force. Read those files, or take timeline= out of the script'.format(
+                      ', '.join(own)), file=sys.stderr)
+        elif status:
+            print('timeline.py: the script ended (status {}) before a training step was '
+                  'recorded'.format(status), file=sys.stderr)
+        else:
+            print('timeline.py: no training step was recorded: fastchain times the update() '
+                  'of Chainer StandardUpdaters built while it is enabled; does the script '
+                  'train through one, and leave nvtx on?', file=sys.stderr)
     print('trace: {}\nchart: {}'.format(
         saved['json'], saved['png'] or 'not drawn (no step recorded, or no matplotlib)'))
     if status:

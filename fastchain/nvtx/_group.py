@@ -35,6 +35,20 @@ def _timeline_path(value):
     return value
 
 
+# The timelines of handles not disabled yet: what an aborted data-parallel
+# job writes before MPI_Abort, which runs no exit handler.
+_unwritten = {}
+opened = []     # every timeline path given to enable() in this process, in order
+
+
+def write_unwritten(when):
+    """Write every timeline whose handle is still enabled (``when``: as the
+    message says it, 'before the job was aborted')."""
+    for at_exit in list(_unwritten.values()):
+        atexit.unregister(at_exit)
+        at_exit(when)
+
+
 def rank_path(path):
     """Where this process writes the timeline ``path``: a data-parallel rank
     other than 0 writes beside rank 0's (``trace.json`` -> ``trace.rank1.json``;
@@ -67,6 +81,20 @@ class NvtxGroup(Group):
         if values['timeline'] is not None and values['nvtx'] is False:
             raise ValueError('fastchain.enable(timeline=...) records the NVTX ranges: '
                              'it cannot go with nvtx=False')
+        if 'timeline' in explicit and values['timeline'] is not None:
+            # Two handles' timelines on one path: the last written (the outer
+            # handle's, which records nothing while the inner one is in force)
+            # replaced the other's trace and summary (a new-user trial).
+            from fastchain.config._enable import active_handles
+            mine = os.path.abspath(values['timeline'])
+            for handle in active_handles():
+                timeline = handle.resources.get('timeline')
+                if timeline is not None and os.path.abspath(timeline.given) == mine:
+                    raise ValueError(
+                        'timeline={!r} is the timeline of a handle still enabled: each '
+                        'handle writes its own trace, so give this one another path (the '
+                        'handle enabled last records the ranges while it is in force)'
+                        .format(values['timeline']))
 
     def unused(self, values, own):
         if 'nvtx' in own and values['nvtx'] is False and values['timeline'] is not None:
@@ -78,21 +106,26 @@ class NvtxGroup(Group):
         if values['timeline'] is not None:
             from fastchain.nvtx._timeline import Timeline
             timeline = handle.resources['timeline'] = Timeline()
+            timeline.given = values['timeline']
+            opened.append(values['timeline'])
             path = rank_path(values['timeline'])
 
-            def at_exit():      # a script that never disables its handle
+            def at_exit(when='at exit'):    # a script that never disables its handle
+                _unwritten.pop(id(timeline), None)
                 if timeline.ranges:
                     try:
                         timeline.save(path)
-                        print('fastchain: the timeline was written at exit to {} (disable() '
-                              'its handle to write it earlier)'.format(path), file=sys.stderr)
+                        print('fastchain: the timeline was written {} to {} (disable() its '
+                              'handle to write it earlier)'.format(when, path), file=sys.stderr)
                     except Exception as e:
-                        print('fastchain: the timeline {} could not be written at exit: '
-                              '{}: {}'.format(path, type(e).__name__, e), file=sys.stderr)
+                        print('fastchain: the timeline {} could not be written {}: '
+                              '{}: {}'.format(path, when, type(e).__name__, e), file=sys.stderr)
             atexit.register(at_exit)
+            _unwritten[id(timeline)] = at_exit
 
             def save():
                 atexit.unregister(at_exit)
+                _unwritten.pop(id(timeline), None)
                 timeline.save(path)
             handle.on_disable(save, 'fastchain timeline -> ' + path)
         if values['nvtx'] == 'links':

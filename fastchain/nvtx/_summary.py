@@ -78,7 +78,7 @@ def summarize(ranges, kernels=None, skip=1, device=None):
         starts[thread] = [r.start for r in rs]
     steps = sorted((r for r in ranges if r.category == 'step' and r.name == 'step'),
                    key=lambda r: r.start)
-    skip = skip if len(steps) > skip else 0
+    asked, skip = skip, (skip if len(steps) > skip else 0)
     per_step, warmup = [], []
     for i, step in enumerate(steps):
         following = steps[i + 1].start if i + 1 < len(steps) else None
@@ -92,7 +92,7 @@ def summarize(ranges, kernels=None, skip=1, device=None):
         else:
             per_step.append(phases)
     result = {'steps': len(per_step), 'skipped_steps': skip, 'per_step': per_step,
-              'warmup': warmup, 'one_offs': []}
+              'warmup': warmup, 'one_offs': [], 'skip_asked': asked}
     if not per_step:
         result.update(median_ms={}, mean_ms={}, share={}, total_ms=0.0, mean_step_ms=0.0,
                       device_idle=None, diagnosis='no training step was recorded')
@@ -243,6 +243,9 @@ def one_off_lines(result):
 def format_summary(result):
     lines = ['fastchain step breakdown ({} steps, {} warm-up left out)'.format(
         result['steps'], result['skipped_steps'])]
+    if result.get('skip_asked', 0) > result['skipped_steps']:
+        lines.append('warm-up: {} step(s) asked to be left out, but {} recorded: none left '
+                     'out'.format(result['skip_asked'], result['steps']))
     if result['warmup']:
         lines.append('warm-up left out: ' + ', '.join(
             'step {} ({:.1f} ms)'.format(i, ms) for i, ms in result['warmup']))

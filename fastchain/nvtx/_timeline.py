@@ -135,6 +135,10 @@ class Timeline:
         with open(base + '.txt', 'w') as f:
             f.write(_summary.format_summary(result) + '\n')
         png = _summary.plot(result, base + '.png')
+        if png is None and os.path.exists(base + '.png'):
+            # an earlier run's chart would sit beside this run's trace and
+            # summary as if it were theirs (a new-user trial read it so)
+            os.remove(base + '.png')
         self.saved = {'summary': result, 'json': path, 'txt': base + '.txt', 'png': png}
         return result
 

@@ -334,3 +334,81 @@ def test_timeline_tool_takes_an_output_with_an_extension_and_refuses_an_unusable
     assert out.returncode == 2 and 'ran' not in out.stdout
     assert "-o /proc/nope/x: cannot create the folder /proc/nope" in out.stderr, out.stderr
     assert 'Traceback' not in out.stderr
+    # a folder given as -o wrote hidden '.json' files, or a traceback where
+    # the folder did not exist (a new-user trial)
+    for folder in (str(tmp_path / 'exists') + os.sep, str(tmp_path / 'new') + os.sep):
+        os.makedirs(str(tmp_path / 'exists'), exist_ok=True)
+        out = subprocess.run(tool + ['-o', folder, str(script)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2 and 'a folder; give the files\' path without extension, ' \
+            'e.g. -o {}'.format(os.path.join(folder, 'timeline')) in out.stderr, out.stderr
+        assert 'Traceback' not in out.stderr
+
+
+OWN_TIMELINE = '''
+import sys, warnings
+import numpy, chainer, chainer.links as L
+import fastchain
+warnings.simplefilter('ignore')
+if sys.argv[2:] == ['exit']:
+    sys.exit('bad config')
+handle = fastchain.enable(timeline=sys.argv[1], loader_workers=0)
+x = numpy.random.RandomState(0).randn(16, 4).astype(numpy.float32)
+it = chainer.iterators.SerialIterator(
+    chainer.datasets.TupleDataset(x, (x[:, 0] > 0).astype(numpy.int32)), 4)
+opt = chainer.optimizers.SGD(0.1).setup(L.Classifier(L.Linear(4, 2)))
+updater = chainer.training.StandardUpdater(it, opt)
+for _ in range(4):
+    updater.update()
+handle.disable()
+'''
+
+
+def test_timeline_tool_names_a_scripts_own_timeline_and_a_script_ending_early(tmp_path):
+    # a new-user trial: a script with its own enable(timeline=...) took the
+    # ranges, and the tool asked whether it trained through an updater; a
+    # script ending on a bad config got the same question
+    script = tmp_path / 'own.py'
+    script.write_text(OWN_TIMELINE)
+    tool = [sys.executable, os.path.join(PROFILING, 'timeline.py'), '-o', str(tmp_path / 'tl')]
+    own = str(tmp_path / 'own.json')
+    out = subprocess.run(tool + [str(script), own], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert 'the script records its own timeline ({})'.format(own) in out.stderr
+    assert 'does the script train through one' not in out.stderr
+    assert '(3 steps, 1 warm-up left out)' in (tmp_path / 'own.txt').read_text()
+    out = subprocess.run(tool + [str(script), own, 'exit'], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1
+    assert 'the script ended (status 1) before a training step was recorded' in out.stderr
+    assert 'does the script train through one' not in out.stderr
+
+
+def test_summariser_skip_and_png_are_checked_and_a_skip_too_long_said(tmp_path):
+    from fastchain.nvtx import _summary
+    from tests.nvtx.test_timeline import steps
+    tool = [sys.executable, os.path.join(PROFILING, 'summarize.py'), 'any.sqlite']
+    for extra, said in ((['--skip', '-3'], '--skip -3: give how many leading steps'),
+                        (['--png', 'out.json'], '--png out.json: give a path ending in .png'),
+                        (['--png', str(tmp_path / 'no' / 'x.png')], 'does not exist')):
+        out = subprocess.run(tool + extra, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and said in out.stderr and 'Traceback' not in out.stderr
+    result = _summary.summarize(steps(4, [('forward', 10)]), skip=20)
+    assert result['skipped_steps'] == 0 and result['steps'] == 4
+    assert ('warm-up: 20 step(s) asked to be left out, but 4 recorded: none left out'
+            in _summary.format_summary(result))
+
+
+def test_nsys_profile_without_nsys_or_the_script_is_a_usage_error_naming_it(tmp_path):
+    script = tmp_path / 'train.py'
+    script.write_text('print("ran")\n')
+    tool = [sys.executable, os.path.join(PROFILING, 'nsys_profile.py')]
+    missing = str(tmp_path / 'bin' / 'nsys')
+    out = subprocess.run(tool + ['--nsys', missing, str(script)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and '{}: nsys not found'.format(missing) in out.stderr
+    assert 'profiling/timeline.py' in out.stderr and 'ran' not in out.stdout
+    out = subprocess.run(tool + [str(tmp_path / 'nope.py')], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and 'nope.py: no such script' in out.stderr

@@ -300,6 +300,8 @@ it = chainer.iterators.SerialIterator(
 updater = chainer.training.StandardUpdater(it, opt)
 for _ in range(3):
     updater.update()
+if sys.argv[2:] == ['raise'] and comm.rank == 1:
+    raise ValueError('rank 1 fails on purpose')
 handle.disable()
 comm.finalize()
 '''
@@ -326,6 +328,24 @@ def test_each_rank_of_a_data_parallel_job_writes_its_own_timeline(tmp_path):
         assert any(e.get('name') == 'update' for e in events), name
         pids.append({e['pid'] for e in events if 'pid' in e})
     assert not pids[0] & pids[1]        # two processes' own events
+
+
+@pytest.mark.mpi
+def test_the_rank_that_ends_a_data_parallel_job_writes_its_timeline_first(tmp_path):
+    # a new-user trial: a rank that raised aborted the job (MPI_Abort runs no
+    # exit handler) and no timeline was left, the failing rank's least of all
+    import subprocess
+    import sys
+    from fastchain.backends import mpi
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, '-c', RANKS_SCRIPT,
+                        str(tmp_path / 'trace.json'), 'raise'], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and 'rank 1 fails on purpose' in r.stderr
+    assert 'the timeline was written before the job was aborted to {}'.format(
+        tmp_path / 'trace.rank1.json') in r.stderr, r.stderr[-3000:]
+    events = json.load(open(tmp_path / 'trace.rank1.json'))['traceEvents']
+    assert sum(e.get('name') == 'update' for e in events) == 3
+    assert '(2 steps, 1 warm-up left out)' in (tmp_path / 'trace.rank1.txt').read_text()
 
 
 def _phases_scanning_everything(step, thread_ranges, starts, following):
@@ -382,3 +402,26 @@ def test_the_summary_looks_at_each_steps_own_ranges_as_the_full_scan_did(shapes,
     with unittest.mock.patch.object(_summary, '_phases', _phases_scanning_everything):
         full = _summary.summarize(list(ranges), skip=skip)
     assert fast == full
+
+
+def test_a_timeline_path_an_enabled_handle_writes_is_refused(tmp_path):
+    # a new-user trial: the outer handle, written last, replaced the inner
+    # one's trace and summary with an empty record, its chart left as it was
+    path = str(tmp_path / 'trace.json')
+    outer = fastchain.enable(timeline=path, loader_workers=0)
+    try:
+        with pytest.raises(ValueError, match='is the timeline of a handle still enabled'):
+            fastchain.enable(timeline=str(tmp_path / '.' / 'trace.json'))
+        inner = fastchain.enable(timeline=str(tmp_path / 'inner.json'))     # another path
+        inner.disable()
+    finally:
+        outer.disable()
+    fastchain.enable(timeline=path).disable()       # free again once disabled
+
+
+def test_a_run_with_no_chart_leaves_no_earlier_runs_chart_beside_its_trace(tmp_path):
+    from fastchain.nvtx._timeline import Timeline
+    path = str(tmp_path / 'trace.json')
+    (tmp_path / 'trace.png').write_bytes(b'an earlier run')
+    Timeline().save(path)                   # no step: no chart
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['trace.json', 'trace.txt']
