@@ -199,6 +199,25 @@ def trainer_run_layer(next_, trainer, *args, **kwargs):
         for name, entry in entries:
             if isinstance(entry.extension, _AnnotatedExtension):
                 entry.extension = entry.extension._extension
+        _check_capture(trainer.updater.iteration)
+
+
+def _check_capture(iteration):
+    """At the end of a trainer's run: a capture window it never opened (or
+    left open) is said, as nsys would record nothing (or an open range)."""
+    window = capture_window()
+    if window is None or iteration >= window[1]:
+        return
+    first, last = window
+    why = ('before the window opened: nothing was captured (nsys profile '
+           '--capture-range=nvtx records nothing)' if iteration < first else
+           'inside the window: its capture range was left open (nsys records on to the '
+           "process's end)")
+    import warnings
+    from fastchain.config import FastchainWarning
+    warnings.warn('fastchain: FASTCHAIN_CAPTURE={}:{}: the run ended at iteration {}, {}; '
+                  'choose iterations the run reaches'.format(first, last, iteration, why),
+                  FastchainWarning, stacklevel=2)
 
 
 class LinkPaths:

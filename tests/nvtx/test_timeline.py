@@ -425,3 +425,23 @@ def test_a_run_with_no_chart_leaves_no_earlier_runs_chart_beside_its_trace(tmp_p
     (tmp_path / 'trace.png').write_bytes(b'an earlier run')
     Timeline().save(path)                   # no step: no chart
     assert sorted(p.name for p in tmp_path.iterdir()) == ['trace.json', 'trace.txt']
+
+
+@pytest.mark.parametrize('window, said', [
+    ('100:120', 'the run ended at iteration 5, before the window opened: nothing was captured'),
+    ('4:9', 'the run ended at iteration 5, inside the window: its capture range was left open'),
+    ('2:5', None)])
+def test_a_capture_window_the_run_does_not_reach_is_said(tmp_path, monkeypatch, window, said):
+    # a new-user trial: FASTCHAIN_CAPTURE=100:120 on a 15-step run said nothing,
+    # and nsys would have recorded nothing
+    from fastchain.config import FastchainWarning
+    monkeypatch.setenv('FASTCHAIN_CAPTURE', window)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        train(tmp_path, iterations=5, timeline=str(tmp_path / 'trace.json'))
+    ours = [str(w.message) for w in caught if issubclass(w.category, FastchainWarning)
+            and 'FASTCHAIN_CAPTURE' in str(w.message)]
+    assert len(ours) == (0 if said is None else 1), ours
+    if said is not None:
+        assert ours[0].startswith('fastchain: FASTCHAIN_CAPTURE={}: '.format(window))
+        assert said in ours[0]
