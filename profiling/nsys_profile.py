@@ -71,7 +71,7 @@ def parse(argv):
         p.error('give the training script to profile: nsys_profile.py [options] script.py '
                 '[script args ...]')
     if not args.dry_run:
-        if not os.path.isfile(args.command[0]):
+        if not args.command[0].startswith('-') and not os.path.isfile(args.command[0]):
             p.error('{}: no such script'.format(args.command[0]))
         if shutil.which(args.nsys) is None:
             p.error('{}: nsys not found: install Nsight Systems (it comes with the CUDA '

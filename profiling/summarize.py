@@ -243,7 +243,8 @@ def main(argv=None):
 def _report(args, ranges, kernels, device):
     result = _summary.summarize(ranges, kernels=kernels, skip=args.skip,
                                 device=device or None)
-    print(_summary.format_summary(result))
+    note = _summary.skip_note(args.skip, result)
+    print(_summary.format_summary(result) + ('\n' + note if note else ''))
     if args.png:
         drawn = _summary.plot(result, args.png)
         print('chart: ' + (drawn or 'not drawn (no step recorded, or matplotlib missing)'))

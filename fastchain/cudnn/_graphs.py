@@ -40,7 +40,7 @@ import numpy
 
 from fastchain.cudnn import _frontend, _keys
 from fastchain.cudnn._plans import (is_oom, more_plans, plan_count,  # noqa: F401 (is_oom)
-                                     plan_label, time_plan)
+                                     plan_label, time_plan, workspace_for)
 
 TRIALS = 3
 REPEATS = 5             # runs between one pair of CUDA events (a trial: their mean)
@@ -226,23 +226,13 @@ def _entry(key, builder, layouts=('nchw',)):
     return entry
 
 
-def _workspace(graph, plan):
-    import cupy
-    size = graph.workspace.get(plan)
-    if size is None:
-        size_of = getattr(graph.graph, 'get_workspace_size_plan_at_index', None)
-        size = size_of(plan) if size_of is not None else graph.graph.get_workspace_size()
-        graph.workspace[plan] = size
-    return cupy.empty(max(1, size), dtype=numpy.uint8)
-
-
 def _execute(g, pack, plan, device):
     """Runs plan ``plan`` of ``g`` on CuPy's current stream. ``pack`` maps
     the graph's tensors to arrays: the frontend takes each one's pointer
     through DLPack (CuPy arrays on the device, NumPy arrays for the scalars
     passed by value), as it does the workspace's."""
     handle = _frontend.bind_stream(device)
-    workspace = _workspace(g, plan)
+    workspace = workspace_for(g, plan)
     run_plan = getattr(g.graph, 'execute_plan_at_index', None)
     if run_plan is not None:
         run_plan(pack, workspace, plan, handle=handle)

@@ -3,6 +3,8 @@ their names, and a plan's timing under autotune (:mod:`fastchain.cudnn._graphs`)
 
 import statistics
 
+import numpy
+
 # A plan whose first trial took more than this many times the best median so
 # far gets no more trials: it cannot be picked. On the first GPU run the plans
 # of cuDNN's engine 0 made 70% of the summed medians of the keys tuned (1.46 s
@@ -114,3 +116,17 @@ def time_plan(run, events, trials, repeats, best=None):
         if best is not None and times[0] > SLOW * best:
             break
     return statistics.median(times)
+
+
+def workspace_for(graph, plan):
+    """A workspace for ``plan`` of ``graph`` (a ``_graphs._Graph``) from CuPy's
+    pool; the plan's size asked of the frontend once."""
+    import cupy
+    size = graph.workspace.get(plan)
+    if size is None:
+        size_of = getattr(graph.graph, 'get_workspace_size_plan_at_index', None)
+        if size_of is None:         # an older frontend: the graph's, asked each time
+            size = graph.graph.get_workspace_size()
+        else:
+            size = graph.workspace[plan] = size_of(plan)
+    return cupy.empty(max(1, size), dtype=numpy.uint8)

@@ -344,12 +344,14 @@ class CommunicatorBase(abc.ABC):
         waits = '; '.join('rank {} {}'.format(rank, wait(op, what))
                           for rank, (op, what) in sorted(everyone.items()))
         message = ('fastchain: rank {} of {}: the ranks wait for each other in operations '
-                   'that do not match, so none can complete: {}. A collective or an exchange '
-                   'was called on some ranks only: an extension registered on some ranks '
-                   '(multi_node_snapshot and the '
-                   'multi-node evaluator go on every rank), or a collective in a branch that '
-                   'depends on the rank or on local data. Aborting the job.'.format(
-                       self.rank, self.size, waits))
+                   'that do not match, so none can complete: {} (collectives numbered among '
+                   "this communicator's MPI operations). A collective or an exchange was "
+                   'called on some ranks only: an extension registered on some ranks '
+                   '(multi_node_snapshot and the multi-node evaluator go on every rank), a '
+                   'collective in a branch that depends on the rank or on local data, or '
+                   'ranks that ran different numbers of steps (shards of unequal length: '
+                   'distributed.scatter_dataset gives each rank the same number). Aborting '
+                   'the job.'.format(self.rank, self.size, waits))
         print(message, file=sys.stderr, flush=True)
         self.abort(1)
         raise RuntimeError(message)     # reached only if abort returned

@@ -20,6 +20,7 @@ touching them.
 
 import functools
 import time
+import weakref
 
 import numpy
 
@@ -97,6 +98,9 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
     if getattr(optimizer, 'target', None) is not None:
         _attach_when_initialized(optimizer, comm, options)
     else:
+        # (holds the optimizer until its setup, which takes this layer off:
+        # `create_multi_node_optimizer(SGD(), comm).setup(model)` has no other
+        # reference to it in between)
         def setup_data_parallel(next_, link):
             result = next_(link)
             _patches.unwrap(optimizer, 'setup', 'distributed')
@@ -121,8 +125,10 @@ def _check_arguments(optimizer, comm, bucket_cap_mb):
         raise TypeError('comm must be a communicator from '
                         'fastchain.distributed.create_communicator(), got {!r}'.format(comm))
     if isinstance(bucket_cap_mb, bool) or \
-            not isinstance(bucket_cap_mb, (int, float, numpy.integer, numpy.floating)) or \
-            not 0 < bucket_cap_mb < float('inf'):
+            not isinstance(bucket_cap_mb, (int, float, numpy.integer, numpy.floating)):
+        raise TypeError('bucket_cap_mb must be a number of MiB > 0, got {!r}'.format(
+            bucket_cap_mb))
+    if not 0 < bucket_cap_mb < float('inf'):
         raise ValueError('bucket_cap_mb must be a number of MiB > 0, got {!r}'.format(
             bucket_cap_mb))
 
@@ -143,8 +149,14 @@ def _attach_when_initialized(optimizer, comm, options):
         _attach(optimizer, comm, options)
         return
 
+    # held weakly: fastchain's points keep their layers by the optimizer,
+    # weakly, and a strong reference back kept an optimizer whose first update
+    # failed for ever (set up, the script holds it)
+    ref = weakref.ref(optimizer)
+
     def first_update(next_, lossfun=None, *args, **kwds):
         import chainer
+        optimizer = ref()
         if lossfun is None:
             _check_shaped_alike(comm, optimizer.target)
             _attach(optimizer, comm, options, broadcast=False)  # replaces this layer
@@ -159,7 +171,7 @@ def _attach_when_initialized(optimizer, comm, options):
 def _check_shaped_alike(comm, target):
     """At a first update without a loss function on a lazily shaped model:
     every parameter has its shape now, and every rank the same values."""
-    _check_shaped(target)
+    _check_shaped(target, forward_ran=False)
     if comm.size == 1:
         return
     everyone = comm.allgather_obj(_values_digest(target),
@@ -180,18 +192,20 @@ def _check_shaped_alike(comm, target):
         'rank its own way after that step if it draws noise or dropout masks)')
 
 
-def _check_shaped(target):
+def _check_shaped(target, forward_ran=True):
     """Every parameter has its shape (the gradients of all of them are
-    averaged, in buckets laid out once)."""
+    averaged, in buckets laid out once). ``forward_ran``: False where the
+    script's own forward pass may not have run yet."""
     missing = [name for name, p in sorted(target.namedparams()) if p.array is None]
     if missing:
         raise RuntimeError(
             'parameters of the model have no shape at its first data-parallel update (lazy '
-            'initialisation): {}. Either no forward pass has run yet (run it before '
-            'optimizer.update(), or call optimizer.update(lossfun, *inputs)), or the forward '
-            'pass does not call their links (give those links their input sizes, or leave '
-            'them out of the model): the data-parallel optimizer averages every '
-            "parameter's gradient and lays them out once".format(', '.join(missing)))
+            'initialisation): {}. {}he forward pass does not call their links (give those '
+            'links their input sizes, or leave them out of the model): the data-parallel '
+            "optimizer averages every parameter's gradient and lays them out once".format(
+                ', '.join(missing), 'T' if forward_ran else
+                'Either no forward pass has run yet (run it before optimizer.update(), or '
+                'call optimizer.update(lossfun, *inputs)), or t'))
 
 
 def _values_digest(link):

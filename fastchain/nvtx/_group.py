@@ -41,12 +41,19 @@ _unwritten = {}
 opened = []     # every timeline path given to enable() in this process, in order
 
 
-def write_unwritten(when):
+def write_unwritten(when, limit=10.0):
     """Write every timeline whose handle is still enabled (``when``: as the
-    message says it, 'before the job was aborted')."""
-    for at_exit in list(_unwritten.values()):
-        atexit.unregister(at_exit)
-        at_exit(when)
+    message says it, 'before the job was aborted'), without waiting for the
+    device, in a thread given ``limit`` seconds (the abort goes on after)."""
+    import threading
+
+    def write():
+        for at_exit in list(_unwritten.values()):
+            atexit.unregister(at_exit)
+            at_exit(when, wait_device=False)
+    thread = threading.Thread(target=write, daemon=True, name='fastchain-timeline-at-abort')
+    thread.start()
+    thread.join(limit)
 
 
 def rank_path(path):
@@ -110,8 +117,9 @@ class NvtxGroup(Group):
             opened.append(values['timeline'])
             path = rank_path(values['timeline'])
 
-            def at_exit(when='at exit'):    # a script that never disables its handle
+            def at_exit(when='at exit', wait_device=True):  # a handle never disabled
                 _unwritten.pop(id(timeline), None)
+                timeline.wait_device = wait_device
                 if timeline.ranges:
                     try:
                         timeline.save(path)

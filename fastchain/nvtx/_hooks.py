@@ -194,20 +194,24 @@ def trainer_run_layer(next_, trainer, *args, **kwargs):
     for name, entry in entries:
         entry.extension = _AnnotatedExtension(entry.extension, name)
     try:
-        return next_(trainer, *args, **kwargs)
+        result = next_(trainer, *args, **kwargs)
     finally:
         for name, entry in entries:
             if isinstance(entry.extension, _AnnotatedExtension):
                 entry.extension = entry.extension._extension
-        _check_capture(trainer.updater.iteration)
+    _check_capture(trainer.updater)         # a run that ended normally
+    return result
 
 
-def _check_capture(iteration):
-    """At the end of a trainer's run: a capture window it never opened (or
-    left open) is said, as nsys would record nothing (or an open range)."""
+def _check_capture(updater):
+    """At the end of a trainer's run: a capture window its annotated updater
+    never opened (or left open) is said, as nsys would record nothing (or
+    an open range)."""
     window = capture_window()
-    if window is None or iteration >= window[1]:
+    if window is None or 'nvtx' not in _patches.layers(updater, 'update') or \
+            updater.iteration >= window[1]:
         return
+    iteration = updater.iteration
     first, last = window
     why = ('before the window opened: nothing was captured (nsys profile '
            '--capture-range=nvtx records nothing)' if iteration < first else
@@ -217,7 +221,7 @@ def _check_capture(iteration):
     from fastchain.config import FastchainWarning
     warnings.warn('fastchain: FASTCHAIN_CAPTURE={}:{}: the run ended at iteration {}, {}; '
                   'choose iterations the run reaches'.format(first, last, iteration, why),
-                  FastchainWarning, stacklevel=2)
+                  FastchainWarning, stacklevel=_patches.user_stacklevel())
 
 
 class LinkPaths:

@@ -78,7 +78,7 @@ def summarize(ranges, kernels=None, skip=1, device=None):
         starts[thread] = [r.start for r in rs]
     steps = sorted((r for r in ranges if r.category == 'step' and r.name == 'step'),
                    key=lambda r: r.start)
-    asked, skip = skip, (skip if len(steps) > skip else 0)
+    skip = skip if len(steps) > skip else 0
     per_step, warmup = [], []
     for i, step in enumerate(steps):
         following = steps[i + 1].start if i + 1 < len(steps) else None
@@ -92,7 +92,7 @@ def summarize(ranges, kernels=None, skip=1, device=None):
         else:
             per_step.append(phases)
     result = {'steps': len(per_step), 'skipped_steps': skip, 'per_step': per_step,
-              'warmup': warmup, 'one_offs': [], 'skip_asked': asked}
+              'warmup': warmup, 'one_offs': []}
     if not per_step:
         result.update(median_ms={}, mean_ms={}, share={}, total_ms=0.0, mean_step_ms=0.0,
                       device_idle=None, diagnosis='no training step was recorded')
@@ -125,7 +125,9 @@ def _phases(step, thread_ranges, starts, following):
     children = 0
     end = step.end
     lo = bisect.bisect_left(starts, step.start)
-    hi = len(starts) if following is None else bisect.bisect_right(starts, following)
+    # (the next step may be another thread's, starting before this one ends)
+    hi = len(starts) if following is None else \
+        bisect.bisect_right(starts, max(step.end, following))
     for r in thread_ranges[lo:hi]:
         if r.start >= step.start and r.end <= step.end and r is not step:
             if r.depth == step.depth + 1 and r.category in PHASES:
@@ -220,6 +222,15 @@ def diagnose(share, device_idle=None):
         pct(compute))
 
 
+def skip_note(asked, result):
+    """The line saying an explicit ``--skip`` left nothing out (it asks for
+    as many steps as were recorded, or more), or None."""
+    if result['steps'] and asked > result['skipped_steps']:
+        return ('warm-up: --skip {} asks for more steps than the {} recorded: none left '
+                'out'.format(asked, result['steps']))
+    return None
+
+
 def one_off_lines(result):
     """The one-off events grouped by name, longest in all first: one line each."""
     groups = collections.OrderedDict()
@@ -243,9 +254,6 @@ def one_off_lines(result):
 def format_summary(result):
     lines = ['fastchain step breakdown ({} steps, {} warm-up left out)'.format(
         result['steps'], result['skipped_steps'])]
-    if result.get('skip_asked', 0) > result['skipped_steps']:
-        lines.append('warm-up: {} step(s) asked to be left out, but {} recorded: none left '
-                     'out'.format(result['skip_asked'], result['steps']))
     if result['warmup']:
         lines.append('warm-up left out: ' + ', '.join(
             'step {} ({:.1f} ms)'.format(i, ms) for i, ms in result['warmup']))

@@ -39,6 +39,9 @@ class Timeline:
         self.saved = None       # what save() wrote
         self.device_ranges = []     # _summary.DeviceRange, resolved
         self._device_pending = []   # (name, category, track, start, end events, launched)
+        # False when written as a job is aborted: a device stream stuck on a
+        # dead peer would block the wait for ever; work not done is left out
+        self.wait_device = True
 
     def push(self, name, category):
         tid = threading.get_ident()
@@ -72,6 +75,8 @@ class Timeline:
         with self._lock:
             pending, self._device_pending = self._device_pending, []
         for name, category, track, start, end, launched in pending:
+            if not self.wait_device and not end.done:
+                continue
             end.synchronize()
             self.device_ranges.append(_summary.DeviceRange(
                 name, category, track.label, track.host_ns(start), track.host_ns(end),

@@ -332,10 +332,10 @@ def apart(how):
     from fastchain.distributed import _departures
     _departures.STALL, _departures.STALL_GRACE = 1.0, 0.5
     if how == 'apart':
-        comm.allgather_obj(rank, what='a test gather')     # both: #1
-        if rank == 0:                                       # rank 0's #2 and #3
+        comm.allgather_obj(rank, what='a test gather')     # both: MPI operations #1, #2
+        if rank == 0:                                       # rank 0's #3 and #4
             comm.allgather_obj('extra', what="snapshot: every rank's iterators")
-        else:                                               # rank 1's #2
+        else:                                               # rank 1's #3
             comm.allreduce(numpy.ones(3, numpy.float32), what='allreduce of bucket 0')
         raise AssertionError('a collective completed on ranks that called different ones')
     if how == 'snapshot':       # a new-user trial: the snapshot on rank 0 only

@@ -242,3 +242,34 @@ def test_on_a_gpu_the_summary_says_its_phases_are_host_time(monkeypatch):
     timeline = Timeline()
     timeline.ranges = ranges
     assert timeline.summary(skip=0)['host_time_on_gpu'] is True
+
+
+def test_a_timeline_written_at_an_abort_leaves_out_device_work_not_done():
+    """An aborted job writes its timeline without waiting for the device: a
+    stream stuck on a dead peer would block that wait for ever (a reviewer's
+    finding); the work not done is left out, the rest is placed."""
+    class Stuck:
+        done = False
+
+        def synchronize(self):
+            raise AssertionError('waited for a stream that never finishes')
+
+    class Done:
+        done = True
+
+        def __init__(self, t):
+            self.t = t
+
+        def synchronize(self):
+            pass
+    track = types.SimpleNamespace(label='NCCL stream', host_ns=lambda event: event.t)
+    timeline = Timeline()
+    timeline.device_range('bucket 0', 'allreduce', track, Done(10), Done(20), 5)
+    timeline.device_range('bucket 1', 'allreduce', track, Done(30), Stuck(), 25)
+    timeline.wait_device = False
+    assert [(d.name, d.start, d.end) for d in timeline.resolve_device()] == [
+        ('bucket 0', 10, 20)]
+    timeline.device_range('bucket 2', 'allreduce', track, Done(40), Stuck(), 35)
+    timeline.wait_device = True
+    with pytest.raises(AssertionError, match='never finishes'):
+        timeline.resolve_device()

@@ -396,8 +396,10 @@ def test_summariser_skip_and_png_are_checked_and_a_skip_too_long_said(tmp_path):
         assert out.returncode == 2 and said in out.stderr and 'Traceback' not in out.stderr
     result = _summary.summarize(steps(4, [('forward', 10)]), skip=20)
     assert result['skipped_steps'] == 0 and result['steps'] == 4
-    assert ('warm-up: 20 step(s) asked to be left out, but 4 recorded: none left out'
-            in _summary.format_summary(result))
+    assert _summary.skip_note(20, result) == (
+        'warm-up: --skip 20 asks for more steps than the 4 recorded: none left out')
+    assert _summary.skip_note(1, _summary.summarize(steps(4, [('forward', 10)]))) is None
+    assert 'warm-up: --skip' not in _summary.format_summary(_summary.summarize([]))
 
 
 def test_nsys_profile_without_nsys_or_the_script_is_a_usage_error_naming_it(tmp_path):

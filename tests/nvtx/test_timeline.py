@@ -380,9 +380,9 @@ def _phases_scanning_everything(step, thread_ranges, starts, following):
     st.lists(st.tuples(st.sampled_from(_summary.PHASES[:6] + ('allreduce', 'link')),
                        st.integers(0, 5)), max_size=5),
     st.integers(0, 3), st.integers(0, 3), st.booleans()), min_size=1, max_size=12),
-    st.integers(0, 3))
-@settings(max_examples=60, deadline=None)
-def test_the_summary_looks_at_each_steps_own_ranges_as_the_full_scan_did(shapes, skip):
+    st.integers(0, 3), st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), max_size=4))
+@settings(max_examples=80, deadline=None)
+def test_the_summary_looks_at_each_steps_own_ranges_as_the_full_scan_did(shapes, skip, others):
     """Each step is summarised from the ranges that start in it and the
     extensions up to the next one (found by bisection: the full scan of
     every range for every step took minutes at exit for a long run, a
@@ -397,6 +397,10 @@ def test_the_summary_looks_at_each_steps_own_ranges_as_the_full_scan_did(shapes,
             rs.append(Range('load', 'data', 2, child.start, child.end + 500, 0))
         ranges += rs
         t += gap * 300
+    for begin, length in others:    # steps of another thread, overlapping the first's
+        rs, _ = step(begin * 1000, [('forward', length * 400), ('update', length * 300)],
+                     thread=3, extension=length * 100)
+        ranges += rs
     fast = _summary.summarize(list(ranges), skip=skip)
     import unittest.mock
     with unittest.mock.patch.object(_summary, '_phases', _phases_scanning_everything):
@@ -445,3 +449,19 @@ def test_a_capture_window_the_run_does_not_reach_is_said(tmp_path, monkeypatch, 
     if said is not None:
         assert ours[0].startswith('fastchain: FASTCHAIN_CAPTURE={}: '.format(window))
         assert said in ours[0]
+
+
+def test_a_run_that_fails_says_nothing_of_the_capture_window(tmp_path, monkeypatch):
+    # its own error is what it ends with (a warning turned into an error
+    # would have replaced it)
+    monkeypatch.setenv('FASTCHAIN_CAPTURE', '100:120')
+
+    def fail(trainer):
+        raise RuntimeError('the run fails on purpose')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', fastchain.FastchainWarning)
+        with pytest.raises(RuntimeError, match='on purpose'):
+            train(tmp_path, iterations=5, timeline=str(tmp_path / 't.json'),
+                  extend=lambda trainer: trainer.extend(fail, trigger=(2, 'iteration')))
+    for h in fastchain.active_handles():
+        h.disable()
