@@ -119,16 +119,22 @@ def _phases(step, thread_ranges, starts, following):
     ranges' start times, sorted as they are, so each step looks only at its
     own: the whole list for every step made saving a long run's timeline
     take minutes)."""
+    lo = bisect.bisect_left(starts, step.start)
+    # (the next step may be another thread's, starting before this one ends)
+    hi = len(starts) if following is None else \
+        bisect.bisect_right(starts, max(step.end, following))
+    return _step_figures(step, thread_ranges[lo:hi], following)
+
+
+def _step_figures(step, candidates, following):
+    """The step's phases and events from ``candidates``, its thread's ranges
+    (those outside the step and its extensions are passed over)."""
     out = dict.fromkeys(PHASES, 0)
     out['allreduce'] = 0
     events = collections.Counter()      # (phase, name) -> ns in this step
     children = 0
     end = step.end
-    lo = bisect.bisect_left(starts, step.start)
-    # (the next step may be another thread's, starting before this one ends)
-    hi = len(starts) if following is None else \
-        bisect.bisect_right(starts, max(step.end, following))
-    for r in thread_ranges[lo:hi]:
+    for r in candidates:
         if r.start >= step.start and r.end <= step.end and r is not step:
             if r.depth == step.depth + 1 and r.category in PHASES:
                 out[r.category] += r.end - r.start

@@ -351,29 +351,7 @@ def test_the_rank_that_ends_a_data_parallel_job_writes_its_timeline_first(tmp_pa
 def _phases_scanning_everything(step, thread_ranges, starts, following):
     """The summary's per-step scan as it was: every range of the thread for
     every step (quadratic in the run's length; the reference here)."""
-    import collections as c
-    out = dict.fromkeys(_summary.PHASES, 0)
-    out['allreduce'] = 0
-    events, children, end = c.Counter(), 0, step.end
-    for r in thread_ranges:
-        if r.start >= step.start and r.end <= step.end and r is not step:
-            if r.depth == step.depth + 1 and r.category in _summary.PHASES:
-                out[r.category] += r.end - r.start
-                events[(r.category, r.category)] += r.end - r.start
-                children += r.end - r.start
-            if r.category == 'allreduce':
-                out['allreduce'] += r.end - r.start
-        elif r.category == 'extension' and r.depth == step.depth and \
-                r.start >= step.end and (following is None or r.end <= following):
-            out['extension'] += r.end - r.start
-            events[('extension', r.name)] += r.end - r.start
-            end = max(end, r.end)
-    out['other'] = max(0, (step.end - step.start) - children)
-    if out['other']:
-        events[('other', 'other')] = out['other']
-    out['events'] = dict(events)
-    out['window'] = (step.start, end)
-    return out
+    return _summary._step_figures(step, thread_ranges, following)
 
 
 @given(st.lists(st.tuples(
