@@ -9,11 +9,14 @@ from fastchain.config._options import Group, State, boolean
 BIND_FLAG = 'fastchain.kernels._bind.enabled'
 ONEDNN_FLAG = 'fastchain.kernels._onednn.enabled'
 BLAS_THREADS = "NumPy's BLAS threads"
-NOT_BITWISE = ("PyTorch {}'s oneDNN convolutions and BatchNormalization kernels are in "
-               "force: results are NOT bitwise equal to Chainer's (each convolution output "
+NOT_BITWISE = ("PyTorch {}'s oneDNN convolutions and BatchNormalization kernels {}: "
+               "results are NOT bitwise equal to Chainer's (each convolution output "
                "within 2**-16 of the sum of the magnitudes it adds up; a training run within the "
                "differential suite's tolerance, README 'The same training'); NumPy's "
                "BLAS runs on one thread meanwhile, leaving the cores to oneDNN's")
+IN_FORCE = 'are in force'
+WHEN_ON = 'are used with onednn=True (not now)'
+
 
 
 class KernelGroup(Group):
@@ -39,7 +42,7 @@ class KernelGroup(Group):
         available, version, why, fix = _onednn.status()
         return [State('cpu_conv', True, False), State('fused_update', True, False),
                 State('onednn', available, False, why=why, fix=fix,
-                      note=None if not available else NOT_BITWISE.format(version))]
+                      note=None if not available else NOT_BITWISE.format(version, WHEN_ON))]
 
     def plan(self, values, explicit, plan):
         from fastchain.kernels import _bind, _conv, _onednn
@@ -91,6 +94,7 @@ class KernelGroup(Group):
             for owner, name, _ in _onednn_bn.functions())
         if state.active:
             state.calls = dict(_onednn.calls)     # operation -> calls so far
+            state.note = state.note.replace(WHEN_ON, IN_FORCE)
         elif state.available and values['onednn'] is not True:
             state.why = 'onednn=False (the default: it is not bitwise equal to Chainer)'
         return state

@@ -4,6 +4,7 @@ import gc
 import warnings
 
 import chainer
+import chainer.links as L
 import chainer.backends.cuda as chainer_cuda
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -331,3 +332,28 @@ def test_an_optimizer_set_up_before_fp16_or_static_graph_is_named():
     finally:
         handle.disable()
     del before, after, decorated
+
+
+def test_a_single_link_set_up_before_static_graph_is_named_as_after():
+    """A model the cache cannot take (a single link), set up before enable():
+    the same warning and report entry as one set up after (none before)."""
+    from fastchain.static._cache import StaticGraphFallback
+    single = L.Classifier(L.Linear(3, 2))
+    opt = chainer.optimizers.SGD().setup(single)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        handle = fastchain.enable(static_graph=True, loader_workers=0)
+    try:
+        [message] = [str(w.message) for w in caught if w.category is StaticGraphFallback]
+        assert 'Linear is a single link: wrap it in a Chain' in message
+        assert 'trains define-by-run' in message
+        assert not any('acts when an optimizer' in str(w.message) for w in caught)
+        calls = handle.report()['static_graph']['calls']
+        assert 'Linear is a single link' in calls['define_by_run']['Linear']
+        with warnings.catch_warnings(record=True) as again:     # said once
+            warnings.simplefilter('always')
+            fastchain.enable(static_graph=True, loader_workers=0).disable()
+        assert not [w for w in again if w.category is StaticGraphFallback]
+    finally:
+        handle.disable()
+    del single, opt

@@ -306,6 +306,7 @@ def test_the_option_says_it_is_not_bitwise_and_gives_blas_threads_back():
         handle = fastchain.enable(onednn=True, loader_workers=0)
     state = handle.report()['onednn']
     assert state['active'] and state['setting'] is True
+    assert 'kernels are in force' in state['note']
     assert set(_onednn.blas_threads()) == {1}
     handle.disable()
     assert _onednn.blas_threads() == threads
@@ -318,6 +319,8 @@ def test_off_by_default_and_says_why():
         with fastchain.enable(loader_workers=0) as handle:
             state = handle.report()['onednn']
     assert not state['active'] and 'not bitwise' in state['why']
+    # the note says what the option would do, not that it is doing it
+    assert 'in force' not in state['note'] and 'with onednn=True (not now)' in state['note']
 
 
 def test_without_pytorch_the_option_names_the_fix():

@@ -1,0 +1,76 @@
+"""Optimizers set up before an ``enable()`` that asked for an option acting at
+setup (fp16, static_graph): left as they were, and named."""
+
+import warnings
+
+from fastchain.config._warning import FastchainWarning
+
+
+def warn(handle):
+    """fp16 and static_graph act when an optimizer is set up: one set up
+    before they were asked for is left as it was, which is named."""
+    names = [name for name in ('fp16', 'static_graph') if name in handle.states
+             and handle.states[name].requested and handle.states[name].active]
+    if not names:
+        return
+    import gc
+    from chainer.optimizer import GradientMethod
+    def missed(name):
+        # type(), not isinstance(): the latter reads __class__, which some
+        # objects (lazy modules' proxies) answer with a warning
+        return [o for o in gc.get_objects() if issubclass(type(o), GradientMethod)
+                and getattr(o, 'target', None) is not None and not _applied(name, o)]
+    for name in names:
+        if name == 'static_graph':
+            _not_chains([o for o in gc.get_objects() if issubclass(type(o), GradientMethod)
+                         and getattr(o, 'target', None) is not None])
+        if missed(name):
+            for _ in range(2):      # not one that is only garbage not collected yet
+                gc.collect()        # (a second pass frees what the first let go)
+        missed_now = missed(name)
+        if missed_now:  # with fp16, said to fail (a new-user trial met it unannounced)
+            fp16 = (" Its model keeps its float32 weights, and the batches are cast to float16 "
+                    "now: the first step will fail with Chainer's 'float32 != float16' type "
+                    'error.') if name == 'fp16' else ''
+            warnings.warn(
+                'fastchain: {} acts when an optimizer is set up; {} set up before this '
+                'enable() ({}) {} unchanged.{} Call fastchain.enable() before building the '
+                'model and optimizer.setup(model)'.format(
+                    name, 'an optimizer' if len(missed_now) == 1 else
+                    '{} optimizers'.format(len(missed_now)),
+                    ', '.join('{} of {}'.format(type(o).__name__, type(o.target).__name__)
+                              for o in missed_now[::-1][:3]),      # the newest first
+                    'is' if len(missed_now) == 1 else 'are', fp16), FastchainWarning, stacklevel=3)
+
+
+def _applied(name, optimizer):
+    import chainer
+    import chainer.links as L
+    if name == 'fp16':
+        from fastchain.precision._attach import scaler_of
+        return (optimizer.__dict__.get('_use_fp32_update') is True
+                or scaler_of(optimizer) is not None)
+    from fastchain.static._cache import is_cached
+    target = optimizer.target
+    chain = target.predictor if isinstance(target, L.Classifier) else target
+    # a forward decorated with fastchain.static_graph caches on its first call
+    decorated = hasattr(getattr(type(chain), 'forward', None), '__fastchain_static__')
+    return (not isinstance(chain, chainer.Chain) or is_cached(chain) or decorated
+            or 'forward' in vars(chain))
+
+
+def _not_chains(optimizers):
+    """A model that is not a Chain set up before: named the way the setup
+    layer names one set up after (and kept for the report), once."""
+    import chainer
+    import chainer.links as L
+    from fastchain.static._cache import StaticGraphFallback
+    from fastchain.static._group import _NOT_CACHED
+    from fastchain.static._mark import not_a_chain
+    for optimizer in optimizers:
+        target = optimizer.target
+        chain = target.predictor if isinstance(target, L.Classifier) else target
+        if not isinstance(chain, chainer.Chain) and chain not in _NOT_CACHED:
+            _NOT_CACHED[chain] = not_a_chain(chain)
+            warnings.warn(_NOT_CACHED[chain] + '; it trains define-by-run',
+                          StaticGraphFallback, stacklevel=4)
