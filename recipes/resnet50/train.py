@@ -707,8 +707,20 @@ def main(argv=None):
     if rank == 0:
         write_config(args, handle, world, 'at the end of training')
         speed_report(args, handle, meter, log, device, n_classes, world)
-    handle.disable()
+    handle.disable()        # writes the timeline
+    if rank == 0 and args.timeline:
+        print(timeline_line(handle, world), flush=True)
     return log.log if log is not None else None
+
+
+def timeline_line(handle, world):
+    """Where --timeline's files went (written at disable())."""
+    saved = getattr(handle.resources.get('timeline'), 'saved', None)
+    if saved is None:
+        return 'timeline: nothing recorded, no files written'
+    return 'timeline: {} (Chrome trace: chrome://tracing or ui.perfetto.dev), summary {}{}{}'.format(
+        saved['json'], saved['txt'], ', chart {}'.format(saved['png']) if saved['png'] else '',
+        '; the other ranks beside them (.rank1, ...)' if world > 1 else '')
 
 
 def release_quietly(tb):

@@ -128,6 +128,18 @@ def test_a_run_too_short_to_time_says_so(tmp_path):
     assert 'n/a' not in line and 'over 1 iterations' not in line
 
 
+def test_the_timeline_is_written_and_its_files_named(tmp_path):
+    trace = tmp_path / 'tl' / 'trace.json'
+    result = run(tmp_path, '--data', 'synthetic', '--iterations', '4', '--no-snapshots',
+                 '--timeline', str(trace))
+    [line] = [l for l in result.stdout.splitlines() if l.startswith('timeline:')]
+    for name in ('trace.json', 'trace.txt'):
+        assert str(tmp_path / 'tl' / name) in line and (tmp_path / 'tl' / name).exists()
+    with open(trace) as f:
+        assert json.load(f)['traceEvents']
+    assert 'forward' in (tmp_path / 'tl' / 'trace.txt').read_text()
+
+
 def test_synthetic_data(tmp_path):
     result = run(tmp_path, '--data', 'synthetic', '--iterations', '2', '--fp16')
     assert 'fp16               active' in result.stdout
