@@ -91,8 +91,11 @@ def summarize(ranges, kernels=None, skip=1, device=None):
             warmup.append((i + 1, sum(phases[p] for p in PHASES) / 1e6))
         else:
             per_step.append(phases)
+    seen = {r.category for r in ranges}
     result = {'steps': len(per_step), 'skipped_steps': skip, 'per_step': per_step,
-              'warmup': warmup, 'one_offs': []}
+              'warmup': warmup, 'one_offs': [],
+              # phases no range was recorded for (loss_scale without fp16): not 0.00 ms
+              'unrecorded': [p for p in PHASES if p != 'other' and p not in seen]}
     if not per_step:
         result.update(median_ms={}, mean_ms={}, share={}, total_ms=0.0, mean_step_ms=0.0,
                       device_idle=None, diagnosis='no training step was recorded')
@@ -272,6 +275,9 @@ def format_summary(result):
         if p in ('allreduce', 'allreduce_device') and not result['median_ms'].get(p):
             continue
         label = {'allreduce': '(allreduce)', 'allreduce_device': '(on device)'}.get(p, p)
+        if p in result.get('unrecorded', ()):
+            lines.append('{:12s} {:>10s} {:>7s}  none recorded'.format(label, '-', '-'))
+            continue
         lines.append('{:12s} {:10.2f} {:6.1f}%'.format(
             label, result['median_ms'][p], 100 * result['share'][p]))
     lines.append('{:12s} {:10.2f}'.format('total', result['total_ms']))

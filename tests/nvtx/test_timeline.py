@@ -164,6 +164,22 @@ def test_summary_other_time_extensions_and_compute_bound():
     assert result['diagnosis'].startswith('compute-bound: forward, backward and update')
 
 
+def test_a_phase_with_no_range_reads_none_recorded_not_zero():
+    # fp32 has no loss_scale ranges: "0.00 ms" read as measured and free
+    ms = 1_000_000
+    ranges = steps(3, PHASES_10MS)
+    ranges += [Range('loss_scale', 'loss_scale', 1, 1 * ms, 1 * ms, 1)]   # a 0 ns one
+    text = _summary.format_summary(_summary.summarize(ranges, skip=0))
+    row = next(l for l in text.splitlines() if l.startswith('loss_scale'))
+    assert row.split()[1:3] == ['0.00', '0.0%'], row        # recorded: a figure
+    text = _summary.format_summary(_summary.summarize(ranges[:-1], skip=0))
+    rows = {l.split()[0]: l for l in text.splitlines()[2:11]}
+    assert rows['loss_scale'].split()[1:] == ['-', '-', 'none', 'recorded'], rows
+    assert rows['extension'].endswith('none recorded') and 'none' not in rows['other']
+    assert rows['forward'].split()[1] == '4.00'
+
+
+
 def test_device_idle_from_kernels():
     ms = 1_000_000
     ranges = steps(2, [('forward', 5 * ms), ('backward', 5 * ms)])
