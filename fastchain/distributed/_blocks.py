@@ -168,7 +168,9 @@ class BlockMomentum(Learner):
             for p in self.params:
                 rule = getattr(p, 'update_rule', None)
                 if type(rule).__name__ in MOMENTUM_RULES:
-                    for value in rule.state.values():
+                    # None until the rule's first update (a frozen link; a
+                    # block whose steps the loss scaler all skipped)
+                    for value in (rule.state or {}).values():
                         if value is not None:
                             value.fill(0)
         self.block_samples = 0

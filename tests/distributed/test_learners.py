@@ -181,6 +181,26 @@ def test_resetting_local_momentum_changes_momentum_sgd_at_each_block():
     assert any((plain[n] != reset[n]).any() for n in plain)
 
 
+@pytest.mark.parametrize('learner', [lambda: distributed.BlockMomentum(8),
+                                     lambda: distributed.ModelAveraging(8)])
+def test_a_block_end_before_a_links_first_update_resets_the_others_momentum(learner):
+    # A link frozen after setup (fine-tuning) has no momentum state yet at
+    # the first block end: the reset crashed there (a new-user trial).
+    numpy.random.seed(3)
+    model = L.Classifier(MLP())
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.MomentumSGD(0.1),
+                                                  OneRank(), learner=learner())
+    opt.setup(model)
+    model.predictor.l1.disable_update()
+    rng = numpy.random.RandomState(7)
+    for _ in range(2):      # 8 samples: the block ends at the second update
+        opt.update(model, rng.randn(4, 5).astype(numpy.float32),
+                   rng.randint(0, 3, 4).astype(numpy.int32))
+    assert distributed.learner_of(opt).blocks == 1
+    assert model.predictor.l1.W.update_rule.state is None
+    numpy.testing.assert_array_equal(model.predictor.l2.W.update_rule.state['v'], 0)
+
+
 def test_learner_report_counts_samples_steps_and_blocks():
     numpy.random.seed(0)
     model = L.Classifier(MLP())
