@@ -28,6 +28,7 @@ import numpy
 import chainer
 
 from fastchain.distributed._learners import Learner
+from fastchain.precision._attach import carried_scale
 from fastchain.precision._scaler import _any_nonfinite
 
 BITS = (1, 2, 4, 8, 16)
@@ -233,9 +234,11 @@ class QuantizedSGD(Learner):
             self.exact_average()
             return
         residuals = self._residuals(xp)
-        scale = self.optimizer._loss_scale or 1.0
+        # The residual is in the units of the gradients: loss-scaled by the
+        # scale their backward used (none for a script's own loss.backward(),
+        # whatever the optimizer's scale is).
+        scale = carried_scale(params) or 1.0
         if self._scale is not None and scale != self._scale:
-            # The residual is in the units of the (loss-scaled) gradients.
             for r in residuals:
                 r *= numpy.float32(scale / self._scale)
         self._scale = scale

@@ -139,6 +139,16 @@ def record_backward_scale(next_, variable, *args, **kwargs):
     return next_(variable, *args, **kwargs)
 
 
+def carried_scale(params):
+    """The loss scale the gradients of ``params`` carry now, before the
+    update unscales them (what :func:`_backward_scales` will find, read
+    without taking it): None for a script's own unscaled ``loss.backward()``."""
+    scale = getattr(_local, 'scale', _patches.MISSING)
+    if scale is not _patches.MISSING:
+        return scale
+    return next((p._loss_scale for p in params if p._loss_scale is not None), None)
+
+
 def _backward_scales(optimizer, params, step):
     """The loss scale each parameter's gradient carries: the last backward's
     in this thread, else what Chainer noted on the parameter (not the

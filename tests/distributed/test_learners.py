@@ -314,6 +314,51 @@ def test_nccl_learners_on_a_gpu_match_the_cpu(make):
                                       err_msg=name)
 
 
+@pytest.mark.parametrize('scaled', [False, True], ids=['own-backward', 'scaled-backward'])
+def test_the_residual_follows_the_scale_the_gradients_carry(scaled):
+    # fp16 with a dynamic scale that doubles every step: a script's own
+    # loss.backward() scales nothing, and its residual was rescaled with the
+    # optimizer's scale all the same (a new-user trial). Each step's new
+    # residual is G + R - Q(G + R), R in this step's gradients' units.
+    import warnings
+    import fastchain
+    from fastchain.config import FastchainWarning
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FastchainWarning)
+        handle = fastchain.enable(fp16=True, loader_workers=0,
+                                  loss_scale={'init_scale': 8.0, 'growth_interval': 1})
+    try:
+        numpy.random.seed(3)
+        model = L.Classifier(MLP())
+        opt = distributed.create_multi_node_optimizer(
+            chainer.optimizers.SGD(0.1), OneRank(), learner=distributed.QuantizedSGD(1))
+        opt.setup(model)
+        learner = distributed.learner_of(opt)
+        rng = numpy.random.RandomState(7)
+        previous = None
+        for step in range(4):
+            model.cleargrads()
+            loss = model(rng.randn(8, 5).astype(chainer.get_dtype()),
+                         rng.randint(0, 3, 8).astype(numpy.int32))
+            loss.backward(**({'loss_scale': opt._loss_scale} if scaled else {}))
+            units = opt._loss_scale if scaled else 1.0
+            grads = [p.grad.astype(numpy.float32) for p in learner.params]
+            owed = [numpy.zeros_like(g) for g in grads] if learner.residuals is None else \
+                [r * numpy.float32(units / previous) for r in learner.residuals]
+            previous = units
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore', FastchainWarning)    # "not loss-scaled"
+                opt.update()
+            values = [g + r for g, r in zip(grads, owed)]
+            decoded = learner.encoding.split(learner.encoding.decode(
+                *learner.encoding.encode(values)))
+            for r, v, q in zip(learner.residuals, values, decoded):
+                numpy.testing.assert_allclose(r, v - q, rtol=1e-6, atol=1e-6)
+        assert opt._loss_scale == 8.0 * 2 ** 4       # the scale did change every step
+    finally:
+        handle.disable()
+
+
 def test_residuals_stay_when_the_average_overflows_fp16():
     # 60000 + a residual of 10000 overflows fp16 only in the average written
     # back: the loss scaler would skip that step, so nothing may be owed less.
