@@ -7,6 +7,7 @@ import numpy
 
 import chainer
 
+from fastchain.distributed import _arguments
 from fastchain.distributed._learners import Learner, _average
 
 MOMENTUM_RULES = ('MomentumSGDRule', 'NesterovAGRule', 'CorrectedMomentumSGDRule')
@@ -61,20 +62,20 @@ class BlockMomentum(Learner):
     def __init__(self, block_size, block_momentum=None, block_lr=1.0, nesterov=True,
                  reset_local_momentum=True):
         super().__init__()
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, numpy.integer)) \
-                or block_size < 1:
-            raise ValueError('block_size must be a number of samples >= 1 (each rank\'s, '
-                             'between two exchanges), got {!r}'.format(block_size))
-        if block_momentum is not None and not 0 <= block_momentum < 1:
+        self.block_size = _arguments.count(
+            'block_size', block_size, "a number of samples (each rank's, between two "
+            'exchanges)', 1)
+        if block_momentum is not None and not 0 <= _arguments.number(
+                'block_momentum', block_momentum, 'a number in [0, 1)') < 1:
             raise ValueError('block_momentum must be in [0, 1), got {!r}'.format(
                 block_momentum))
-        if not block_lr > 0:
-            raise ValueError('block_lr must be > 0, got {!r}'.format(block_lr))
-        self.block_size = int(block_size)
         self._block_momentum = block_momentum
-        self.block_lr = float(block_lr)
-        self.nesterov = bool(nesterov)
-        self.reset_local_momentum = bool(reset_local_momentum)
+        self.block_lr = _arguments.number('block_lr', block_lr, 'a number > 0')
+        if not self.block_lr > 0:
+            raise ValueError('block_lr must be > 0, got {!r}'.format(block_lr))
+        self.nesterov = _arguments.flag('nesterov', nesterov)
+        self.reset_local_momentum = _arguments.flag('reset_local_momentum',
+                                                    reset_local_momentum)
         self.block_samples = 0          # this rank's, in the current block
         self.blocks = 0
         self.global_model = None        # W: host or device arrays, float32

@@ -25,7 +25,7 @@ import weakref
 import numpy
 
 from fastchain.config import _patches
-from fastchain.distributed import _learners
+from fastchain.distributed import _arguments, _learners
 from fastchain.distributed._learners import AllReduce, Learner
 from fastchain.distributed._quantize import QuantizedSGD
 from fastchain.distributed._same_batches import SameBatches, of_gradients, of_step
@@ -47,12 +47,19 @@ def gradient_sync_of(optimizer):
 
 def learner_of(optimizer):
     """The :class:`~fastchain.distributed.Learner` of a data-parallel
-    ``optimizer`` (its ``report()`` gives bytes sent and time spent), or None."""
-    return _patches.attached(optimizer, LEARNER)
+    ``optimizer`` (its ``report()`` gives bytes sent and time spent); an
+    optimizer that is not data-parallel is refused by name."""
+    learner = _patches.attached(optimizer, LEARNER)
+    if learner is None:
+        raise ValueError('learner_of: this {} is not data-parallel: make it so with '
+                         'distributed.create_multi_node_optimizer(optimizer, comm, ...)'
+                         .format(type(optimizer).__name__))
+    return learner
 
 
 def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduce=False,
-                                overlap=None, learner=None, distributed_after=0):
+                                overlap=None, learner=None, distributed_after=0,
+                                zero_fill=True, double_buffering=False):
     """Make ``optimizer`` data-parallel over ``comm``; returns it.
 
     Args:
@@ -70,6 +77,8 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
         distributed_after (int): warm start: the first this many samples
             (over all ranks) are trained with exact averaging every step,
             as one worker with the global batch; then ``learner`` takes over.
+        zero_fill, double_buffering: ChainerMN's, taken at its defaults
+            (what fastchain does); the other choice is refused, saying why.
 
     Every collective waits at most the communicator's timeout
     (``FASTCHAIN_COLLECTIVE_TIMEOUT`` seconds, default 300, or
@@ -77,13 +86,10 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
     the rank and the operation. A rank that exits (``sys.exit()``) while the
     others wait for it ends the job within seconds.
     """
-    _check_arguments(optimizer, comm, bucket_cap_mb)
+    _arguments.check_optimizer(optimizer, comm, bucket_cap_mb, fp16_allreduce, overlap,
+                               distributed_after, zero_fill, double_buffering)
     if communicator_of(optimizer) is not None:
         raise ValueError('this optimizer is already data-parallel')
-    if isinstance(distributed_after, bool) or \
-            not isinstance(distributed_after, (int, numpy.integer)) or distributed_after < 0:
-        raise ValueError('distributed_after must be a number of samples >= 0, got {!r}'
-                         .format(distributed_after))
     learner = make_learner(learner)
     learner._prebind(optimizer, comm, int(distributed_after))
     _patches.attach(optimizer, COMMUNICATOR, comm)
@@ -108,29 +114,6 @@ def create_multi_node_optimizer(optimizer, comm, bucket_cap_mb=25, fp16_allreduc
             return result
         _patches.wrap(optimizer, 'setup', 'distributed', setup_data_parallel)
     return optimizer
-
-
-def _check_arguments(optimizer, comm, bucket_cap_mb):
-    from chainer.optimizer import GradientMethod
-    from fastchain.distributed._base import CommunicatorBase
-    if isinstance(optimizer, type):
-        # the class given for an instance would be patched for the whole process
-        raise TypeError('create_multi_node_optimizer takes an optimizer, not its class: '
-                        'give {0}(...) (e.g. chainer.optimizers.{0}(lr=0.01)), not {0}'
-                        .format(optimizer.__name__))
-    if not isinstance(optimizer, GradientMethod):
-        raise TypeError('create_multi_node_optimizer takes a Chainer GradientMethod (SGD, '
-                        'MomentumSGD, Adam, ...), got {}'.format(type(optimizer).__name__))
-    if not isinstance(comm, CommunicatorBase):
-        raise TypeError('comm must be a communicator from '
-                        'fastchain.distributed.create_communicator(), got {!r}'.format(comm))
-    if isinstance(bucket_cap_mb, bool) or \
-            not isinstance(bucket_cap_mb, (int, float, numpy.integer, numpy.floating)):
-        raise TypeError('bucket_cap_mb must be a number of MiB > 0, got {!r}'.format(
-            bucket_cap_mb))
-    if not 0 < bucket_cap_mb < float('inf'):
-        raise ValueError('bucket_cap_mb must be a number of MiB > 0, got {!r}'.format(
-            bucket_cap_mb))
 
 
 def _attach_when_initialized(optimizer, comm, options):

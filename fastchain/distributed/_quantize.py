@@ -27,6 +27,7 @@ import numpy
 
 import chainer
 
+from fastchain.distributed import _arguments
 from fastchain.distributed._learners import Learner
 from fastchain.precision._attach import carried_scale
 from fastchain.precision._scaler import _any_nonfinite
@@ -171,7 +172,9 @@ class Encoding:
 
 
 def _check_bits(bits, what):
-    if bits not in BITS:
+    # an int: True and 1.0 equal 1 (and read "True-bit SGD")
+    if isinstance(bits, (bool, numpy.bool_)) or \
+            not isinstance(bits, (int, numpy.integer)) or bits not in BITS:
         raise ValueError('{} must be one of {}, got {!r}'.format(
             what, ', '.join(map(str, BITS)), bits))
 
@@ -202,8 +205,8 @@ class QuantizedSGD(Learner):
     def __init__(self, bits=1, error_feedback=True):
         super().__init__()
         _check_bits(bits, 'QuantizedSGD bits')
-        self.bits = bits
-        self.error_feedback = bool(error_feedback)
+        self.bits = int(bits)
+        self.error_feedback = _arguments.flag('error_feedback', error_feedback)
         self.residuals = None
         self.fallback_steps = 0
         self._scale = None

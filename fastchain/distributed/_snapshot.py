@@ -64,9 +64,10 @@ class _MultiNodeSnapshot(extension.Extension):
             self.snapshot.initialize(trainer)
 
     def __call__(self, trainer):
-        from fastchain.distributed._optimizer import learner_of
+        from fastchain.config import _patches
+        from fastchain.distributed._optimizer import LEARNER
         for optimizer in trainer.updater.get_all_optimizers().values():
-            learner = learner_of(optimizer)
+            learner = _patches.attached(optimizer, LEARNER)
             if learner is not None:
                 learner.gather_for_snapshot()
         self._gathered = _rank_state.gather(self.comm, trainer)

@@ -230,6 +230,12 @@ def test_learner_report_counts_samples_steps_and_blocks():
     (dict(bucket_cap_mb=0), 'bucket_cap_mb must be a number of MiB > 0, got 0'),
     (dict(bucket_cap_mb=float('nan')), 'bucket_cap_mb must be a number of MiB > 0'),
     (dict(bucket_cap_mb=float('inf')), 'bucket_cap_mb must be a number of MiB > 0'),
+    (dict(distributed_after=1e4), r'distributed_after must be .* \(an int >= 0\), got 10000.0'),
+    (dict(fp16_allreduce='yes'), "fp16_allreduce must be True or False, got 'yes'"),
+    (dict(overlap='False'), "overlap must be True or False, got 'False'"),
+    # ChainerMN's arguments: their defaults are what fastchain does
+    (dict(zero_fill=False), "zero_fill=False is not offered: fastchain averages a zero"),
+    (dict(double_buffering=True), 'double_buffering=True .* is not offered'),
 ])
 def test_wrong_options_are_refused_with_the_fix(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -253,10 +259,32 @@ def test_an_optimizer_class_or_no_communicator_is_refused_and_nothing_is_patched
     (lambda: distributed.BlockMomentum(0), 'block_size must be a number of samples'),
     (lambda: distributed.BlockMomentum(8, block_momentum=1.0), r'block_momentum must be in'),
     (lambda: distributed.BlockMomentum(8, block_lr=0), 'block_lr must be > 0'),
+    # each by name, not a raw error or a silent truth value (a new-user trial)
+    (lambda: distributed.BlockMomentum(8.0), r'block_size must be .*\(an int >= 1\)'),
+    (lambda: distributed.BlockMomentum(8, block_momentum='0.5'),
+     r"block_momentum must be a number in \[0, 1\), got '0.5'"),
+    (lambda: distributed.BlockMomentum(8, block_momentum=float('nan')), 'block_momentum'),
+    (lambda: distributed.BlockMomentum(8, block_lr='1'), "block_lr must be a number > 0"),
+    (lambda: distributed.BlockMomentum(8, block_lr=None), "block_lr must be a number > 0"),
+    (lambda: distributed.BlockMomentum(8, block_lr=float('inf')), 'block_lr must be'),
+    (lambda: distributed.BlockMomentum(8, nesterov='False'),
+     "nesterov must be True or False, got 'False'"),
+    (lambda: distributed.ModelAveraging(8, reset_local_momentum=1),
+     'reset_local_momentum must be True or False'),
+    (lambda: distributed.QuantizedSGD(True), 'bits must be one of 1, 2, 4, 8, 16, got True'),
+    (lambda: distributed.QuantizedSGD(1.0), 'bits must be one of 1, 2, 4, 8, 16, got 1.0'),
+    (lambda: distributed.QuantizedSGD(error_feedback='no'),
+     "error_feedback must be True or False, got 'no'"),
 ])
 def test_wrong_learner_settings_are_refused(make, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         make()
+
+
+def test_learner_of_an_optimizer_that_is_not_data_parallel_says_so():
+    with pytest.raises(ValueError, match='this SGD is not data-parallel: make it so with '
+                                         r'distributed.create_multi_node_optimizer'):
+        distributed.learner_of(chainer.optimizers.SGD())
 
 
 def test_one_learner_serves_one_optimizer():
