@@ -186,13 +186,16 @@ class Learner:
         algorithms), seconds the host spent in the exchanges
         (``comm_seconds``: on NCCL an allreduce the host only launches counts
         its launch; its time on the device is the timeline's allreduce
-        device track), and the bytes' per-step and per-sample means."""
+        device track), and the bytes' per-step and per-sample means. Samples
+        are counted from ``update(lossfun, *inputs)``'s first input (or
+        ``batch_size``): with neither, none are, and ``bytes_per_sample`` is
+        None."""
         out = dict(self.stats, learner=self.describe(), samples=self.samples,
                    warm_start_over=self.started)
         steps = max(self.stats['steps'], 1)
         out['bytes_per_step'] = self.stats['bytes_sent'] / steps
-        out['bytes_per_sample'] = self.stats['bytes_sent'] / max(
-            self.stats['samples_since_start'] / max(self.comm.size, 1), 1)
+        samples = self.stats['samples_since_start'] / max(self.comm.size, 1)
+        out['bytes_per_sample'] = self.stats['bytes_sent'] / samples if samples else None
         return out
 
     def describe(self):

@@ -307,6 +307,23 @@ def test_a_learner_that_counts_samples_says_how_when_update_has_no_inputs():
         opt.update()
 
 
+def test_a_report_without_counted_samples_has_no_bytes_per_sample():
+    # update() without inputs (gradient accumulation) counts no samples: the
+    # bytes per sample read as the bytes in all (a new-user trial)
+    link = Params([(2, 3)])
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), OneRank())
+    opt.setup(link)
+    link.p0.grad = numpy.ones((2, 3), numpy.float32)
+    opt.update()
+    report = distributed.learner_of(opt).report()
+    assert report['steps'] == 1 and report['samples_since_start'] == 0
+    assert report['bytes_per_sample'] is None
+    distributed.learner_of(opt).batch_size = 4
+    link.p0.grad = numpy.ones((2, 3), numpy.float32)
+    opt.update()
+    assert distributed.learner_of(opt).report()['bytes_per_sample'] == 0.0   # one rank
+
+
 def test_multi_node_snapshot_refuses_autoload_which_would_load_on_rank_0_only():
     from chainer.training import extensions
     with pytest.raises(ValueError, match='load it on every rank'):
