@@ -95,6 +95,11 @@ class BlockMomentum(Learner):
     def _counts_samples(self):
         return True
 
+    def settings(self):
+        return dict(super().settings(), block_size=self.block_size,
+                    block_momentum=self.block_momentum, block_lr=self.block_lr,
+                    nesterov=self.nesterov, reset_local_momentum=self.reset_local_momentum)
+
     # The model as the learner sees it: fp32 masters where the optimizer has
     # them, else the parameters; and the persistent float arrays.
 

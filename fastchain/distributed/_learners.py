@@ -208,6 +208,12 @@ class Learner:
     def _summary(self):
         return self.name
 
+    def settings(self):
+        """What every rank's learner must agree on (compared at set-up:
+        ranks given different settings would exchange mismatched messages or
+        train apart without a word)."""
+        return {'learner': type(self).__name__, 'distributed_after': self.distributed_after}
+
     def _xp(self):
         """The array module of the model's parameters (now: a model may
         have moved to a device since binding)."""

@@ -207,13 +207,15 @@ def _attach(optimizer, comm, options, broadcast=True):
     batch: their running statistics stay each rank's, as after any step)."""
     target = optimizer.target
     _check_shaped(target)
-    check_same_model(comm, target)
+    learner = options['learner']
+    check_same_model(comm, target, dict(
+        learner.settings(), bucket_cap_mb=options['cap'] / 2 ** 20,
+        fp16_allreduce=options['dtype'] is not None))
     if broadcast:
         broadcast_parameters(comm, target)
     sync = GradientSync(comm, list(target.params()), options['cap'], options['dtype'],
                         options['overlap'])
     capture = GradientCapture(sync)
-    learner = options['learner']
     learner._bind(sync)
     _patches.attach(optimizer, 'gradient_sync', sync)
     _patches.attach(optimizer, _all_ranks_any_key(),
@@ -330,23 +332,34 @@ def _hooks():
     return list(chainer.get_function_hooks().values())
 
 
-def check_same_model(comm, link):
-    """Every rank must have built the same parameters; name the first
-    difference and the rank that has it."""
-    mine = [(name, tuple(p.shape) if p.array is not None else None, str(p.dtype))
-            for name, p in sorted(link.namedparams())]
-    everyone = comm.allgather_obj(mine, what='model check (allgather of parameter shapes)')
+def check_same_model(comm, link, settings=None):
+    """Every rank must have built the same parameters, and set up its
+    optimizer alike (``settings``: its learner's and the exchange's); name
+    the first difference and the rank that has it."""
+    mine = ([(name, tuple(p.shape) if p.array is not None else None, str(p.dtype))
+             for name, p in sorted(link.namedparams())], sorted((settings or {}).items()))
+    everyone = comm.allgather_obj(mine, what='model check (allgather of parameter shapes '
+                                  'and learner settings)')
     for rank, theirs in enumerate(everyone):
         if theirs == everyone[0]:
             continue
-        a = {n: (shape, dtype) for n, shape, dtype in everyone[0]}
-        b = {n: (shape, dtype) for n, shape, dtype in theirs}
-        names = sorted(set(a) | set(b))
-        first = next(n for n in names if a.get(n) != b.get(n))
         if comm.rank != 0:
             # Every rank sees the difference; let rank 0 report it (its abort
             # ends this process), so the error is shown once.
             time.sleep(min(10.0, comm.timeout))
+        if theirs[0] == everyone[0][0]:     # the settings differ
+            a, b = dict(everyone[0][1]), dict(theirs[1])
+            first = next(k for k in sorted(set(a) | set(b), key=lambda k: (k != 'learner', k))
+                         if a.get(k) != b.get(k))       # the kind first
+            raise ValueError(
+                'rank {0} set up its data-parallel optimizer differently from rank 0: '
+                '{1} is {2!r} on rank 0 and {3!r} on rank {0}. Every rank must give the '
+                'same learner and create_multi_node_optimizer arguments (check values '
+                'that depend on the rank).'.format(rank, first, a.get(first), b.get(first)))
+        a = {n: (shape, dtype) for n, shape, dtype in everyone[0][0]}
+        b = {n: (shape, dtype) for n, shape, dtype in theirs[0]}
+        names = sorted(set(a) | set(b))
+        first = next(n for n in names if a.get(n) != b.get(n))
         raise ValueError(
             'rank {} built a different model than rank 0: parameter {!r} is {} on rank 0 '
             'and {} on rank {}. Every rank must construct the same model (check '

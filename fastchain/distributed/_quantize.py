@@ -215,6 +215,9 @@ class QuantizedSGD(Learner):
         super()._bind(sync)
         self.encoding = Encoding([p.shape for p in self.params], self.bits)
 
+    def settings(self):
+        return dict(super().settings(), bits=self.bits, error_feedback=self.error_feedback)
+
     def _summary(self):
         text = '{}-bit SGD{}'.format(self.bits, '' if self.error_feedback
                                      else ' without error feedback')

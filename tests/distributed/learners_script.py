@@ -452,7 +452,25 @@ def raising():
     done()
 
 
-SCENARIOS = {'error_feedback': error_feedback, 'model_averaging': model_averaging,
+def rank_settings():
+    """Rank 1 sets up its learner or exchange differently (LEARNER names
+    how): named at set-up, before any exchange."""
+    other = rank == 1
+    learner, options = {
+        'block_lr': (distributed.BlockMomentum(8, block_lr=0.5 if other else 1.0), {}),
+        'bits': (distributed.QuantizedSGD(2 if other else 1), {}),
+        'kind': (distributed.ModelAveraging(8) if other else distributed.BlockMomentum(8), {}),
+        'bucket': (None, dict(bucket_cap_mb=1 if other else 25)),
+    }[LEARNER]
+    model = L.Classifier(MLP())
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm,
+                                                  learner=learner, **options)
+    opt.setup(model)
+    opt.update(model, *batches(distributed.scatter_dataset(data(32), comm), 0))
+    done()
+
+
+SCENARIOS = {'rank_settings': rank_settings, 'error_feedback': error_feedback, 'model_averaging': model_averaging,
              'warm_start': warm_start, 'resume': resume,
              'resume_lazy': lambda: resume(lazy=True), 'bmuf_formula': bmuf_formula,
              'resume_rank0': resume_rank0, 'resume_rank_state': resume_rank_state,

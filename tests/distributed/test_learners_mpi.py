@@ -106,3 +106,19 @@ def test_a_rank_that_raises_between_exchanges_ends_every_rank(tmp_path):
     assert r.returncode != 0 and r.ok == []
     assert r.stderr.count('ValueError: boom on purpose') == 1
     assert r.seconds < 60
+
+
+@pytest.mark.parametrize('how, named', [
+    ('block_lr', "block_lr is 1.0 on rank 0 and 0.5 on rank 1"),
+    ('bits', "bits is 1 on rank 0 and 2 on rank 1"),
+    ('kind', "learner is 'BlockMomentum' on rank 0 and 'ModelAveraging' on rank 1"),
+    ('bucket', "bucket_cap_mb is 25.0 on rank 0 and 1.0 on rank 1"),
+])
+def test_ranks_given_different_learner_settings_are_named_at_set_up(how, named, tmp_path):
+    # they trained apart without a word (block_lr), or ended in MPI's
+    # "Message truncated" (bits), or in a stall blaming extensions (kind)
+    r = mpirun('rank_settings', how, tmp_path)
+    assert r.returncode != 0 and r.ok == []
+    assert r.stderr.count('rank 1 set up its data-parallel optimizer differently from '
+                          'rank 0: ' + named) == 1, r.stderr[-3000:]
+    assert r.seconds < 60
