@@ -7,7 +7,7 @@ import numpy
 
 import chainer
 
-from fastchain.distributed import _arguments
+from fastchain.distributed import _arguments, _finish
 from fastchain.distributed._learners import Learner, _average
 
 MOMENTUM_RULES = ('MomentumSGDRule', 'NesterovAGRule', 'CorrectedMomentumSGDRule')
@@ -94,6 +94,27 @@ class BlockMomentum(Learner):
 
     def _counts_samples(self):
         return True
+
+    def _prebind(self, optimizer, comm, distributed_after):
+        super()._prebind(optimizer, comm, distributed_after)
+        # here, not at _bind: a lazily shaped model binds inside the first
+        # Trainer.run, which would have started without the layer
+        _finish.acquire(self)
+
+    def finish(self):
+        """After the last update, on every rank (collective; a Trainer run
+        that ends normally calls it, see ``_finish``): the current block ends
+        (an exchange, if any sample was trained since the last) and every
+        rank's links get the global model ``W``, not the look-ahead. ``D`` is
+        zeroed: training that goes on starts its block filtering afresh
+        from ``W``."""
+        if self.global_model is None:
+            return          # in the warm start (the ranks agree) or never updated
+        if self.block_samples:
+            self._exchange()
+        self._write_weights(self.global_model)
+        for d in self.delta:
+            d[...] = 0
 
     def settings(self):
         return dict(super().settings(), block_size=self.block_size,

@@ -166,6 +166,11 @@ class Learner:
     def _counts_samples(self):
         return self.warming
 
+    def finish(self):
+        """After the last update, on every rank: leave every rank the
+        training's model (see ``_finish``; a Trainer run that ends normally
+        calls it). The ranks of this learner hold the same model already."""
+
     def _start(self):
         """The warm start is over (or there was none): the learner's phase
         begins, before this step."""

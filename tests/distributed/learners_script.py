@@ -252,7 +252,11 @@ def resume(lazy=False):
     shape at the first update, loaded before it."""
     out = os.path.join(OUT, 'train')
     trainer, model, _ = make_trainer(out, 9, LEARNERS[LEARNER](), lazy=lazy)
-    trainer.run()
+    apart = []      # at the snapshot: the ranks' models differ (mid-block)
+    trainer.extend(lambda t: apart.append(not identical_everywhere(model)),
+                   trigger=(5, 'iteration'))
+    trainer.run()       # ends mid-block too: finished, every rank holds W
+    assert identical_everywhere(model)      # (lazy: bound inside this run)
     straight = params(model)
     comm.barrier()
     with warnings.catch_warnings(record=True) as caught:
@@ -275,7 +279,8 @@ def resume(lazy=False):
         4, 4 * BATCH * size, 9 * BATCH * size), report
     assert report['bytes_sent'] > 0 and report['bytes_per_sample'] == \
         report['bytes_sent'] / (4 * BATCH), report
-    done(mid_block=not identical_everywhere(model2) if LEARNER != '1bit' else None)
+    assert identical_everywhere(model2)
+    done(mid_block=apart == [True] if LEARNER != '1bit' else None)
 
 
 def resume_rank_state():
@@ -470,7 +475,35 @@ def rank_settings():
     done()
 
 
-SCENARIOS = {'rank_settings': rank_settings, 'error_feedback': error_feedback, 'model_averaging': model_averaging,
+def finish():
+    """A block-momentum run that stops mid-block (5 steps, blocks of 2)
+    leaves every rank the global model W: a Trainer's run on its own end,
+    a custom loop by learner.finish()."""
+    numpy.random.seed(0)
+    model = L.Classifier(MLP())
+    opt = chainer.optimizers.MomentumSGD(0.1)
+    learner = distributed.BlockMomentum(2 * BATCH)      # momentum 1 - 1/2, look-ahead
+    shard = distributed.scatter_dataset(data(96), comm, shuffle=True, seed=2)
+    if LEARNER == 'trainer':
+        opt.setup(model)
+        it = chainer.iterators.SerialIterator(shard, BATCH)
+        updater = distributed.DataParallelUpdater(it, opt, comm, learner=learner)
+        training.Trainer(updater, (5, 'iteration'), out=os.path.join(OUT, 'run')).run()
+    else:
+        distributed.create_multi_node_optimizer(opt, comm, learner=learner).setup(model)
+        for k in range(5):
+            opt.update(model, *batches(shard, k))
+        assert not identical_everywhere(model)          # mid-block: each rank its own
+        learner.finish()
+    assert learner.blocks == 3 and learner.block_samples == 0, learner.blocks
+    assert identical_everywhere(model)
+    for p, w in zip(learner.params, learner.global_model):
+        assert numpy.array_equal(p.array, w)            # W, not the look-ahead
+    assert all(not d.any() for d in learner.delta)
+    done()
+
+
+SCENARIOS = {'finish': finish, 'rank_settings': rank_settings, 'error_feedback': error_feedback, 'model_averaging': model_averaging,
              'warm_start': warm_start, 'resume': resume,
              'resume_lazy': lambda: resume(lazy=True), 'bmuf_formula': bmuf_formula,
              'resume_rank0': resume_rank0, 'resume_rank_state': resume_rank_state,

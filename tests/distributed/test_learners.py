@@ -201,6 +201,26 @@ def test_a_block_end_before_a_links_first_update_resets_the_others_momentum(lear
     numpy.testing.assert_array_equal(model.predictor.l2.W.update_rule.state['v'], 0)
 
 
+def test_the_trainer_layer_that_finishes_block_learners_lives_with_them():
+    import gc
+    from chainer.training import Trainer
+    from fastchain.config import _patches
+    for _ in range(2):      # earlier tests' learners
+        gc.collect()
+    assert _patches.in_force(Trainer, 'run', 'distributed') is None
+    numpy.random.seed(3)
+    model = L.Classifier(MLP())
+    opt = distributed.create_multi_node_optimizer(
+        chainer.optimizers.SGD(0.1), OneRank(), learner=distributed.BlockMomentum(8))
+    opt.setup(model)
+    opt.update(model, numpy.zeros((4, 5), numpy.float32), numpy.zeros(4, numpy.int32))
+    assert _patches.in_force(Trainer, 'run', 'distributed') is not None
+    del opt, model
+    for _ in range(2):      # the optimizer's layers go in the pass after it
+        gc.collect()
+    assert _patches.in_force(Trainer, 'run', 'distributed') is None
+
+
 def test_learner_report_counts_samples_steps_and_blocks():
     numpy.random.seed(0)
     model = L.Classifier(MLP())

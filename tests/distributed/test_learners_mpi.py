@@ -122,3 +122,10 @@ def test_ranks_given_different_learner_settings_are_named_at_set_up(how, named, 
     assert r.stderr.count('rank 1 set up its data-parallel optimizer differently from '
                           'rank 0: ' + named) == 1, r.stderr[-3000:]
     assert r.seconds < 60
+
+
+@pytest.mark.parametrize('how', ['trainer', 'loop'])
+def test_a_block_learner_leaves_every_rank_the_global_model_at_the_end(how, tmp_path):
+    # a run that stopped mid-block left each rank its own model, and rank
+    # 0's (the one a script saves) was not the training's (a new-user trial)
+    assert_ok(mpirun('finish', how, tmp_path))
