@@ -187,6 +187,7 @@ def enable(**options):
     groups = _options.groups()
     for group in groups:
         group.check(_of(group, resolved), explicit)
+    _check_files(resolved)
 
     handle = Handle(resolved, explicit)
     with _lock:
@@ -239,6 +240,20 @@ def _abandon(handle):
             fn()
         except Exception:
             pass
+
+
+def _check_files(values):
+    """The files written at disable() must differ: the timeline's trace,
+    summary and chart, and the autotune cache (one replaced another)."""
+    import os
+    cache, timeline = values.get('tune_cache'), values.get('timeline')
+    if cache is None or timeline is None:
+        return
+    base = os.path.splitext(os.path.abspath(timeline))[0]
+    if os.path.abspath(cache) in (os.path.abspath(timeline), base + '.txt', base + '.png'):
+        raise ValueError('tune_cache={!r} is one of the files the timeline {!r} writes (its '
+                         'trace, and its summary and chart beside it): give the autotune '
+                         'cache another path'.format(cache, timeline))
 
 
 def _of(group, values):

@@ -115,7 +115,8 @@ class NvtxGroup(Group):
             timeline = handle.resources['timeline'] = Timeline()
             timeline.given = values['timeline']
             opened.append(values['timeline'])
-            path = rank_path(values['timeline'])
+            # from the current folder now, not at disable() or exit
+            path = rank_path(os.path.abspath(values['timeline']))
 
             def at_exit(when='at exit', wait_device=True):  # a handle never disabled
                 _unwritten.pop(id(timeline), None)

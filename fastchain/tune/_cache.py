@@ -17,8 +17,10 @@ option, another worker count) is measured again.
 Read when the handle is enabled; written when it is disabled and at the
 process's exit (each write merges this process's decided choices into what
 the file holds, through a temporary file and a rename). A file that cannot
-be read or parsed gives one warning naming it, and is measured around and
-rewritten.
+be read, parsed or used gives one warning naming it, is kept beside as
+``PATH.unusable`` and measured around, and a new file is written; a JSON
+file that is not a cache at all (a script's own configuration given by
+mistake) is refused, not replaced.
 """
 
 import datetime
@@ -48,25 +50,73 @@ _warned = set()
 
 def _read(path):
     """The file's contents, {} where there is none; a warning (and {}) where
-    it cannot be used."""
+    it cannot be used, the file kept beside as ``PATH.unusable``; a JSON
+    file that is not a cache at all refused (it would be replaced)."""
     if not os.path.exists(path):
         return {}
     try:
         with open(path) as f:
             data = json.load(f)
-        if not isinstance(data, dict) or data.get('format') != FORMAT or \
-                not isinstance(data.get('machines'), dict):
-            raise ValueError('not a fastchain autotune cache of format {}'.format(FORMAT))
+        if not isinstance(data, dict) or 'format' not in data:
+            raise ForeignFile(
+                '{} is not a fastchain autotune cache (a JSON file without its "format" '
+                'and "machines"), and enable(tune_cache=...) would replace it: give the '
+                'cache another path'.format(path))
+        problem = _problem(data)
+        if problem is not None:
+            raise ValueError(problem)
         return data
+    except ForeignFile:
+        raise
     except (OSError, ValueError) as e:
         from fastchain.config import _patches
         from fastchain.config._warning import FastchainWarning
-        message = ('fastchain: the autotune cache {} could not be used ({}); autotune '
-                   'measures again and the file will be rewritten'.format(path, e))
-        if message not in _warned:      # once: not again when it is rewritten
+        aside = path + '.unusable'
+        try:
+            os.replace(path, aside)     # nothing lost: a new cache is written in its place
+            kept = '; it is kept as {}'.format(aside)
+        except OSError:
+            kept = ''
+        message = ('fastchain: the autotune cache {} could not be used ({}){}; autotune '
+                   'measures again and a new file will be written'.format(path, e, kept))
+        if message not in _warned:
             _warned.add(message)
             warnings.warn(message, FastchainWarning, stacklevel=_patches.user_stacklevel())
         return {}
+
+
+class ForeignFile(ValueError):
+    """A JSON file that is not an autotune cache (refused, not replaced)."""
+
+
+def _problem(data):
+    """What makes a file of the cache's format unusable, or None (every
+    entry is checked before any is used: a wrong one failed later, in a
+    convolution, with a raw error)."""
+    if data.get('format') != FORMAT:
+        return 'format {!r}, not {}'.format(data.get('format'), FORMAT)
+    if not isinstance(data.get('machines'), dict):
+        return '"machines" is not an object'
+    for machine in data['machines'].values():
+        if not isinstance(machine, dict) or not isinstance(machine.get('choices', {}), dict):
+            return 'a machine entry or its "choices" is not an object'
+        for kind, entries in machine.get('choices', {}).items():
+            if not isinstance(entries, dict):
+                return 'the {!r} choices are not an object'.format(kind)
+            for key, choice in entries.items():
+                if not _valid(choice):
+                    return 'the {!r} choice for {} is not one autotune wrote'.format(kind, key)
+    return None
+
+
+def _valid(choice):
+    if not isinstance(choice, dict):
+        return False
+    names, times = choice.get('names'), choice.get('median_ms', {})
+    return (isinstance(names, list) and all(isinstance(n, str) for n in names)
+            and choice.get('picked') in names and isinstance(times, dict)
+            and all(isinstance(t, (int, float)) and not isinstance(t, bool) or t is None
+                    for t in times.values()))
 
 
 def load(path):
@@ -76,11 +126,9 @@ def load(path):
     key, _ = fingerprint()
     with _lock:
         entry = _read(path).get('machines', {}).get(key, {})
-    known = {}
-    for kind, entries in (entry.get('choices') or {}).items():
-        for key_repr, choice in entries.items():
-            if isinstance(choice, dict) and choice.get('picked') in (choice.get('names') or ()):
-                known[(kind, key_repr)] = choice
+    known = {(kind, key_repr): choice
+             for kind, entries in (entry.get('choices') or {}).items()
+             for key_repr, choice in entries.items()}
     _tuner.know(known)
     return len(known)
 

@@ -79,9 +79,11 @@ class AutotuneGroup(Group):
         return []
 
     def open(self, handle, values):
-        path = values['tune_cache']
-        if path is None:
+        if values['tune_cache'] is None:
             return
+        # the file read now is the one written: a relative path is taken
+        # from the current folder now, not at disable() or exit
+        path = os.path.abspath(values['tune_cache'])
         from fastchain.tune import _cache
         handle.resources['tune_cache'] = {'path': path, 'read': _cache.load(path)}
         handle.on_disable(lambda: _cache.save(path), 'autotune cache -> ' + path)

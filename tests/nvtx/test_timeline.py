@@ -72,6 +72,15 @@ def test_a_timeline_path_that_would_lose_the_trace_is_refused(tmp_path):
             fastchain.enable(timeline=str(tmp_path / name))
 
 
+def test_a_relative_timeline_path_is_the_folder_enable_saw(tmp_path, monkeypatch):
+    (tmp_path / 'run').mkdir()
+    monkeypatch.chdir(tmp_path)
+    train(tmp_path, timeline='trace.json',
+          extend=lambda trainer: monkeypatch.chdir(tmp_path / 'run'))   # before disable()
+    assert (tmp_path / 'trace.json').exists() and (tmp_path / 'trace.txt').exists()
+    assert not (tmp_path / 'run' / 'trace.json').exists()
+
+
 def test_a_later_nvtx_false_over_a_timeline_warns(tmp_path):
     outer = fastchain.enable(timeline=str(tmp_path / 'x.json'), loader_workers=0)
     try:

@@ -88,6 +88,58 @@ def test_a_corrupt_file_is_named_measured_around_and_rewritten(tuner, tmp_path):
     assert json.load(open(path))['format'] == 1
 
 
+@pytest.mark.parametrize('spoil', [
+    lambda m: m.__setitem__('choices', []),                              # not an object
+    lambda m: m['choices'].__setitem__('k', ['b']),
+    lambda m: m['choices']['k']["('key', 1)"].__setitem__('median_ms', 'fast'),
+    lambda m: m['choices']['k']["('key', 1)"]['median_ms'].__setitem__('b', 'x'),
+    lambda m: m['choices']['k']["('key', 1)"].__setitem__('picked', 'z'),
+])
+def test_a_cache_of_the_right_format_and_wrong_shape_is_named_and_kept(tuner, tmp_path,
+                                                                      spoil):
+    # valid JSON of the right format with an entry of the wrong shape failed
+    # with a raw error at enable(), or later inside a convolution (a trial)
+    path = tmp_path / 'autotune.json'
+    _decide(tuner, str(path))
+    data = json.load(open(path))
+    spoil(next(iter(data['machines'].values())))
+    path.write_text(json.dumps(data))
+    _tuner.forget()
+    tuner.clear()
+    with pytest.warns(FastchainWarning, match=r'could not be used \(.*\); it is kept as '
+                      + str(path) + '.unusable'):
+        ran = _decide(tuner, str(path))
+    assert len(set(ran)) == 3                               # measured again
+    assert json.load(open(str(path) + '.unusable')) == data      # nothing lost
+    assert _cache._problem(json.load(open(path))) is None   # a new, usable cache
+
+
+def test_a_json_file_that_is_no_cache_is_refused_not_replaced(tmp_path):
+    path = tmp_path / 'settings.json'
+    path.write_text('{"lr": 0.1}')
+    with pytest.raises(ValueError, match='settings.json is not a fastchain autotune cache'):
+        fastchain.enable(tune_cache=str(path), loader_workers=0)
+    assert path.read_text() == '{"lr": 0.1}'
+    assert not fastchain.config._enable.active_handles()
+
+
+def test_a_relative_path_is_the_file_in_the_folder_enable_saw(tuner, tmp_path, monkeypatch):
+    (tmp_path / 'run').mkdir()
+    monkeypatch.chdir(tmp_path)
+    with fastchain.enable(autotune=True, tune_cache='autotune.json', loader_workers=0):
+        _tuner.call('k', ('key', 1), _abc([]))
+        monkeypatch.chdir(tmp_path / 'run')        # a script that changes folder
+    assert (tmp_path / 'autotune.json').exists()
+    assert not (tmp_path / 'run' / 'autotune.json').exists()
+
+
+def test_the_cache_cannot_be_one_of_the_timelines_files(tmp_path):
+    for name in ('trace.json', 'trace.txt', 'trace.png'):
+        with pytest.raises(ValueError, match='is one of the files the timeline'):
+            fastchain.enable(tune_cache=str(tmp_path / name),
+                             timeline=str(tmp_path / 'trace.json'), loader_workers=0)
+
+
 def test_the_option_wants_a_file_path(tmp_path):
     with pytest.raises(ValueError, match=r'tune_cache=3\): expected the path of a JSON file'):
         fastchain.enable(tune_cache=3)
