@@ -46,14 +46,29 @@ def models():
     refused = list(_NOT_CACHED.items())
     if not live and not refused:
         return None
-    names = collections.Counter(c.name for c in live if c.state['fallback'] is None)
     fell = {type(link).__name__: why for link, why in refused}
     fell.update((c.name, c.state['fallback']) for c in live
                 if c.state['fallback'] is not None)
+    # autotune decided define-by-run for every structure it measured: the
+    # model trains define-by-run (it read "cached", a new-user trial)
+    fell.update((c.name, TUNED_OUT) for c in live
+                if c.state['fallback'] is None and _tuned_out(c))
+    names = collections.Counter(c.name for c in live if c.state['fallback'] is None
+                                and not _tuned_out(c))
     order = {c.name: c.state['not_bitwise'] for c in live
              if c.state['fallback'] is None and c.state.get('not_bitwise')}
     return {'cached': dict(sorted(names.items())), 'define_by_run': fell,
             'not_bitwise': order}
+
+
+TUNED_OUT = ('autotune measured define-by-run faster over whole steps, so it trains '
+             "define-by-run (fastchain.tune.choices('static_graph') has the times)")
+
+
+def _tuned_out(cache):
+    from fastchain.tune import _tuner
+    picks = {_tuner.pick('static_graph', s) for s in cache.structures.values()}
+    return picks == {'define-by-run'}
 
 
 # Models an optimizer was set up with that the cache cannot take (a single

@@ -199,14 +199,21 @@ def test_the_static_cache_is_dropped_where_define_by_run_is_faster(tuner):
     from fastchain.static import cache_state
     tuner.update({'cached': 2.0, 'define-by-run': 1.0})
     plain = train(None, 14)
-    states = []
+    states, calls = [], []
+
+    def inspect(model):
+        states.append(dict(cache_state(model.predictor)))
+        calls.append(fastchain.report()['accelerators']['static_graph']['calls'])
     got = train({'static_graph': True, 'cpu_conv': True, 'fused_update': True}, 14,
-                inspect=lambda model: states.append(dict(cache_state(model.predictor))))
+                inspect=inspect)
     assert_bitwise(plain, got)
     [c] = _tuner.choices('static_graph')
     assert c['picked'] == 'define-by-run' and c['trials'] == {'cached': 2, 'define-by-run': 2}
     # not a fallback: the cache stays, verified; this key just runs define-by-run
     assert states[0]['fallback'] is None and list(states[0]['verified'].values()) == [2]
+    # and the report says so (it listed the model as cached: a new-user trial)
+    assert calls[0]['cached'] == {}
+    assert 'autotune measured define-by-run faster' in calls[0]['define_by_run']['ConvNet']
 
 
 def test_the_static_cache_stays_where_it_is_faster(tuner):
