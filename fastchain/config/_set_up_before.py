@@ -7,9 +7,11 @@ from fastchain.config._warning import FastchainWarning
 
 
 def warn(handle):
-    """fp16 and static_graph act when an optimizer is set up: one set up
-    before they were asked for is left as it was, which is named."""
-    names = [name for name in ('fp16', 'static_graph') if name in handle.states
+    """fp16, static_graph and fused_update act when an optimizer is set up:
+    one set up before they were asked for is left as it was, which is named
+    (fused_update only when asked for: on by default, it would be named in
+    every script that enables after its setup)."""
+    names = [name for name in ('fp16', 'static_graph', 'fused_update') if name in handle.states
              and handle.states[name].requested and handle.states[name].active]
     if not names:
         return
@@ -22,8 +24,8 @@ def warn(handle):
                 and getattr(o, 'target', None) is not None and not _applied(name, o)]
     for name in names:
         if name == 'static_graph':
-            _not_chains([o for o in gc.get_objects() if issubclass(type(o), GradientMethod)
-                         and getattr(o, 'target', None) is not None])
+            _not_chains(lambda: [o for o in gc.get_objects() if issubclass(
+                type(o), GradientMethod) and getattr(o, 'target', None) is not None])
         if missed(name):
             for _ in range(2):      # not one that is only garbage not collected yet
                 gc.collect()        # (a second pass frees what the first let go)
@@ -46,6 +48,11 @@ def warn(handle):
 def _applied(name, optimizer):
     import chainer
     import chainer.links as L
+    if name == 'fused_update':
+        from fastchain.kernels._update import is_fused, supported
+        rules = [p.update_rule for p in optimizer.target.params()]
+        return not any(r is not None and supported(r) and not is_fused(r)
+                       and 'update_core_cpu' not in vars(r) for r in rules)
     if name == 'fp16':
         from fastchain.precision._attach import scaler_of
         return (optimizer.__dict__.get('_use_fp32_update') is True
@@ -60,17 +67,29 @@ def _applied(name, optimizer):
 
 
 def _not_chains(optimizers):
-    """A model that is not a Chain set up before: named the way the setup
-    layer names one set up after (and kept for the report), once."""
+    """A model that is not a Chain set up before (``optimizers()``: those
+    alive): named the way the setup layer names one set up after (and kept
+    for the report), once."""
+    import gc
     import chainer
     import chainer.links as L
     from fastchain.static._cache import StaticGraphFallback
     from fastchain.static._group import _NOT_CACHED
     from fastchain.static._mark import not_a_chain
-    for optimizer in optimizers:
-        target = optimizer.target
-        chain = target.predictor if isinstance(target, L.Classifier) else target
-        if not isinstance(chain, chainer.Chain) and chain not in _NOT_CACHED:
+
+    def found():
+        out = []
+        for optimizer in optimizers():
+            target = optimizer.target
+            chain = target.predictor if isinstance(target, L.Classifier) else target
+            if not isinstance(chain, chainer.Chain) and chain not in _NOT_CACHED:
+                out.append(chain)
+        return out
+    if found():
+        for _ in range(2):      # not one that is only garbage not collected yet
+            gc.collect()
+    for chain in found():
+        if chain not in _NOT_CACHED:
             _NOT_CACHED[chain] = not_a_chain(chain)
             warnings.warn(_NOT_CACHED[chain] + '; it trains define-by-run',
                           StaticGraphFallback, stacklevel=4)

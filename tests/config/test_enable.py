@@ -334,6 +334,30 @@ def test_an_optimizer_set_up_before_fp16_or_static_graph_is_named():
     del before, after, decorated
 
 
+def test_fused_update_asked_for_names_an_optimizer_set_up_before():
+    model = L.Classifier(L.Linear(3, 2))
+    before = chainer.optimizers.MomentumSGD().setup(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        fastchain.enable(loader_workers=0).disable()        # the default: not named
+        handle = fastchain.enable(fused_update=True, loader_workers=0)
+    try:
+        messages = [str(w.message) for w in caught if 'acts when an optimizer' in
+                    str(w.message)]
+        assert len(messages) == 1 and messages[0].startswith('fastchain: fused_update acts')
+        assert 'MomentumSGD of Classifier' in messages[0]
+        after = chainer.optimizers.MomentumSGD().setup(L.Classifier(L.Linear(3, 2)))
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter('always')
+            fastchain.enable(fused_update=True, loader_workers=0).disable()
+        [message] = [str(w.message) for w in again if 'acts when an optimizer' in
+                     str(w.message)]
+        assert 'an optimizer set up before' in message     # only `before`, not `after`
+    finally:
+        handle.disable()
+    del before, after, model
+
+
 def test_a_single_link_set_up_before_static_graph_is_named_as_after():
     """A model the cache cannot take (a single link), set up before enable():
     the same warning and report entry as one set up after (none before)."""
