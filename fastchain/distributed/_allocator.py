@@ -37,7 +37,13 @@ def settle(environ=None):
     if _done:
         return _done[0]
     ok = False
-    if platform.libc_ver()[0] == 'glibc' and not any(environ.get(v) for v in USER_VARIABLES):
+    keep = environ.get('FASTCHAIN_KEEP_MALLOC', '').strip().lower()
+    if keep not in ('', '0', '1', 'false', 'true', 'no', 'yes'):
+        raise ValueError('FASTCHAIN_KEEP_MALLOC={!r}: set it to 1 to leave glibc\'s malloc '
+                         'thresholds alone, 0 (or unset) to let fastchain set them'
+                         .format(environ['FASTCHAIN_KEEP_MALLOC']))
+    mine = any(environ.get(v) for v in USER_VARIABLES[:2]) or keep in ('1', 'true', 'yes')
+    if platform.libc_ver()[0] == 'glibc' and not mine:
         libc = ctypes.CDLL(None)
         ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
             bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -55,3 +55,24 @@ def test_the_users_own_setting_is_left_alone():
         assert _allocator.settle({'MALLOC_TRIM_THRESHOLD_': '0'}) is False
     finally:
         _allocator._done.clear()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != 'glibc', reason='glibc only')
+@pytest.mark.parametrize('value, sets', [('1', False), ('yes', False), ('0', True),
+                                         ('false', True), ('', True)])
+def test_keep_malloc_reads_its_value(value, sets):
+    # any non-empty value counted as "keep", 0 too (a new-user trial)
+    _allocator._done.clear()
+    try:
+        assert _allocator.settle({'FASTCHAIN_KEEP_MALLOC': value}) is sets
+    finally:
+        _allocator._done.clear()
+
+
+def test_keep_malloc_with_another_value_is_refused_by_name():
+    _allocator._done.clear()
+    try:
+        with pytest.raises(ValueError, match=r"FASTCHAIN_KEEP_MALLOC='maybe': set it to 1"):
+            _allocator.settle({'FASTCHAIN_KEEP_MALLOC': 'maybe'})
+    finally:
+        _allocator._done.clear()
