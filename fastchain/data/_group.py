@@ -1,6 +1,7 @@
 """The input-pipeline group of ``fastchain.enable``."""
 
 import functools
+import weakref
 
 from fastchain.config import _patches
 from fastchain.config._options import Group, Option, State, boolean
@@ -74,6 +75,7 @@ class LoaderGroup(Group):
         asked_workers = values['loader_workers']
         loader = State('loader', True, workers is None or workers > 0, setting=asked_workers,
                        requested='loader_workers' in explicit and bool(asked_workers))
+        loader.calls = _outcomes()
         if not loader.active:
             loader.why = 'loader_workers=0' if asked_workers == 0 else None
         elif not asked:
@@ -174,6 +176,28 @@ def in_memory(dataset):
     return False
 
 
+# What the loader layer did with each updater built while it was in force,
+# as long as the updater lives: ('kept', why) or ('loading', iterator).
+_DONE = weakref.WeakKeyDictionary()
+
+
+def _outcomes():
+    """For the report: a line per live updater the layer saw (None if none)."""
+    lines = []
+    for updater, (what, detail) in list(_DONE.items()):
+        name = type(updater).__name__
+        if what == 'kept':
+            lines.append('{}: its iterator kept ({})'.format(name, detail))
+            continue
+        pool = getattr(detail, '_pool', None)
+        workers = getattr(detail, 'n_workers', None)
+        loading = getattr(pool, 'active', None) if pool is not None else None
+        lines.append('{}: {} worker process{}{}'.format(
+            name, workers, '' if workers == 1 else 'es', '' if loading in (None, workers) else
+            ', {} of them loading (autotune)'.format(loading)))
+    return lines or None
+
+
 def _updater_layer(setting, next_, updater, *args, **kwargs):
     """While in force, a StandardUpdater built with a plain SerialIterator
     gets the multiprocess loader and device prefetch instead (unless its
@@ -206,8 +230,13 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
                     'fastchain.data.MultiprocessIterator(..., order_sampler=...)' if own_order
                     else 'fastchain.data.MultiprocessIterator, or a SerialIterator'),
                 FastchainWarning, stacklevel=_patches.user_stacklevel())
+        _DONE[updater] = ('kept', 'the script chose it: {}{}'.format(
+            type(main).__name__, ' with its own order_sampler'
+            if type(main) is SerialIterator else ''))
         return
     if not asked and in_memory(main.dataset):
+        _DONE[updater] = ('kept', 'a SerialIterator over a dataset in memory ({}): see the '
+                          'note'.format(type(main.dataset).__name__))
         return      # nothing for workers to do (IN_MEMORY_NOTE)
     drew = _draws_random(main)
     main = upgrade_iterator(main, workers, warn_draws=not drew)
@@ -218,6 +247,7 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
                       stacklevel=_patches.user_stacklevel())
     if chosen:
         main.tune_workers()     # with autotune: how many of them load
+    _DONE[updater] = ('loading', main)
     if prefetch:
         main = DevicePrefetcher(main, updater.converter, updater.input_device)
         updater.converter = main.converter

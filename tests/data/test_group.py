@@ -284,9 +284,13 @@ def test_a_dataset_in_memory_keeps_its_serial_iterator_unless_workers_are_asked_
     main, report = _main_iterator_under(make(), prefetch_to_device=False)
     assert isinstance(main, data.MultiprocessIterator) is not in_memory
     assert report['active'] and 'keeps its SerialIterator' in report['note']
+    # what it did with this updater (the note is the general rule: a trial)
+    assert ('its iterator kept (a SerialIterator over a dataset in memory' in
+            report['calls'][-1]) is in_memory, report['calls']
     main, report = _main_iterator_under(make(), loader_workers=1, prefetch_to_device=False)
     assert isinstance(main, data.MultiprocessIterator)
     assert report['note'] is None
+    assert report['calls'][-1] == 'StandardUpdater: 1 worker process'
 
 
 def test_the_default_worker_count_is_this_processes_share_when_the_updater_is_built(
