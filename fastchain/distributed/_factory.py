@@ -69,4 +69,7 @@ def create_communicator(name='auto', mpi_comm=None, timeout=None):
     _faults.hold(comm)
     if comm.size > 1:
         _threads.apply(comm.rank, _node.own_cores(), comm.node_cores)
+    else:       # one process keeps its threads; a wrong setting is still named
+        import os
+        _threads.plan(_node.own_cores(), [_node.own_cores()], os.environ)
     return comm

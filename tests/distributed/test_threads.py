@@ -30,3 +30,17 @@ def test_the_users_setting_wins():
 def test_a_bad_setting_names_the_variable_and_the_fix(bad):
     with pytest.raises(ValueError, match='FASTCHAIN_THREADS_PER_PROCESS=.* Fix: set it'):
         _threads.plan(frozenset({0}), [frozenset({0})], {'FASTCHAIN_THREADS_PER_PROCESS': bad})
+
+
+@pytest.mark.mpi
+def test_a_bad_setting_is_named_by_a_one_process_communicator_too():
+    # one process keeps its threads, and took any value without a word
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, FASTCHAIN_THREADS_PER_PROCESS='abc')
+    r = subprocess.run([sys.executable, '-c', 'from fastchain import distributed; '
+                        "distributed.create_communicator('mpi')"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0
+    assert "FASTCHAIN_THREADS_PER_PROCESS='abc' is not a positive number" in r.stderr
