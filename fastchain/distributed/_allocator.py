@@ -31,18 +31,23 @@ USER_VARIABLES = ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_', 'FASTCHAIN
 _done = []
 
 
+def keep_malloc(environ):
+    """``FASTCHAIN_KEEP_MALLOC``: True to leave glibc's thresholds alone."""
+    keep = environ.get('FASTCHAIN_KEEP_MALLOC', '').strip().lower()
+    if keep not in ('', '0', '1', 'false', 'true', 'no', 'yes'):
+        raise ValueError('FASTCHAIN_KEEP_MALLOC={!r}: set it to 1 to leave glibc\'s malloc '
+                         'thresholds alone, 0 (or unset) to let fastchain set them'
+                         .format(environ['FASTCHAIN_KEEP_MALLOC']))
+    return keep in ('1', 'true', 'yes')
+
+
 def settle(environ=None):
     """Set the thresholds (once per process); True if they were set."""
     environ = os.environ if environ is None else environ
     if _done:
         return _done[0]
     ok = False
-    keep = environ.get('FASTCHAIN_KEEP_MALLOC', '').strip().lower()
-    if keep not in ('', '0', '1', 'false', 'true', 'no', 'yes'):
-        raise ValueError('FASTCHAIN_KEEP_MALLOC={!r}: set it to 1 to leave glibc\'s malloc '
-                         'thresholds alone, 0 (or unset) to let fastchain set them'
-                         .format(environ['FASTCHAIN_KEEP_MALLOC']))
-    mine = any(environ.get(v) for v in USER_VARIABLES[:2]) or keep in ('1', 'true', 'yes')
+    mine = any(environ.get(v) for v in USER_VARIABLES[:2]) or keep_malloc(environ)
     if platform.libc_ver()[0] == 'glibc' and not mine:
         libc = ctypes.CDLL(None)
         ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \

@@ -72,6 +72,11 @@ def _print_human(rep, out):
     print('\nChainer shims applied ({}):'.format(len(rep['shims'])), file=out)
     for s in rep['shims']:
         print('  {:20s} {:42s} {}'.format(s['name'], s['module'], s['why']), file=out)
+    if rep['environment']:
+        print('\nenvironment:', file=out)
+        for v in rep['environment']:
+            print('  {}={}  {}'.format(v['name'], v['value'], v['meaning'] if v['ok'] else
+                                       'WRONG: ' + v['error']), file=out)
     _print_accelerators(rep, out)
     if rep['patch_points'] or rep['settings']:
         print('\nin force in this process ({} handle(s)):'.format(rep['enabled_handles']),

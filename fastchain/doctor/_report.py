@@ -89,6 +89,7 @@ def report(mpi=False, preview=False):
     from fastchain.backends import mpi as mpi_backend
     from fastchain.config import _enable, _patches
     from fastchain.cudnn._group import graph_status
+    from fastchain.doctor._environment import variables
 
     deps = {
         'cupy': cuda.cupy_status().as_dict(),
@@ -123,4 +124,5 @@ def report(mpi=False, preview=False):
         # Chainer's entry points with fastchain layers on them now, outermost first.
         'patch_points': _patches.points(),
         'settings': _patches.value_labels(),
+        'environment': variables(),
     }

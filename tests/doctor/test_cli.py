@@ -79,6 +79,42 @@ def test_human_output_names_each_section():
     assert 'numpy ' + numpy.__version__ in text
 
 
+def test_the_environment_variables_set_are_read_as_fastchain_reads_them(monkeypatch):
+    from fastchain.doctor._environment import READERS, variables
+    for name in list(os.environ):
+        if name.startswith('FASTCHAIN_'):
+            monkeypatch.delenv(name)
+    assert variables() == []
+    monkeypatch.setenv('FASTCHAIN_COLLECTIVE_TIMEOUT', '900')
+    monkeypatch.setenv('FASTCHAIN_CAPTURE', '120:100')
+    monkeypatch.setenv('FASTCHAIN_COLECTIVE_TIMEOUT', '5')     # a typo
+    monkeypatch.setenv('FASTCHAIN_CUDNN_BN', 'yes')            # only 1 turns it on
+    monkeypatch.setenv('FASTCHAIN_KEEP_MALLOC', 'maybe')
+    monkeypatch.setenv('FASTCHAIN_THREADS_PER_PROCESS', '2')
+    found = {v['name']: v for v in variables()}
+    assert found['FASTCHAIN_COLLECTIVE_TIMEOUT']['meaning'] == '900 s a collective'
+    assert "expected FIRST:LAST" in found['FASTCHAIN_CAPTURE']['error']
+    assert 'not a variable fastchain reads' in found['FASTCHAIN_COLECTIVE_TIMEOUT']['error']
+    assert "only 1 turns it on" in found['FASTCHAIN_CUDNN_BN']['error']
+    assert 'set it to 1' in found['FASTCHAIN_KEEP_MALLOC']['error']
+    assert found['FASTCHAIN_THREADS_PER_PROCESS']['meaning'].startswith('2 BLAS/OpenMP')
+    assert [n for n, v in found.items() if v['ok']] == ['FASTCHAIN_COLLECTIVE_TIMEOUT',
+                                                        'FASTCHAIN_THREADS_PER_PROCESS']
+    # every variable the code reads has a reader
+    import re
+    root = os.path.join(os.path.dirname(__file__), '..', '..', 'fastchain')
+    read = set()
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith('.py') and name != '_environment.py':
+                text = open(os.path.join(folder, name)).read()
+                read |= set(re.findall(r"'(FASTCHAIN_[A-Z_]+)'", text))
+    assert read <= set(READERS), read - set(READERS)
+    text = doctor()     # the CLI prints them (its environment is this one)
+    assert "\n  FASTCHAIN_CUDNN_BN=yes  WRONG: FASTCHAIN_CUDNN_BN='yes': only 1" in text
+    assert '\n  FASTCHAIN_COLLECTIVE_TIMEOUT=900  900 s a collective' in text
+
+
 def test_report_function_matches_enable_state():
     import warnings
     import fastchain

@@ -1,0 +1,69 @@
+"""The ``FASTCHAIN_*`` environment variables set in this process, each read
+as fastchain reads it (``fastchain doctor``): a wrong value is named here,
+before a job fails on it (some are read only by data-parallel jobs, or only
+on a GPU), and a name fastchain does not read (a typo) too."""
+
+import os
+
+
+def _flag(name):
+    def read(value):
+        if value not in ('0', '1'):
+            raise ValueError('{}={!r}: only 1 turns it on (0 or unset: off)'.format(
+                name, value))
+        return 'on' if value == '1' else 'off'
+    return read
+
+
+def _timeout(value):
+    from fastchain.distributed._base import default_timeout
+    return '{:g} s a collective'.format(default_timeout())
+
+
+def _capture(value):
+    from fastchain.nvtx._hooks import capture_window
+    return "a 'capture' range over iterations {}-{}".format(*capture_window())
+
+
+def _threads(value):
+    from fastchain import _node
+    from fastchain.distributed import _threads as threads
+    own = _node.own_cores()
+    n, _ = threads.plan(own, [own], os.environ)
+    return '{} BLAS/OpenMP thread(s) a process, in a data-parallel job'.format(n)
+
+
+def _keep_malloc(value):
+    from fastchain.distributed._allocator import keep_malloc
+    return "glibc's malloc thresholds left alone" if keep_malloc(os.environ) else \
+        'fastchain sets the malloc thresholds once MPI is up'
+
+
+READERS = {
+    'FASTCHAIN_COLLECTIVE_TIMEOUT': _timeout,
+    'FASTCHAIN_CAPTURE': _capture,
+    'FASTCHAIN_THREADS_PER_PROCESS': _threads,
+    'FASTCHAIN_KEEP_MALLOC': _keep_malloc,
+    'FASTCHAIN_CUDNN_BN': _flag('FASTCHAIN_CUDNN_BN'),
+    'FASTCHAIN_NO_COMPAT': _flag('FASTCHAIN_NO_COMPAT'),
+}
+
+
+def variables():
+    """[{'name', 'value', 'ok', 'meaning' or 'error'}] for every FASTCHAIN_*
+    variable set in this process's environment."""
+    environ = os.environ
+    out = []
+    for name in sorted(n for n in environ if n.startswith('FASTCHAIN_')):
+        entry = {'name': name, 'value': environ[name]}
+        read = READERS.get(name)
+        if read is None:
+            entry.update(ok=False, error='not a variable fastchain reads (a typo?); it reads '
+                         + ', '.join(sorted(READERS)))
+        else:
+            try:
+                entry.update(ok=True, meaning=read(environ[name]))
+            except ValueError as e:
+                entry.update(ok=False, error=str(e))
+        out.append(entry)
+    return out
