@@ -29,11 +29,13 @@ class BlockMomentum(Learner):
         S = W + block_momentum * D     (nesterov=True: the look-ahead)
             W                          (nesterov=False)
 
-    and every rank goes on from ``S``. (CNTK's implementation filters with
-    the gain ``(1 - block_momentum) * block_lr`` and goes on from
-    ``S + ...``; this is the paper's form, whose gain ``block_lr / (1 -
-    block_momentum)`` is ``N`` with the defaults: the sum of the ranks'
-    progress, not their mean.)
+    and every rank goes on from ``S``. This is the paper's form. (CNTK's
+    learner sums the ranks' block updates, an allreduce sum, and filters the
+    sum with the gain ``(1 - block_momentum) * block_lr``: on their mean that
+    is ``(1 - block_momentum) * block_lr * N``, which is ``block_lr`` at the
+    default momentum ``1 - 1/N``, where the two forms agree, and differs at
+    any other momentum. CNTK leaves the look-ahead in the model after its
+    last exchange; :meth:`finish` leaves ``W``.)
 
     Args:
         block_size (int): samples each rank trains on between two

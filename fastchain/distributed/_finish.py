@@ -6,8 +6,8 @@ not the global model ``W`` (see ``_blocks``). A training that stops there
 would leave each rank its own model, and rank 0's (the one a script saves)
 would not be BMUF's result. :meth:`Learner.finish` ends the block (one
 exchange of what the ranks trained since the last) and writes ``W`` on
-every rank; CNTK's block-momentum learner does the same at the end of its
-data.
+every rank. (CNTK's block-momentum learner also exchanges once more at the
+end of its data, and leaves the look-ahead in the model.)
 
 A ``Trainer`` run that ends normally does it for every optimizer of its
 updater: ``Trainer.run`` gets a layer while a block learner lives. Every
