@@ -110,6 +110,8 @@ class BlockMomentum(Learner):
         rank's links get the global model ``W``, not the look-ahead. ``D`` is
         zeroed: training that goes on starts its block filtering afresh
         from ``W``."""
+        if self.params and (self._pending is not None or self._pending_shared is not None):
+            self.before_step()      # a snapshot loaded, no update since: its state first
         if self.global_model is None:
             return          # in the warm start (the ranks agree) or never updated
         if self.block_samples:

@@ -39,6 +39,12 @@ def _keep_malloc(value):
         'fastchain sets the malloc thresholds once MPI is up'
 
 
+def _tool(meaning):
+    """A variable the repository's tests and tools read, not the package."""
+    return lambda value: meaning + ' (read by the repository\'s tests and tools, not by the ' \
+        'package)'
+
+
 READERS = {
     'FASTCHAIN_COLLECTIVE_TIMEOUT': _timeout,
     'FASTCHAIN_CAPTURE': _capture,
@@ -46,6 +52,10 @@ READERS = {
     'FASTCHAIN_KEEP_MALLOC': _keep_malloc,
     'FASTCHAIN_CUDNN_BN': _flag('FASTCHAIN_CUDNN_BN'),
     'FASTCHAIN_NO_COMPAT': _flag('FASTCHAIN_NO_COMPAT'),
+    'FASTCHAIN_NVTX_LOG': _tool('the file the NVTX injection recorder writes the ranges to'),
+    'FASTCHAIN_DIFFERENTIAL_EXAMPLES': _tool("the differential suite's examples"),
+    'FASTCHAIN_GPU_CASES': _tool('the share of the generated GPU test cases that runs'),
+    'FASTCHAIN_MUTATION': _tool('the defect make mutation-check plants'),
 }
 
 

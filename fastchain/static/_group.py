@@ -61,12 +61,20 @@ def models():
             'not_bitwise': order}
 
 
-TUNED_OUT = ('autotune measured define-by-run faster over whole steps, so it trains '
-             "define-by-run (fastchain.tune.choices('static_graph') has the times)")
+TUNED_OUT = ('autotune measured define-by-run faster over whole steps (or it is forced), so '
+             "it trains define-by-run (fastchain.tune.choices('static_graph') has the times)")
 
 
 def _tuned_out(cache):
+    """autotune has this model train define-by-run now: it is on (off, the
+    cache replays whatever was picked) and forces or picked it for every
+    structure measured."""
     from fastchain.tune import _tuner
+    if not _tuner.enabled or not cache.structures:
+        return False
+    forced = _tuner.forced.get('static_graph')
+    if forced is not None:
+        return forced == 'define-by-run'
     picks = {_tuner.pick('static_graph', s) for s in cache.structures.values()}
     return picks == {'define-by-run'}
 

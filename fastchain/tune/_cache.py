@@ -57,11 +57,12 @@ def _read(path):
     try:
         with open(path) as f:
             data = json.load(f)
-        if not isinstance(data, dict) or 'format' not in data:
+        if not isinstance(data, dict) or 'machines' not in data or \
+                not isinstance(data.get('format'), int) or isinstance(data['format'], bool):
             raise ForeignFile(
-                '{} is not a fastchain autotune cache (a JSON file without its "format" '
-                'and "machines"), and enable(tune_cache=...) would replace it: give the '
-                'cache another path'.format(path))
+                '{} is not a fastchain autotune cache (a JSON object with a whole-number '
+                '"format" and "machines"), and enable(tune_cache=...) would replace it: '
+                'give the cache another path'.format(path))
         problem = _problem(data)
         if problem is not None:
             raise ValueError(problem)

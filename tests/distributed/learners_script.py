@@ -280,6 +280,16 @@ def resume(lazy=False):
     assert report['bytes_sent'] > 0 and report['bytes_per_sample'] == \
         report['bytes_sent'] / (4 * BATCH), report
     assert identical_everywhere(model2)
+    # resumed where its stop trigger is met already: no step, and the ranks
+    # still end on W (finish applies the loaded state first)
+    again, model3, opt3 = make_trainer(os.path.join(OUT, 'again'), 5, LEARNERS[LEARNER](),
+                                       seed=98, lazy=lazy)
+    chainer.serializers.load_npz(os.path.join(out, 'snap_5'), again)
+    again.run()
+    learner3 = distributed.learner_of(opt3)
+    if not lazy and LEARNER != '1bit':      # (lazy: never bound, nothing to end)
+        assert (learner3.blocks, learner3.block_samples) == (2, 0), learner3.blocks
+        assert identical_everywhere(model3)
     done(mid_block=apart == [True] if LEARNER != '1bit' else None)
 
 

@@ -100,15 +100,18 @@ def test_the_environment_variables_set_are_read_as_fastchain_reads_them(monkeypa
     assert found['FASTCHAIN_THREADS_PER_PROCESS']['meaning'].startswith('2 BLAS/OpenMP')
     assert [n for n, v in found.items() if v['ok']] == ['FASTCHAIN_COLLECTIVE_TIMEOUT',
                                                         'FASTCHAIN_THREADS_PER_PROCESS']
-    # every variable the code reads has a reader
+    # every variable the package, its tools and tests read has a reader
     import re
-    root = os.path.join(os.path.dirname(__file__), '..', '..', 'fastchain')
+    top = os.path.join(os.path.dirname(__file__), '..', '..')
     read = set()
-    for folder, _, files in os.walk(root):
-        for name in files:
-            if name.endswith('.py') and name != '_environment.py':
-                text = open(os.path.join(folder, name)).read()
-                read |= set(re.findall(r"'(FASTCHAIN_[A-Z_]+)'", text))
+    for part in ('fastchain', 'profiling', 'benchmarks', 'tests', 'recipes'):
+        for folder, _, files in os.walk(os.path.join(top, part)):
+            for name in files:
+                if name.endswith(('.py', '.c')) and name not in ('_environment.py',
+                                                                  'test_cli.py'):
+                    text = open(os.path.join(folder, name), errors='replace').read()
+                    read |= set(re.findall(r'''["'](FASTCHAIN_[A-Z_]+)["'=]''', text))
+    assert 'FASTCHAIN_NVTX_LOG' in read             # the scan sees C and the tools
     assert read <= set(READERS), read - set(READERS)
     text = doctor()     # the CLI prints them (its environment is this one)
     assert "\n  FASTCHAIN_CUDNN_BN=yes  WRONG: FASTCHAIN_CUDNN_BN='yes': only 1" in text

@@ -114,12 +114,15 @@ def test_a_cache_of_the_right_format_and_wrong_shape_is_named_and_kept(tuner, tm
     assert _cache._problem(json.load(open(path))) is None   # a new, usable cache
 
 
-def test_a_json_file_that_is_no_cache_is_refused_not_replaced(tmp_path):
+@pytest.mark.parametrize('text', ['{"lr": 0.1}', '[1, 2]',
+                                  '{"format": "npz", "lr": 0.1}',     # a config's own key
+                                  '{"format": 1, "lr": 0.1}'])
+def test_a_json_file_that_is_no_cache_is_refused_not_replaced(tmp_path, text):
     path = tmp_path / 'settings.json'
-    path.write_text('{"lr": 0.1}')
+    path.write_text(text)
     with pytest.raises(ValueError, match='settings.json is not a fastchain autotune cache'):
         fastchain.enable(tune_cache=str(path), loader_workers=0)
-    assert path.read_text() == '{"lr": 0.1}'
+    assert path.read_text() == text
     assert not fastchain.config._enable.active_handles()
 
 

@@ -204,6 +204,8 @@ def test_the_static_cache_is_dropped_where_define_by_run_is_faster(tuner):
     def inspect(model):
         states.append(dict(cache_state(model.predictor)))
         calls.append(fastchain.report()['accelerators']['static_graph']['calls'])
+        with fastchain.enable(autotune=False):      # the cache replays whatever was picked
+            calls.append(fastchain.report()['accelerators']['static_graph']['calls'])
     got = train({'static_graph': True, 'cpu_conv': True, 'fused_update': True}, 14,
                 inspect=inspect)
     assert_bitwise(plain, got)
@@ -214,6 +216,7 @@ def test_the_static_cache_is_dropped_where_define_by_run_is_faster(tuner):
     # and the report says so (it listed the model as cached: a new-user trial)
     assert calls[0]['cached'] == {}
     assert 'autotune measured define-by-run faster' in calls[0]['define_by_run']['ConvNet']
+    assert calls[1]['cached'] == {'ConvNet': 1} and calls[1]['define_by_run'] == {}
 
 
 def test_the_static_cache_stays_where_it_is_faster(tuner):

@@ -58,7 +58,8 @@ point                                      layers
 ``chainer.dataset.convert._call_converter``  nvtx, fp16
 ``StandardUpdater.__init__``               nvtx, loader
 ``chainer.Variable.backward``              fp16
-``Trainer.run``                            nvtx
+``Trainer.run``                            nvtx, distributed (held while a block
+                                           learner lives: its ``finish()`` after a run)
 ``<Convolution/Deconvolution>._forward_cpu_core``  cpu_conv, onednn (only one of them)
 ``BatchNormalization.forward``,            onednn, cudnn
 ``FixedBatchNormalization.forward``
