@@ -31,9 +31,15 @@ def warn(handle):
                 gc.collect()        # (a second pass frees what the first let go)
         missed_now = missed(name)
         if missed_now:  # with fp16, said to fail (a new-user trial met it unannounced)
-            fp16 = (" Its model keeps its float32 weights, and the batches are cast to float16 "
-                    "now: the first step will fail with Chainer's 'float32 != float16' type "
-                    'error.') if name == 'fp16' else ''
+            fp16 = ''
+            if name == 'fp16' and _float32(missed_now):
+                fp16 = (" Its model keeps its float32 weights, and the batches are cast to "
+                        "float16 now: the first step will fail with Chainer's 'float32 != "
+                        "float16' type error.")
+            elif name == 'fp16':    # built under an earlier enable(fp16=True), since disabled
+                fp16 = (' Its float16 model has neither fp32 master weights nor a loss scaler '
+                        'now (an earlier enable(fp16=True) gave them, and its handle was '
+                        'disabled).')
             warnings.warn(
                 'fastchain: {} acts when an optimizer is set up; {} set up before this '
                 'enable() ({}) {} unchanged.{} Call fastchain.enable() before building the '
@@ -43,6 +49,13 @@ def warn(handle):
                     ', '.join('{} of {}'.format(type(o).__name__, type(o.target).__name__)
                               for o in missed_now[::-1][:3]),      # the newest first
                     'is' if len(missed_now) == 1 else 'are', fp16), FastchainWarning, stacklevel=3)
+
+
+def _float32(optimizers):
+    """Any of their models with float32 parameters."""
+    import numpy
+    return any(p.dtype == numpy.float32 for o in optimizers for p in o.target.params()
+               if p.array is not None)
 
 
 def _applied(name, optimizer):

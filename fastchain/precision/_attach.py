@@ -17,6 +17,7 @@ import numpy
 
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
+from fastchain.precision._scaler import FP16_SAFE_SCALE
 
 SERIAL_KEY = 'fastchain_loss_scaler'
 SERIAL_MASTERS = 'fastchain_fp32_masters'
@@ -43,7 +44,7 @@ def attach(optimizer, scaler, changes, fp32_update=True):
     _set_loss_scale(optimizer, scaler, changes)
     ref = weakref.ref(optimizer)
 
-    step = {'fp16_grads': [], 'warned': False}
+    step = {'fp16_grads': [], 'warned': False, 'stats_warned': False}
 
     def check_nan_in_grads(next_):
         opt = ref()
@@ -57,6 +58,7 @@ def attach(optimizer, scaler, changes, fp32_update=True):
         # what the hooks and the update will see.
         scales = _backward_scales(opt, params, step)
         step['fp16_grads'] = _unscale(params, scales)
+        scaler.cap = FP16_SAFE_SCALE if getattr(_local, 'fp16_loss', False) else None
         scaler.step((p.grad for p in params),
                     reduce=_patches.attached(opt, ALL_RANKS_ANY))
 
@@ -70,6 +72,8 @@ def attach(optimizer, scaler, changes, fp32_update=True):
         for param, grad in step['fp16_grads']:
             param._set_grad_without_check(grad)
         step['fp16_grads'] = []
+        if not scaler.stepped and not step['stats_warned']:
+            step['stats_warned'] = _warn_nonfinite_statistics(opt.target)
         opt._loss_scale = scaler.update()
         _report({'loss_scale': opt._loss_scale,
                  'skipped_steps': scaler.skipped_steps}, opt.target)
@@ -104,6 +108,31 @@ def attach(optimizer, scaler, changes, fp32_update=True):
         changes.wrap(optimizer, name, 'fp16', fn)
 
 
+def _warn_nonfinite_statistics(target):
+    """A skipped step whose forward left inf/NaN in a link's running
+    statistics (updated in the forward, before the overflow check, as in
+    plain Chainer and PyTorch: the weights are safe, they are not). Says so
+    once; returns whether it did."""
+    import chainer
+    bad = []
+    for path, link in sorted(target.namedlinks()):
+        for name in sorted(link._persistent):
+            value = getattr(link, name, None)
+            if getattr(value, 'dtype', None) is not None and value.dtype.kind == 'f' and \
+                    not bool(chainer.backend.get_array_module(value).isfinite(value).all()):
+                bad.append('{}/{}'.format(path, name))
+    if bad:
+        warnings.warn(
+            'fastchain: fp16: a skipped step\'s forward put inf/NaN into {} (running '
+            'statistics are updated in the forward, before the overflow check, as in plain '
+            'Chainer: the weights are safe, they are not), so the model outputs NaN in test '
+            'mode until they are reset. Its float16 activations overflowed there: keep that '
+            'layer\'s inputs in range, or compute it in float32'.format(', '.join(bad[:3]) + (
+                ' and {} more'.format(len(bad) - 3) if len(bad) > 3 else '')),
+            FastchainWarning, stacklevel=_patches.user_stacklevel())
+    return bool(bad)
+
+
 DTYPE_NOTE = (
     'fastchain: fp16 is on (chainer.mixed16): the model computes in float16 and the batches '
     'from the converter are cast to float16. An array the script makes itself (a GAN\'s '
@@ -131,35 +160,41 @@ _local = threading.local()
 
 def record_backward_scale(next_, variable, *args, **kwargs):
     """The ``fp16`` layer of ``Variable.backward``: notes the loss scale the
-    backward seeds its gradient with (Chainer notes it on the leaves it
-    reaches; a cached static graph's parameters were not among them before
-    its node took them as inputs, and this note stays the one source)."""
+    backward seeds its gradient with, and whether its loss is float16 (a
+    scale above 2**15 makes its seed inf). Chainer notes the scale on each
+    leaf it reaches (``param._loss_scale``), which is what counts for a
+    parameter; this note serves parameters whose gradients a hook attached
+    without making them leaves (Chainer's own ``@static_graph``)."""
     scale = kwargs.get('loss_scale', args[2] if len(args) > 2 else None)
     _local.scale = scale
+    if scale is not None:
+        _local.fp16_loss = getattr(variable, 'dtype', None) == numpy.float16
     return next_(variable, *args, **kwargs)
 
 
 def carried_scale(params):
     """The loss scale the gradients of ``params`` carry now, before the
-    update unscales them (what :func:`_backward_scales` will find, read
-    without taking it): None for a script's own unscaled ``loss.backward()``."""
-    scale = getattr(_local, 'scale', _patches.MISSING)
-    if scale is not _patches.MISSING:
-        return scale
-    return next((p._loss_scale for p in params if p._loss_scale is not None), None)
+    update unscales them (what :func:`_backward_scales` will find): None for
+    a script's own unscaled ``loss.backward()``."""
+    return next((x for x in _scales_of(params) if x is not None), None)
+
+
+def _scales_of(params):
+    """Each parameter's: the one Chainer noted on it, else the last
+    backward's in this thread (two optimizers' backwards, or a backward of
+    something else before the update, each keep their own: a new-user trial
+    had one optimizer's gradients divided by the other's scale, and an
+    unrelated unscaled backward cancel the unscaling, a 1024x step)."""
+    last = getattr(_local, 'scale', None)
+    return [p._loss_scale if p._loss_scale is not None else last for p in params]
 
 
 def _backward_scales(optimizer, params, step):
-    """The loss scale each parameter's gradient carries: the last backward's
-    in this thread, else what Chainer noted on the parameter (not the
-    optimizer's: a script's own ``loss.backward()`` scales nothing). Warns
-    once (``step['warned']``) when an fp16 optimizer's gradients carry none."""
-    scale = getattr(_local, 'scale', _patches.MISSING)
-    _local.scale = _patches.MISSING
-    if scale is not _patches.MISSING:
-        scales = [scale] * len(params)
-    else:
-        scales = [p._loss_scale for p in params]
+    """The loss scale each parameter's gradient carries (``_scales_of``; not
+    the optimizer's: a script's own ``loss.backward()`` scales nothing).
+    Warns once (``step['warned']``) when an fp16 optimizer's gradients carry
+    none."""
+    scales = _scales_of(params)
     if not step['warned'] and params and all(x is None for x in scales):
         step['warned'] = True
         warnings.warn(

@@ -24,8 +24,12 @@ def _loss_scale(value):
                              .format(', '.join(map(repr, unknown)), ', '.join(known)))
         DynamicLossScaler(**value)      # validates now, not at the first step
         return dict(value)
+    fixed = ''
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        fixed = (' (a fixed scale is the dict {{\'init_scale\': {0}, \'min_scale\': {0}, '
+                 '\'max_scale\': {0}}}: steps that overflow are still skipped)'.format(value))
     raise ValueError("expected 'dynamic', False, or a dict of "
-                     "DynamicLossScaler arguments")
+                     "DynamicLossScaler arguments" + fixed)
 
 
 class Fp16Group(Group):

@@ -74,6 +74,10 @@ class DynamicLossScaler:
         self.growth_interval = growth_interval
         self.min_scale = float(min_scale)
         self.max_scale = float(max_scale)
+        # Set each step by fastchain's fp16 (not saved): FP16_SAFE_SCALE when
+        # the loss is float16, whose backward seed a larger scale makes inf
+        # (every growth past it was a skipped step: a new-user trial).
+        self.cap = None
         self.scale = float(init_scale)
         self.good_steps = 0         # consecutive steps without overflow
         self.steps = 0              # updates applied
@@ -132,7 +136,8 @@ class DynamicLossScaler:
             self.good_steps += 1
             if self.good_steps >= self.growth_interval:
                 self.good_steps = 0
-                self.scale = min(self.max_scale, self.scale * self.growth_factor)
+                top = self.max_scale if self.cap is None else min(self.max_scale, self.cap)
+                self.scale = max(self.scale, min(top, self.scale * self.growth_factor))
         self._found_inf = None
         return self.scale
 

@@ -334,6 +334,23 @@ def test_an_optimizer_set_up_before_fp16_or_static_graph_is_named():
     del before, after, decorated
 
 
+def test_an_fp16_model_set_up_under_an_earlier_handle_is_named_as_float16():
+    # it said the model "keeps its float32 weights" (a new-user trial)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        first = fastchain.enable(fp16=True, loader_workers=0)
+        model = L.Classifier(L.Linear(4, 3))
+        opt = chainer.optimizers.SGD().setup(model)
+        first.disable()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        fastchain.enable(fp16=True, loader_workers=0).disable()
+    [message] = [str(w.message) for w in caught if 'acts when an optimizer' in str(w.message)]
+    assert 'Its float16 model has neither fp32 master weights nor a loss scaler' in message
+    assert 'float32 weights' not in message
+    del opt, model
+
+
 def test_fused_update_asked_for_names_an_optimizer_set_up_before():
     model = L.Classifier(L.Linear(3, 2))
     before = chainer.optimizers.MomentumSGD().setup(model)

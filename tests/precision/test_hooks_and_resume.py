@@ -240,3 +240,100 @@ def test_a_non_strict_load_of_a_snapshot_without_masters_keeps_them_and_says_so(
             if name in masters:
                 numpy.testing.assert_array_equal(p.update_rule._fp32_param.array,
                                                  masters[name], err_msg=name)
+
+
+def _one_weight(seed_value=0.0):
+    import chainer.links as L
+    link = L.Linear(1, 1, nobias=True, initialW=numpy.full((1, 1), seed_value, 'f'))
+    link.to_device('@numpy')
+    return link
+
+
+@pytest.mark.parametrize('between', [None, 'unrelated'])
+def test_each_optimizers_gradients_are_unscaled_by_their_own_backwards_scale(between):
+    """Two optimizers' backwards first (scales 1024 and 256), then their
+    updates; or an unrelated unscaled backward before the update. The scale
+    of the last backward in the thread was applied to every parameter: one
+    optimizer's gradients were divided by the other's scale (a 4x step) and
+    the unrelated backward cancelled the unscaling (a 1024x step)."""
+    with fp16_enable(loss_scale={'init_scale': 1024.0}) as handle:
+        g, d = _one_weight(), _one_weight()
+        og = chainer.optimizers.SGD(1.0).setup(g)
+        od = chainer.optimizers.SGD(1.0).setup(d)
+        scaler_of(od).scale = od._loss_scale = 256.0
+        x = numpy.full((1, 1), 2.0, numpy.float16)      # d sum(W x) / dW = 2
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            for link, opt in ((g, og), (d, od)):
+                link.cleargrads()
+                F.sum(link(x)).backward(loss_scale=opt._loss_scale)
+            if between == 'unrelated':
+                v = chainer.Variable(numpy.ones(1, numpy.float16))
+                F.sum(v * v).backward()         # a monitoring gradient, not the model's
+            og.update()
+            od.update()
+        assert not [w for w in caught if 'not loss-scaled' in str(w.message)]
+        assert g.W.array.item() == -2.0 and d.W.array.item() == -2.0
+    assert not handle.active
+
+
+def test_the_scale_does_not_grow_past_what_a_float16_loss_can_carry():
+    """A float16 loss seeds its backward with ones * scale in float16: 2**16
+    is inf, so every growth past 2**15 was a skipped step."""
+    from tests.precision.test_fp16_training import CNN
+    with fp16_enable(loss_scale={'growth_interval': 2}):
+        numpy.random.seed(0)
+        model = chainer.links.Classifier(CNN())
+        opt = chainer.optimizers.SGD(0.01).setup(model)
+        for x, t in batches(7):
+            opt.update(model, x.astype(numpy.float16), t)
+        scaler = scaler_of(opt)
+        assert (scaler.scale, scaler.skipped_steps) == (2.0 ** 15, 0)
+    # a float32 loss carries more: the scale grows past 2**15 there
+    with fp16_enable(loss_scale={'growth_interval': 2}):
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainer.optimizers.SGD(0.01).setup(model)
+        scales = []
+        for x, t in batches(5):
+            model.cleargrads()
+            loss = F.softmax_cross_entropy(F.cast(model(x.astype(numpy.float16)), 'f'), t)
+            loss.backward(loss_scale=opt._loss_scale)
+            opt.update()
+            scales.append(opt._loss_scale)
+        assert max(scales) > 2.0 ** 15, scales
+
+
+def test_a_skipped_step_that_left_nan_in_running_statistics_says_so():
+    import chainer.links as L
+
+    class Net(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.l = L.Linear(4, 8)
+                self.bn = L.BatchNormalization(8)
+                self.o = L.Linear(8, 3)
+
+        def forward(self, x):
+            return self.o(F.relu(self.bn(self.l(x))))
+    with fp16_enable():
+        numpy.random.seed(0)
+        model = L.Classifier(Net())
+        opt = chainer.optimizers.SGD(0.1).setup(model)
+        x = numpy.random.randn(8, 4).astype(numpy.float16)
+        t = numpy.zeros(8, numpy.int32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            opt.update(model, x, t)
+            opt.update(model, x * numpy.float16(3e4), t)     # overflows: skipped
+            opt.update(model, x * numpy.float16(3e4), t)     # said once
+        said = [str(w.message) for w in caught if 'running statistics' in str(w.message)]
+        assert not scaler_of(opt).stepped and len(said) == 1
+        assert 'inf/NaN into /predictor/bn/avg_mean, /predictor/bn/avg_var' in said[0]
+
+
+def test_a_fixed_scale_is_shown_as_the_dict_that_gives_it():
+    with pytest.raises(ValueError, match=r"a fixed scale is the dict \{'init_scale': 128.0, "
+                                         r"'min_scale': 128.0, 'max_scale': 128.0\}"):
+        fastchain.enable(fp16=True, loss_scale=128.0)
