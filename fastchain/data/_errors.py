@@ -19,15 +19,55 @@ class DataLoadError(Exception):
             ('\nIn the worker:\n' + detail) if detail else ''))
 
 
-def check_args(dataset, batch_size, n_workers, prefetch, on_error):
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
-            or batch_size < 1:
+def _whole(value, low):
+    import numpy
+    return not isinstance(value, (bool, numpy.bool_)) and \
+        isinstance(value, (int, numpy.integer)) and value >= low
+
+
+def check_args(dataset, batch_size, n_workers, prefetch, on_error, timeout=None,
+               seed=None, shared_memory=True):
+    """Each argument by name (NumPy's integers taken as Chainer takes them);
+    returns (batch_size, n_workers, prefetch) as ints."""
+    if not _whole(batch_size, 1):
         raise ValueError('batch_size must be a positive int, got {!r}'.format(batch_size))
     if on_error not in ('raise', 'skip'):
         raise ValueError("on_error must be 'raise' or 'skip', got {!r}".format(on_error))
-    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 0:
+    if not _whole(n_workers, 0):
         raise ValueError('n_workers must be an int >= 0, got {!r}'.format(n_workers))
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+    if not _whole(prefetch, 1):
         raise ValueError('prefetch must be an int >= 1, got {!r}'.format(prefetch))
+    import numbers
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+            timeout, numbers.Real) or not timeout > 0):
+        raise ValueError('timeout must be a number of seconds > 0 (or None: wait as long '
+                         'as it takes), got {!r}'.format(timeout))
+    if seed is not None and not _whole(seed, 0):
+        raise ValueError('seed must be an int >= 0 (or None), got {!r}'.format(seed))
+    if not isinstance(shared_memory, bool):
+        raise ValueError('shared_memory must be True or False, got {!r}'.format(shared_memory))
     if len(dataset) == 0:
         raise ValueError('the dataset is empty')
+    return int(batch_size), int(n_workers), int(prefetch)
+
+
+# chainer.iterators.MultiprocessIterator's names for what this one calls otherwise
+CHAINER_NAMES = {'n_processes': 'n_workers', 'n_prefetch': 'prefetch',
+                 'shared_mem': 'shared_memory (True or False; its size is found from the '
+                               'first example)',
+                 'dataset_timeout': 'timeout', 'maxtasksperchild': None}
+
+
+def chainer_names(given):
+    """Chainer's keyword arguments given to fastchain's iterator: named, with
+    fastchain's own (or that it has none)."""
+    for name in given:
+        if name in CHAINER_NAMES:
+            ours = CHAINER_NAMES[name]
+            raise TypeError('{!r} is chainer.iterators.MultiprocessIterator\'s argument; '
+                            'fastchain.data.MultiprocessIterator {}'.format(
+                                name, 'calls it ' + ours if ours else
+                                'has no such setting (its workers live for the iterator)'))
+    if given:
+        raise TypeError('MultiprocessIterator() got unexpected keyword argument(s) {}'.format(
+            ', '.join(sorted(given))))

@@ -12,6 +12,7 @@ to float belongs on the device, after the copy (``fastchain.data.Normalize``).
 
 import io
 import os
+import re
 
 import numpy
 
@@ -59,11 +60,19 @@ def open_image(path, index=None):
     except OSError as e:
         raise ImageDecodeError(path, index, '{}: {}'.format(
             type(e).__name__, e.strerror or e)) from None
+    if not data:
+        raise ImageDecodeError(path, index, 'an empty file (0 bytes): rewrite or remove '
+                               'it, or leave such files out (the iterator\'s on_error=\'skip\', the '
+                               'recipe\'s --skip-bad-images)')
     try:
         image = Image.open(io.BytesIO(data))
     except Exception as e:
-        raise ImageDecodeError(path, index, 'not an image ({}: {})'.format(
-            type(e).__name__, e)) from None
+        # Pillow names the buffer it read ("<_io.BytesIO object at 0x...>"): the
+        # path is named already
+        text = re.sub(r'\s*<_io\.BytesIO object at 0x[0-9a-f]+>', '', str(e))
+        raise ImageDecodeError(path, index, 'not an image ({}: {}): {} bytes that no image '
+                               'format Pillow reads begins with'.format(
+                                   type(e).__name__, text, len(data))) from None
     image.fastchain_data = data
     return image
 

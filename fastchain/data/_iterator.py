@@ -8,7 +8,7 @@ from chainer.dataset import iterator as iterator_module
 from fastchain.data import _workers
 from fastchain.data._draws import KeptGenerators, say_draws
 from fastchain.data._generators import find as find_generators, seed_example
-from fastchain.data._errors import DataLoadError, check_args
+from fastchain.data._errors import DataLoadError, _whole, check_args, chainer_names
 from fastchain.data._pool import WorkerPool
 from fastchain.data._schedule import Schedule, order_source, seed_from_global_rng
 
@@ -117,10 +117,13 @@ class MultiprocessIterator(iterator_module.Iterator):
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None, seed=None,
                  n_workers=None, prefetch=None, on_error='raise',
                  shared_memory=True, timeout=None, start_method=None,
-                 rng=None, order_sampler=None, order=None, warn_draws=False):
+                 rng=None, order_sampler=None, order=None, warn_draws=False, **chainer_args):
+        chainer_names(chainer_args)
         n_workers = available_cores() if n_workers is None else n_workers
-        prefetch = max(2, 2 * n_workers) if prefetch is None else prefetch
-        check_args(dataset, batch_size, n_workers, prefetch, on_error)
+        if prefetch is None and _whole(n_workers, 0):
+            prefetch = max(2, 2 * n_workers)
+        batch_size, n_workers, prefetch = check_args(
+            dataset, batch_size, n_workers, prefetch, on_error, timeout, seed, shared_memory)
         rng, sampler = order_source(rng, shuffle, order_sampler, order)
         self.dataset = dataset
         self._own = find_generators(dataset)     # the dataset's own generators

@@ -117,6 +117,24 @@ class WorkerPool:
         self.depth = slots          # batches sent ahead at most (autotune may lower it)
         parent = os.getpid()
         own_groups = self.shm is not None and _workers.launched_by_mpi()
+        # before the workers start: a start that fails frees what was made
+        # (each failed construction left its shared memory until exit)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self.workers, self.task_conns, self.result_conns, self.shm)
+        try:
+            self._start(ctx, dataset, n_workers, parent, own_groups)
+        except BaseException as e:
+            self._finalizer()
+            if ctx.get_start_method() != 'fork' and isinstance(e, (TypeError, AttributeError)) \
+                    and 'pickle' in str(e):
+                raise TypeError(
+                    "the dataset cannot be sent to the workers: start method {!r} pickles it, "
+                    "and {}. Fix: make the dataset picklable, or leave start_method to the "
+                    "default 'fork'".format(ctx.get_start_method(), e)) from e
+            raise
+        _live.add(self)
+
+    def _start(self, ctx, dataset, n_workers, parent, own_groups):
         for w in range(n_workers):
             task_r, task_w = ctx.Pipe(duplex=False)
             result_r, result_w = ctx.Pipe(duplex=False)
@@ -138,9 +156,6 @@ class WorkerPool:
             self.workers.append(p)
             self.task_conns.append(task_w)
             self.result_conns.append(result_r)
-        self._finalizer = weakref.finalize(
-            self, _shutdown, self.workers, self.task_conns, self.result_conns, self.shm)
-        _live.add(self)
 
     def seek(self, epoch, position):
         """Forget the batches in flight (after waiting for them: a worker may

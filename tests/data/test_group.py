@@ -423,3 +423,38 @@ def test_pythons_random_in_workers_is_seeded_per_example():
     assert run(2) == one and run(3) == one
     drawn = [v for batch in one for v in batch]
     assert len(set(drawn)) == len(drawn)
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
+def test_the_scripts_own_iterator_follows_the_loaders(prefetch):
+    # The loader takes the SerialIterator's place in the updater: the
+    # script's object stopped moving, and Chainer's own idiom below looped
+    # for ever (a new-user trial). It now reads as the updater's iterator.
+    def run(options):
+        numpy.random.seed(0)
+        model = L.Classifier(L.Linear(3, N))
+        opt = chainer.optimizers.SGD(0.1).setup(model)
+        handle = None if options is None else fastchain.enable(**options)
+        try:
+            train_iter = chainer.iterators.SerialIterator(Indexed(), 4)
+            updater = chainer.training.StandardUpdater(train_iter, opt)
+            seen = []
+            while train_iter.epoch < 2 and len(seen) < 100:
+                updater.update()
+                seen.append((train_iter.epoch, train_iter.epoch_detail,
+                             train_iter.is_new_epoch, updater.epoch_detail))
+            state = {}
+            serializers.DictionarySerializer(state).save(train_iter)
+            following = isinstance(train_iter, chainer.iterators.SerialIterator)
+            updater.finalize()
+            return seen, state, following, next(iter(model.params())).array.copy()
+        finally:
+            if handle is not None:
+                handle.disable()
+    plain = run(None)
+    got = run(dict(loader_workers=1, prefetch_to_device=prefetch))
+    assert got[0] == plain[0] and len(plain[0]) == -(-2 * N // 4)
+    for key in plain[1]:        # (and fastchain's own keys: its seed)
+        numpy.testing.assert_array_equal(got[1][key], plain[1][key], err_msg=key)
+    assert got[2]           # still a SerialIterator to the script
+    numpy.testing.assert_array_equal(got[3], plain[3])

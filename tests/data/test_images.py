@@ -137,6 +137,18 @@ def test_each_bad_file_names_itself(bad_root, name, reason):
     assert 'example {}'.format(i) in str(e.value) and name in str(e.value)
 
 
+def test_an_empty_file_is_named_empty_and_no_buffer_address_is_shown(tmp_path):
+    (tmp_path / 'empty.jpg').write_bytes(b'')
+    (tmp_path / 'notes.jpg').write_text('these are not pixels\n')
+    (tmp_path / 'list.txt').write_text('empty.jpg 0\nnotes.jpg 1\n')
+    d = data.ImageListDataset(str(tmp_path / 'list.txt'), root=str(tmp_path))
+    with pytest.raises(data.ImageDecodeError, match=r'an empty file \(0 bytes\): rewrite'):
+        d[0]
+    with pytest.raises(data.ImageDecodeError, match='21 bytes that no image format') as e:
+        d[1]
+    assert 'BytesIO' not in str(e.value) and '0x' not in str(e.value)
+
+
 def test_transforms_make_uint8_chw_of_the_requested_size(image_root):
     d = data.ImageListDataset(os.path.join(image_root, 'train.txt'))
     for transform, shape in [(data.RandomCrop(32), (3, 32, 32)),

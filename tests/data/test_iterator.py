@@ -332,6 +332,44 @@ def test_bad_arguments():
         data.MultiprocessIterator([], 1)
 
 
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(n_workers='2'), "n_workers must be an int >= 0, got '2'"),
+    (dict(timeout=0), 'timeout must be a number of seconds > 0'),
+    (dict(timeout='5'), 'timeout must be a number of seconds > 0'),
+    (dict(seed=-1), 'seed must be an int >= 0'),
+    (dict(seed=1.5), 'seed must be an int >= 0'),
+    (dict(shared_memory='no'), "shared_memory must be True or False, got 'no'"),
+    (dict(n_processes=2), "'n_processes' is chainer.iterators.MultiprocessIterator's "
+                          'argument; fastchain.data.MultiprocessIterator calls it n_workers'),
+    (dict(maxtasksperchild=4), 'has no such setting'),
+    (dict(bogus=1), 'unexpected keyword argument'),
+])
+def test_each_bad_argument_is_named(kwargs, message):
+    # raw errors, or taken (timeout=0, seed=1.5, shared_memory='no'): a trial
+    with pytest.raises((ValueError, TypeError), match=message):
+        data.MultiprocessIterator(list(range(8)), 2, **kwargs)
+
+
+def test_numpy_integers_are_taken_as_chainer_takes_them():
+    it = data.MultiprocessIterator(list(range(8)), numpy.int64(3), n_workers=numpy.int64(0),
+                                   shuffle=False)
+    assert it.batch_size == 3 and type(it.batch_size) is int and it.next() == [0, 1, 2]
+
+
+class _Locked(Indexed):
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+
+
+def test_a_dataset_spawn_cannot_send_is_named_and_its_shared_memory_freed():
+    before = set(os.listdir('/dev/shm'))
+    with pytest.raises(TypeError, match="cannot be sent to the workers: start method 'spawn' "
+                                        'pickles it.*Fix: make the dataset picklable'):
+        data.MultiprocessIterator(_Locked(), 2, n_workers=1, start_method='spawn')
+    assert set(os.listdir('/dev/shm')) - before == set()    # each failure left it
+
+
 SCRIPT = textwrap.dedent('''
     import os, sys, time
     sys.path.insert(0, {tests!r})
