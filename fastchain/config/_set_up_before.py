@@ -13,23 +13,10 @@ def warn(handle):
     every script that enables after its setup)."""
     names = [name for name in ('fp16', 'static_graph', 'fused_update') if name in handle.states
              and handle.states[name].requested and handle.states[name].active]
-    if not names:
-        return
-    import gc
-    from chainer.optimizer import GradientMethod
-    def missed(name):
-        # type(), not isinstance(): the latter reads __class__, which some
-        # objects (lazy modules' proxies) answer with a warning
-        return [o for o in gc.get_objects() if issubclass(type(o), GradientMethod)
-                and getattr(o, 'target', None) is not None and not _applied(name, o)]
     for name in names:
         if name == 'static_graph':
-            _not_chains(lambda: [o for o in gc.get_objects() if issubclass(
-                type(o), GradientMethod) and getattr(o, 'target', None) is not None])
-        if missed(name):
-            for _ in range(2):      # not one that is only garbage not collected yet
-                gc.collect()        # (a second pass frees what the first let go)
-        missed_now = missed(name)
+            _not_chains()
+        missed_now = _live(lambda o: not _applied(name, o))
         if missed_now:  # with fp16, said to fail (a new-user trial met it unannounced)
             fp16 = ''
             if name == 'fp16' and _float32(missed_now):
@@ -60,7 +47,6 @@ def _float32(optimizers):
 
 def _applied(name, optimizer):
     import chainer
-    import chainer.links as L
     if name == 'fused_update':
         from fastchain.kernels._update import is_fused, supported
         rules = [p.update_rule for p in optimizer.target.params()]
@@ -71,38 +57,41 @@ def _applied(name, optimizer):
         return (optimizer.__dict__.get('_use_fp32_update') is True
                 or scaler_of(optimizer) is not None)
     from fastchain.static._cache import is_cached
-    target = optimizer.target
-    chain = target.predictor if isinstance(target, L.Classifier) else target
+    from fastchain.static._group import chain_of
+    chain = chain_of(optimizer.target)
     # a forward decorated with fastchain.static_graph caches on its first call
     decorated = hasattr(getattr(type(chain), 'forward', None), '__fastchain_static__')
     return (not isinstance(chain, chainer.Chain) or is_cached(chain) or decorated
             or 'forward' in vars(chain))
 
 
-def _not_chains(optimizers):
-    """A model that is not a Chain set up before (``optimizers()``: those
-    alive): named the way the setup layer names one set up after (and kept
-    for the report), once."""
+def _live(select):
+    """The optimizers set up (with a target) that ``select`` picks, not
+    counting garbage not collected yet."""
     import gc
-    import chainer
-    import chainer.links as L
-    from fastchain.static._cache import StaticGraphFallback
-    from fastchain.static._group import _NOT_CACHED
-    from fastchain.static._mark import not_a_chain
+    from chainer.optimizer import GradientMethod
 
     def found():
-        out = []
-        for optimizer in optimizers():
-            target = optimizer.target
-            chain = target.predictor if isinstance(target, L.Classifier) else target
-            if not isinstance(chain, chainer.Chain) and chain not in _NOT_CACHED:
-                out.append(chain)
-        return out
+        # type(), not isinstance(): the latter reads __class__, which some
+        # objects (lazy modules' proxies) answer with a warning
+        return [o for o in gc.get_objects() if issubclass(type(o), GradientMethod)
+                and getattr(o, 'target', None) is not None and select(o)]
     if found():
-        for _ in range(2):      # not one that is only garbage not collected yet
+        for _ in range(2):      # (a second pass frees what the first let go)
             gc.collect()
-    for chain in found():
+    return found()
+
+
+def _not_chains():
+    """A model that is not a Chain set up before: named the way the setup
+    layer names one set up after (and kept for the report), once."""
+    import chainer
+    from fastchain.static._group import _NOT_CACHED, chain_of, not_cached
+
+    def refused(optimizer):
+        chain = chain_of(optimizer.target)
+        return not isinstance(chain, chainer.Chain) and chain not in _NOT_CACHED
+    for optimizer in _live(refused):
+        chain = chain_of(optimizer.target)
         if chain not in _NOT_CACHED:
-            _NOT_CACHED[chain] = not_a_chain(chain)
-            warnings.warn(_NOT_CACHED[chain] + '; it trains define-by-run',
-                          StaticGraphFallback, stacklevel=4)
+            not_cached(chain, 4)

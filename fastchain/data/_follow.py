@@ -45,7 +45,7 @@ def target_of(iterator):
 
 
 def _get(self, name):
-    if name in ('__class__', '__dict__') or name.startswith('__') and name.endswith('__'):
+    if name.startswith('__') and name.endswith('__'):     # __class__, __dict__, ...: its own
         return object.__getattribute__(self, name)
     target = target_of(self)
     try:

@@ -18,7 +18,6 @@ IN_FORCE = 'are in force'
 WHEN_ON = 'are used with onednn=True (not now)'
 
 
-
 class KernelGroup(Group):
     name = 'kernels'
     options = (
@@ -38,11 +37,8 @@ class KernelGroup(Group):
     )
 
     def probe(self):
-        from fastchain.kernels import _onednn
-        available, version, why, fix = _onednn.status()
         return [State('cpu_conv', True, False), State('fused_update', True, False),
-                State('onednn', available, False, why=why, fix=fix,
-                      note=None if not available else NOT_BITWISE.format(version, WHEN_ON))]
+                _onednn_probe(in_force=False)]
 
     def plan(self, values, explicit, plan):
         from fastchain.kernels import _bind, _conv, _onednn
@@ -86,18 +82,27 @@ class KernelGroup(Group):
 
     def _onednn_state(self, values, explicit):
         from fastchain.kernels import _onednn, _onednn_bn
-        state = self.probe()[2]
-        state.setting = values['onednn']
-        state.requested = 'onednn' in explicit and values['onednn'] is True
-        state.active = _onednn.enabled and all(
+        active = _onednn.enabled and all(
             _patches.in_force(owner, name, 'onednn') is not None
             for owner, name, _ in _onednn_bn.functions())
+        state = _onednn_probe(in_force=active)
+        state.setting = values['onednn']
+        state.requested = 'onednn' in explicit and values['onednn'] is True
+        state.active = active
         if state.active:
             state.calls = dict(_onednn.calls)     # operation -> calls so far
-            state.note = state.note.replace(WHEN_ON, IN_FORCE)
         elif state.available and values['onednn'] is not True:
             state.why = 'onednn=False (the default: it is not bitwise equal to Chainer)'
         return state
+
+
+def _onednn_probe(in_force):
+    """The onednn state as this machine offers it; its note says what the
+    kernels change, as in force now or as what onednn=True would do."""
+    from fastchain.kernels import _onednn
+    available, version, why, fix = _onednn.status()
+    return State('onednn', available, False, why=why, fix=fix, note=None if not available
+                 else NOT_BITWISE.format(version, IN_FORCE if in_force else WHEN_ON))
 
 
 def _fuse_layer(changes, next_, optimizer, link):

@@ -49,14 +49,13 @@ def models():
     fell = {type(link).__name__: why for link, why in refused}
     fell.update((c.name, c.state['fallback']) for c in live
                 if c.state['fallback'] is not None)
+    kept = [c for c in live if c.state['fallback'] is None]
     # autotune decided define-by-run for every structure it measured: the
     # model trains define-by-run (it read "cached", a new-user trial)
-    fell.update((c.name, TUNED_OUT) for c in live
-                if c.state['fallback'] is None and _tuned_out(c))
-    names = collections.Counter(c.name for c in live if c.state['fallback'] is None
-                                and not _tuned_out(c))
-    order = {c.name: c.state['not_bitwise'] for c in live
-             if c.state['fallback'] is None and c.state.get('not_bitwise')}
+    tuned_out = [c for c in kept if _tuned_out(c)]
+    fell.update((c.name, TUNED_OUT) for c in tuned_out)
+    names = collections.Counter(c.name for c in kept if c not in tuned_out)
+    order = {c.name: c.state['not_bitwise'] for c in kept if c.state.get('not_bitwise')}
     return {'cached': dict(sorted(names.items())), 'define_by_run': fell,
             'not_bitwise': order}
 
@@ -84,21 +83,33 @@ def _tuned_out(cache):
 _NOT_CACHED = weakref.WeakKeyDictionary()
 
 
-def _setup_layer(changes, next_, optimizer, link):
-    """While in force, the model of every optimizer set up is cached (for a
-    Classifier, its predictor: the loss is not part of the static graph)."""
-    import warnings
-    import chainer
+def chain_of(target):
+    """The model the cache takes for an optimizer's target: for a
+    Classifier, its predictor (the loss is not part of the static graph)."""
     import chainer.links as L
-    from fastchain.static._cache import StaticGraphFallback, is_cached
-    from fastchain.static._mark import cache_static_graph, not_a_chain
+    return target.predictor if isinstance(target, L.Classifier) else target
+
+
+def not_cached(chain, stacklevel):
+    """``chain`` (a Link that is not a Chain) trains define-by-run: kept for
+    the report and said."""
+    import warnings
+    from fastchain.static._cache import StaticGraphFallback
+    from fastchain.static._mark import not_a_chain
+    _NOT_CACHED[chain] = not_a_chain(chain)
+    warnings.warn(_NOT_CACHED[chain] + '; it trains define-by-run', StaticGraphFallback,
+                  stacklevel=stacklevel + 1)
+
+
+def _setup_layer(changes, next_, optimizer, link):
+    """While in force, the model of every optimizer set up is cached."""
+    import chainer
+    from fastchain.static._cache import is_cached
+    from fastchain.static._mark import cache_static_graph
     result = next_(optimizer, link)
-    chain = link.predictor if isinstance(link, L.Classifier) else link
+    chain = chain_of(link)
     if not isinstance(chain, chainer.Chain):
-        reason = not_a_chain(chain)
-        _NOT_CACHED[chain] = reason
-        warnings.warn(reason + '; it trains define-by-run',
-                      StaticGraphFallback, stacklevel=_patches.user_stacklevel())
+        not_cached(chain, _patches.user_stacklevel())
     elif not is_cached(chain) and 'forward' not in vars(chain):
         cache_static_graph(chain, changes=changes)
     return result
