@@ -57,6 +57,7 @@ NEEDS = {'gpu_tests': ('pytest', 'hypothesis'), 'nccl': ('pytest',)}
 WHEELHOUSE_FIX = 'python3 -m pip install --no-index --find-links dist/wheelhouse {}'
 TIME_LIMITED = ('ladder',)      # steps that take --time-limit and report what they cut
 QUICK_DEADLINE = 480            # well inside a ten-minute command, the install included
+MTIME_SLACK = 2                 # seconds: a tar keeps whole-second times
 MIN_STEP_SECONDS = 30           # a step with less left is skipped, not started
 PACK_SECONDS = 15               # kept for the last archive
 STEP_MARGIN = 45                # before a time-limited step's kill: its report and charts
@@ -356,12 +357,18 @@ def stop_group(proc, grace=None):
             pass
 
 
-def pack(results, path):
+def pack(results, path, since=None):
     """The results as one archive (no generated JPEGs, no compiled
-    recorder), replaced whole so a run cut off keeps the last one."""
+    recorder), replaced whole so a run cut off keeps the last one. With
+    ``since`` (a time.time()), only the files this run wrote: the results
+    folder of a checkout holds the committed files of earlier runs, and an
+    archive carrying them would put them back over a newer run's on unpack
+    (it did: session 31's third and fourth archives restored the first GPU
+    run's ladder and test log over the second's)."""
     def keep(info):
         skip = '/demo-data' in info.name or info.name.endswith('.so')
-        return None if skip else info
+        stale = since is not None and info.isfile() and info.mtime < since - MTIME_SLACK
+        return None if skip or stale else info
     tmp = path + '.part'
     with tarfile.open(tmp, 'w:gz') as tar:
         tar.add(results, arcname='gpu', filter=keep)
@@ -382,19 +389,36 @@ def probe_gpu():
                 'fix': 'run `fastchain doctor` in this Python'}
 
 
+def run_start(report):
+    """When the run of a report began, as a time.time(): ``started_epoch``,
+    or for an archive written before it was kept, ``started`` read as the
+    local time it was written in (the node's clock is UTC, as here)."""
+    if 'started_epoch' in report:
+        return report['started_epoch']
+    try:
+        return time.mktime(time.strptime(report['started'], '%Y-%m-%d %H:%M:%S'))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+
+
 def unpack(archives, results):
     """Extracts the archives of several runs (a full check split over
     several commands) into ``results``, in order; their gpu_check.json
     reports become one, each step's latest run kept, and each run's header
-    kept under ``runs``."""
+    kept under ``runs``. A file older than its run's start is not that
+    run's (an archive of an older pack() carries the checkout's committed
+    results too) and is not extracted."""
     os.makedirs(results, exist_ok=True)
     merged = {'runs': [], 'steps': {}}
     for path in archives:
         with tarfile.open(path) as tar:
             report = json.load(tar.extractfile('gpu/gpu_check.json'))
+            since = run_start(report)
             members = [m for m in tar.getmembers()
                        if m.name != 'gpu/gpu_check.json' and m.name.startswith('gpu/')
-                       and '..' not in m.name.split('/') and (m.isfile() or m.isdir())]
+                       and '..' not in m.name.split('/') and (m.isfile() or m.isdir())
+                       and not (m.isfile() and since is not None
+                                and m.mtime < since - MTIME_SLACK)]
             for m in members:
                 m.name = m.name[len('gpu/'):] or '.'
             safe = {'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}
@@ -471,7 +495,8 @@ def main(argv=None):
             return 2
     os.makedirs(os.path.join(args.results, 'logs'), exist_ok=True)
     deadline = QUICK_DEADLINE if args.deadline is None and args.quick else args.deadline
-    report = {'started': time.strftime('%Y-%m-%d %H:%M:%S'), 'quick': args.quick,
+    report = {'started': time.strftime('%Y-%m-%d %H:%M:%S'), 'started_epoch': time.time(),
+              'quick': args.quick,
               'device': args.device, 'python': sys.executable, 'deadline_s': deadline,
               'steps': {}}
     for name, (cmd, env, seconds) in plan(args).items():
@@ -500,14 +525,15 @@ def main(argv=None):
                     # ends its measurements itself, a margin before the kill
                     cmd = cmd + ['--time-limit', str(max(seconds - STEP_MARGIN, 1))]
                 print('gpu_check: {} ...'.format(name), flush=True)
-                tick = (lambda: pack(args.results, args.pack)) if args.pack else None
+                tick = (lambda: pack(args.results, args.pack, report['started_epoch'])) \
+                    if args.pack else None
                 result = run_step(name, cmd, env, seconds, args.results, tick=tick)
         report['steps'][name] = result
         print('gpu_check: {} {}'.format(name, result['status']), flush=True)
         with open(os.path.join(args.results, 'gpu_check.json'), 'w') as f:
             json.dump(report, f, indent=2)
         if args.pack:
-            pack(args.results, args.pack)
+            pack(args.results, args.pack, report['started_epoch'])
     failed = [n for n, s in report['steps'].items() if not s['status'].startswith(('ok',
                                                                                    'skipped'))]
     print('gpu_check: {} step(s) ok or skipped, failed: {}'.format(

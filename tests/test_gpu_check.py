@@ -356,3 +356,54 @@ def test_gpu_test_files_run_in_the_order_that_says_most_first():
     assert precision and max(precision) < files.index('tests/recipes/test_resnet50.py')
     # every file with a GPU test, once
     assert len(files) == len(set(files)) and 'tests/data/test_prefetch.py' in files
+
+
+def test_a_run_packs_and_unpacks_only_the_files_it_wrote(tmp_path):
+    """A checkout's results folder holds earlier runs' committed files; an
+    archive that carried them put them back over a newer run's on unpack."""
+    gpu_check = load_script()
+    now = time.time()
+
+    def archive(name, started, files):
+        d = tmp_path / name
+        (d / 'logs').mkdir(parents=True)
+        (d / 'gpu_check.json').write_text(json.dumps(
+            {'started_epoch': started, 'steps': {name: {'status': 'ok'}}}))
+        for rel, (text, mtime) in files.items():
+            (d / rel).write_text(text)
+            os.utime(str(d / rel), (mtime, mtime))
+        path = str(tmp_path / (name + '.tgz'))
+        gpu_check.pack(str(d), path, since=started)
+        return path
+
+    old = now - 86400                               # the committed copy's time
+    first = archive('ladder', now - 100, {'ladder-quick.md': ('new ladder', now - 50),
+                                          'logs/x.log': ('committed', old)})
+    second = archive('nccl', now - 40, {'ladder-quick.md': ('old ladder', old),
+                                        'logs/nccl.log': ('nccl', now - 30)})
+    with tarfile.open(second) as tar:
+        assert 'gpu/ladder-quick.md' not in tar.getnames()
+        assert 'gpu/logs/nccl.log' in tar.getnames()
+    out = tmp_path / 'out'
+    gpu_check.unpack([first, second], str(out))
+    assert (out / 'ladder-quick.md').read_text() == 'new ladder'
+    assert (out / 'logs' / 'nccl.log').read_text() == 'nccl'
+    assert not (out / 'logs' / 'x.log').exists()
+
+
+def test_unpacking_an_archive_of_the_older_pack_leaves_out_what_predates_its_run(tmp_path):
+    gpu_check = load_script()
+    d = tmp_path / 'gpu'
+    d.mkdir()
+    started = time.time() - 60
+    (d / 'gpu_check.json').write_text(json.dumps(
+        {'started': time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started)),
+         'steps': {'nccl': {'status': 'ok'}}}))
+    for name, mtime in (('stale.md', started - 3600), ('fresh.md', started + 10)):
+        (d / name).write_text(name)
+        os.utime(str(d / name), (mtime, mtime))
+    path = str(tmp_path / 'a.tgz')
+    with tarfile.open(path, 'w:gz') as tar:        # everything, as pack() once did
+        tar.add(str(d), arcname='gpu')
+    gpu_check.unpack([path], str(tmp_path / 'out'))
+    assert sorted(os.listdir(tmp_path / 'out')) == ['fresh.md', 'gpu_check.json']
