@@ -1,11 +1,14 @@
 """cuDNN graphs for BatchNormalization: the training forward (batch
-statistics, running statistics updated as Chainer does), its backward, and
-the inference forward; built, cached and refused per key as the convolution
+statistics, running statistics updated as Chainer does) and its backward;
+built, cached and refused per key as the convolution
 graphs are (:mod:`fastchain.cudnn._graphs`, which also says how they run).
 
 Layout: the NCHW graph where cuDNN has an engine for it, else the NHWC graph
 on channels-last copies of the 4-d arrays (cuDNN's normalization engines
 favour NHWC); a key neither builds for stays Chainer's, with both reasons.
+No inference graph: cuDNN 9.19 had no engine for BatchNormalization's
+inference on its own, in either layout, for any key of ResNet-50 (an H200,
+2026-11-28); Chainer's one elementwise kernel runs it (``_layers``).
 Not autotuned: the heuristics' first plan (BatchNormalization is memory
 bound; the choice that matters is the layout).
 """
@@ -16,6 +19,26 @@ from fastchain.cudnn import _frontend
 from fastchain.cudnn._graphs import (HEURISTIC_PLANS, _dtype, _entry, _execute, _finish, _lock,
                                      _new_graph, _nhwc, _tensor, builds, first_runs, is_oom,
                                      more_plans, strides)
+
+
+class HostScalar:
+    """A float32 scalar passed by value, as the frontend takes it: through
+    DLPack, on the host. Frontend 1.32 asks for the capsule with
+    ``stream=-1`` (DLPack's "the caller orders its work"), which NumPy
+    refuses for a host array ("NumPy only supports stream=None"): every
+    BatchNormalization training forward failed on it (an H200, 2026-11-28).
+    A host array is on no stream, so the request is answered without one."""
+
+    __slots__ = ('array',)
+
+    def __init__(self, value):
+        self.array = numpy.full((1, 1, 1, 1), value, numpy.float32)
+
+    def __dlpack__(self, stream=None, **kwargs):
+        return self.array.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
 
 
 def _param_shape(x_shape):
@@ -67,12 +90,7 @@ def build_bn(key, layout='nchw'):
                    'ggamma': (ggamma, p_shape, key.param_dtype, 'nchw'),
                    'gbeta': (gbeta, p_shape, key.param_dtype, 'nchw')}
     else:
-        tensors.update(gamma=param('gamma'), beta=param('beta'), mean=param('mean'),
-                       inv_std=param('inv_std'))
-        y = graph.batchnorm_inference(name='bn_inference', input=x, mean=tensors['mean'],
-                                      inv_variance=tensors['inv_std'],
-                                      scale=tensors['gamma'], bias=tensors['beta'])
-        outputs = {'y': (y, key.x_shape, key.dtype, layout)}
+        raise ValueError('no BatchNormalization graph for {!r}'.format(key.op))
     for name, (tensor, shape, dtype, out_layout) in outputs.items():
         if tensor is None:
             continue
@@ -103,7 +121,7 @@ def _run_bn(entry, arrays):
     pack, outputs = {}, {}
     for name, tensor in g.tensors.items():
         if name in ('eps', 'momentum'):
-            pack[tensor] = numpy.full((1, 1, 1, 1), arrays[name], numpy.float32)
+            pack[tensor] = HostScalar(arrays[name])
             continue
         array = arrays.get(name)
         if array is None:               # an output: allocate it
@@ -181,13 +199,3 @@ def bn_backward(key, x, gamma, gy, mean, inv_std):
     out = first_runs(entry, lambda: _run(entry, arrays))
     c = key.x_shape[1]
     return out['gx'], out['ggamma'].reshape(c), out['gbeta'].reshape(c)
-
-
-def bn_inference(key, x, gamma, beta, mean, inv_std):
-    """Inference forward from the running mean and 1/sqrt(var + eps)."""
-    entry = _bn_entry(key)
-    p = _param_shape(key.x_shape)
-    out = first_runs(entry, lambda: _run(entry, {
-        'x': x, 'gamma': gamma.reshape(p), 'beta': beta.reshape(p), 'mean': mean.reshape(p),
-        'inv_std': inv_std.reshape(p)}))
-    return out['y']

@@ -19,9 +19,8 @@ BatchNormalization (training): the node's ``_impl_selector`` returns
 implementation; its forward updates the running statistics as Chainer does
 (``decay``, unbiased variance) and returns the batch mean and inverse
 standard deviation Chainer's backward and double backward use; its backward
-is a graph too. ``FixedBatchNormalization`` (inference): a layer on
-``forward`` computes what Chainer's backward keeps, as Chainer does, and the
-output with a graph. Statistics and gamma/beta stay in their dtype (float32
+is a graph too. ``FixedBatchNormalization`` (inference) stays Chainer's
+(``BN_INFERENCE`` says why); a layer on ``forward`` counts it. Statistics and gamma/beta stay in their dtype (float32
 under ``mixed16``), as Chainer's cuDNN path did. Off unless
 ``FASTCHAIN_CUDNN_BN=1`` (``BN_OFF`` says why): every call then stays
 Chainer's with that reason.
@@ -35,7 +34,6 @@ from chainer.functions.connection import deconvolution_2d as _deconv2d
 from chainer.functions.normalization import batch_normalization as _bn
 from chainer.utils import conv as _conv_utils
 
-from fastchain._fixed_bn import keep_for_backward
 from fastchain.cudnn import _bn_graphs, _graphs, _keys, _paths
 
 
@@ -153,9 +151,11 @@ def conv_functions():
 # BatchNormalization's graphs stay off until a GPU run shows them equal to
 # Chainer's: a result changed without a word is worse than a slow step.
 BN_ENV = 'FASTCHAIN_CUDNN_BN'
-BN_OFF = ("BatchNormalization's cuDNN graphs are off until proven on a GPU (the one GPU run "
-          'so far, an H200 on 2026-11-27: cuDNN refused 9 of 10 generated keys and the '
-          "10th failed its test, the reason not recorded); {}=1 turns them on".format(BN_ENV))
+BN_OFF = ("BatchNormalization's cuDNN graphs are off until proven on a GPU (on an H200, "
+          '2026-11-28, cuDNN 9.19 built the training graphs of every generated key with a '
+          'multiple of 8 channels and refused the others; each built one then failed on how '
+          'fastchain passed eps, since fixed and not yet run there); {}=1 turns them '
+          'on'.format(BN_ENV))
 
 
 def _bn_refusal(x, gamma, axis, layouts, running):
@@ -244,30 +244,17 @@ def training_layer(next_, node, inputs):
     return next_(node, inputs)
 
 
+BN_INFERENCE = ("cuDNN has no engine for BatchNormalization's inference on its own (9.19 refused "
+                'every key of ResNet-50 in both layouts, an H200, 2026-11-28): Chainer\'s one '
+                'elementwise kernel runs it')
+
+
 def inference_layer(next_, node, inputs):
-    """``FixedBatchNormalization.forward``."""
-    x, gamma, beta, mean, var = inputs
-    op = 'batchnorm inference'
-    if not _is_cupy(x):
-        return next_(node, inputs)
-    axis = node.axis if node.axis is not None else (0,) + tuple(range(2, x.ndim))
-    reason = _bn_refusal(x, gamma, axis, getattr(node, 'input_layouts', None), (mean, var))
-    if reason is None and not (beta.dtype == gamma.dtype and mean.ndim == 1 and var.ndim == 1):
-        reason = 'beta, mean or var of another dtype or shape than gamma'
-    if reason is None:
-        key = _keys.bn_key(op, x, gamma, node.eps, True, _device_id(x))
-        reason = _graphs.refused(key)
-    if reason is not None:
-        _paths.record(op, 'chainer', reason)
-        return next_(node, inputs)
-    keep_for_backward(node, x, var, axis)
-    try:
-        y = _bn_graphs.bn_inference(key, x, gamma, beta, mean, node.inv_std)
-    except _graphs.Unsupported as e:
-        _paths.record(op, 'chainer', e.reason)
-        return next_(node, inputs)
-    _paths.record(op, 'graph')
-    return y,
+    """``FixedBatchNormalization.forward``: Chainer's, the reason counted."""
+    if _is_cupy(inputs[0]):
+        reason = "use_cudnn='never'" if _setting() == 'never' else BN_INFERENCE
+        _paths.record('batchnorm inference', 'chainer', reason)
+    return next_(node, inputs)
 
 
 def bn_functions():

@@ -195,12 +195,16 @@ class Graph:
                 | self.frontend.dead.get(self.layout, set())) & {index}:
             raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED: plan {} cannot run".format(index))
         # The frontend takes every pointer through DLPack: device arrays,
-        # and host (NumPy) arrays for the scalars passed by value.
+        # and host arrays for the scalars passed by value, whose capsule
+        # frontend 1.32 asks for with stream=-1 (NumPy's own arrays refuse it).
         assert all(hasattr(a, '__dlpack__') for a in pack.values())
         assert hasattr(workspace, '__dlpack__')
-        self.scalars = {t.name: float(numpy.asarray(a).ravel()[0])
+        for t, a in pack.items():
+            if t.is_pass_by_value:
+                a.__dlpack__(stream=-1)
+                assert a.__dlpack_device__()[0] == 1        # kDLCPU
+        self.scalars = {t.name: float(numpy.from_dlpack(a).ravel()[0])
                         for t, a in pack.items() if t.is_pass_by_value}
-        assert all(type(a) is numpy.ndarray for t, a in pack.items() if t.is_pass_by_value)
         assert index in self.built, 'plan {} executed unbuilt'.format(index)
         self.executed.append(index)
         self.frontend.executions.append((self.layout, index, pack))

@@ -65,8 +65,7 @@ def test_convolution_graphs_are_described_through_the_frontend(described, op, ou
 @pytest.mark.parametrize('running', [True, False])
 @pytest.mark.parametrize('op, outputs', [
     ('batchnorm forward', {'y', 'mean', 'inv_std'}),
-    ('batchnorm backward', {'gx', 'ggamma', 'gbeta'}),
-    ('batchnorm inference', {'y'})])
+    ('batchnorm backward', {'gx', 'ggamma', 'gbeta'})])
 def test_batchnorm_graphs_are_described_through_the_frontend(described, op, outputs, running,
                                                              layout):
     key = _keys.bn_key(op, numpy.zeros((4, 8, 5, 5), 'e'), numpy.zeros(8, 'f'), 2e-5,
@@ -79,17 +78,14 @@ def test_batchnorm_graphs_are_described_through_the_frontend(described, op, outp
     inputs = {'batchnorm forward': {'input': 'x', 'scale': 'gamma', 'bias': 'beta',
                                     'epsilon': 'eps'},
               'batchnorm backward': {'grad': 'gy', 'input': 'x', 'scale': 'gamma',
-                                     'mean': 'mean', 'inv_variance': 'inv_std'},
-              'batchnorm inference': {'input': 'x', 'mean': 'mean', 'inv_variance': 'inv_std',
-                                      'scale': 'gamma', 'bias': 'beta'}}[op]
+                                     'mean': 'mean', 'inv_variance': 'inv_std'}}[op]
     if op == 'batchnorm forward' and running:
         inputs.update(in_running_mean='running_mean', in_running_var='running_var',
                       momentum='momentum')
     ports = {'batchnorm forward': {'Y': 'y', 'mean': 'mean', 'inv_var': 'inv_std',
                                    'next_running_mean': 'next_mean',
                                    'next_running_var': 'next_var'},
-             'batchnorm backward': {'DX': 'gx', 'DScale': 'ggamma', 'DBias': 'gbeta'},
-             'batchnorm inference': {'Y': 'y'}}[op]
+             'batchnorm backward': {'DX': 'gx', 'DScale': 'ggamma', 'DBias': 'gbeta'}}[op]
     for port, name in inputs.items():
         assert node.inputs[port] is g.tensors[name], port
     for port, name in ports.items():
@@ -124,3 +120,23 @@ def test_the_frontend_without_cudnn_says_so():
     assert why.startswith('the cuDNN frontend {} could not load cuDNN 9: '.format(
         cudnn.__version__))
     assert 'nvidia-cudnn-cu' in fix
+
+
+def test_the_scalars_passed_by_value_are_read_as_the_frontend_reads_them(described):
+    """eps and momentum as fastchain packs them, read by the frontend's own
+    readers: the backend's, and 1.32's Python one, which asks for each
+    operand's DLPack capsule with stream=-1 (NumPy's host arrays refuse it:
+    every training forward failed on it on the first GPU run that reached it;
+    the stand-in's execute asks the same of what fastchain packs)."""
+    key = _keys.bn_key('batchnorm forward', numpy.zeros((4, 8, 5, 5), 'f'),
+                       numpy.zeros(8, 'f'), 2e-5, True, 0)
+    g = _bn_graphs.build_bn(key, 'nchw')
+    describe = getattr(g.graph, '_describe', None)
+    for name, value in (('eps', 2e-5), ('momentum', 0.1)):
+        scalar = _bn_graphs.HostScalar(value)
+        ptr = cudnn._pybind_module._get_data_ptr(scalar)
+        assert ptr == scalar.array.ctypes.data
+        if describe is not None:
+            read, _ = describe(scalar, g.tensors[name].uid)
+            assert read == ptr, name
+        assert numpy.from_dlpack(scalar).ravel()[0] == numpy.float32(value)

@@ -432,18 +432,40 @@ def test_batchnorm_without_running_statistics_and_its_backward(monkeypatch):
 def test_batchnorm_goes_nhwc_where_nchw_has_no_engine_and_says_why_when_neither(monkeypatch):
     fe = standin.install(monkeypatch)
     fe.unsupported.add('nchw')
-    key = bn_key('batchnorm inference')
+    key = bn_key('batchnorm backward')
     x = dev(numpy.arange(72, dtype='f').reshape(2, 4, 3, 3))
     g = dev(numpy.ones(4, 'f'))
-    y = _bn_graphs.bn_inference(key, x, g, g, g, g)
-    assert y.flags.c_contiguous and y.shape == (2, 4, 3, 3)
+    gx, _, _ = _bn_graphs.bn_backward(key, x, g, x, g, g)
+    assert gx.flags.c_contiguous and gx.shape == (2, 4, 3, 3)
     assert [e[0] for e in fe.executions] == ['nhwc']
     x_tensor = [t for t in fe.executions[0][2] if t.name == 'x'][0]
     assert fe.executions[0][2][x_tensor].data.ptr != x.data.ptr     # a channels-last copy
     fe.unsupported.add('nhwc')
-    other = bn_key('batchnorm inference', shape=(4, 4, 3, 3))
+    other = bn_key('batchnorm backward', shape=(4, 4, 3, 3))
     with pytest.raises(_graphs.Unsupported, match='NCHW .*; no cuDNN engine for NHWC'):
-        _bn_graphs.bn_inference(other, x, g, g, g, g)
+        _bn_graphs.bn_backward(other, x, g, x, g, g)
+
+
+def test_batchnorm_inference_stays_chainers_and_says_why(monkeypatch):
+    """cuDNN 9.19 had no engine for it on its own (every key of ResNet-50,
+    both layouts, on an H200): no graph is built, the call is counted."""
+    from chainer.functions.normalization import batch_normalization as _bn
+    fe = standin.install(monkeypatch)
+    monkeypatch.setattr(_layers, '_is_cupy', lambda x: True)
+    monkeypatch.setenv(_layers.BN_ENV, '1')
+    _paths.forget()
+    node = _bn.FixedBatchNormalization(eps=2e-5)
+    x, g = dev(numpy.zeros((2, 4, 3, 3), 'f')), dev(numpy.ones(4, 'f'))
+    calls = []
+    with chainer.using_config('use_cudnn', 'auto'):
+        out = _layers.inference_layer(lambda n, i: calls.append(i) or 'y', node, (x, g, g, g, g))
+    with chainer.using_config('use_cudnn', 'never'):
+        _layers.inference_layer(lambda n, i: None, node, (x, g, g, g, g))
+    assert out == 'y' and len(calls) == 1 and not fe.graphs
+    assert _paths.summary()['batchnorm inference'] == {
+        'paths': {'chainer': 2}, 'reasons': {_layers.BN_INFERENCE: 1, "use_cudnn='never'": 1}}
+    with pytest.raises(ValueError, match='no BatchNormalization graph'):
+        _bn_graphs.build_bn(bn_key('batchnorm inference'))
 
 
 def test_batchnorm_selector_takes_the_graph_where_chainer_takes_its_general_code(monkeypatch):
