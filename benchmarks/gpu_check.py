@@ -26,7 +26,8 @@ attached, counting the ranges received, and the step breakdown from them in
 ``logs/nvtx_summary.txt``, host time: ``nsys`` cannot report on the node),
 ``nccl`` (the NCCL communicator with one rank), then the benchmarks:
 breakdown (where a step's time goes: host phases, and the device's kernels
-through PyTorch's profiler), ladder, overhead, loader, nvtx_cost (their
+through PyTorch's profiler), bn_stats (BatchNormalization's forward: Chainer's,
+with fastchain's two-level statistics, cuDNN's graph), ladder, overhead, loader, nvtx_cost (their
 ``--quick`` forms with ``--quick``).
 ``--steps`` picks some, in the order given (a full check split over several
 commands: ``--unpack`` merges their archives here); ``--device @numpy`` runs
@@ -50,7 +51,7 @@ ROOT = os.path.dirname(HERE)
 RECIPE = os.path.join(ROOT, 'recipes', 'resnet50', 'train.py')
 
 STEPS = ('doctor', 'gpu_tests', 'resnet_fp32', 'resnet_fp16', 'resnet_demo', 'nvtx', 'nccl',
-         'breakdown', 'ladder', 'overhead', 'loader', 'nvtx_cost')
+         'breakdown', 'bn_stats', 'ladder', 'overhead', 'loader', 'nvtx_cost')
 GPU_ONLY = ('nccl',)
 # Modules a step cannot run without, and where they come from on the node.
 NEEDS = {'gpu_tests': ('pytest', 'hypothesis'), 'nccl': ('pytest',)}
@@ -114,6 +115,10 @@ def plan(args):
         'breakdown': ([py, os.path.join(HERE, 'breakdown.py'), '--device', device, '--batch',
                        str(args.batch), '--crop', str(args.image_size)]
                       + bench_common, {}, 300 if quick else 900),
+        # BatchNormalization's forward three ways on ResNet-50's layers (tens of seconds)
+        'bn_stats': ([py, os.path.join(HERE, 'bn_stats.py'), '--device', device, '--batch',
+                      str(args.batch), '--size', str(args.image_size)]
+                     + bench_common, {}, 120 if quick else 300),
         'ladder': ([py, os.path.join(HERE, 'ladder.py'), '--device', device, '--batch',
                     str(args.ladder_batch or args.batch), '--crop', str(args.image_size)]
                    + (['--rungs', args.ladder_rungs] if args.ladder_rungs else [])

@@ -16,7 +16,8 @@ Chainer's.
 
 BatchNormalization (training): the node's ``_impl_selector`` returns
 :class:`GraphImpl` where Chainer would take its general (elementwise)
-implementation; its forward updates the running statistics as Chainer does
+implementation (a key cuDNN refuses then runs Chainer's with the batch
+statistics of :mod:`fastchain.cudnn._bn_stats`, path ``'statistics'``); its forward updates the running statistics as Chainer does
 (``decay``, unbiased variance) and returns the batch mean and inverse
 standard deviation Chainer's backward and double backward use; its backward
 is a graph too. ``FixedBatchNormalization`` (inference) stays Chainer's
@@ -34,7 +35,7 @@ from chainer.functions.connection import deconvolution_2d as _deconv2d
 from chainer.functions.normalization import batch_normalization as _bn
 from chainer.utils import conv as _conv_utils
 
-from fastchain.cudnn import _bn_graphs, _graphs, _keys, _paths
+from fastchain.cudnn import _bn_graphs, _bn_stats, _graphs, _keys, _paths
 
 
 def _setting():
@@ -166,8 +167,20 @@ def _bn_refusal(x, gamma, axis, layouts, running):
     return _keys.bn_refusal(x, gamma, axis, layouts, running)
 
 
-class GraphImpl(_bn.GeneralBatchNormalizationImpl):
-    """Chainer's BatchNormalization implementation interface, on graphs."""
+class StatsImpl(_bn.GeneralBatchNormalizationImpl):
+    """Chainer's general implementation with the batch statistics reduced
+    in two levels (:mod:`fastchain.cudnn._bn_stats`): where cuDNN refuses a
+    key while BatchNormalization's graphs are on."""
+
+    def get_mean_and_var(self, axis, gamma, x, xp, interm_dtype):
+        if not _is_cupy(x) or not _bn_stats.usable(x, axis):
+            return super().get_mean_and_var(axis, gamma, x, xp, interm_dtype)
+        return _bn_stats.mean_and_var(x, interm_dtype)
+
+
+class GraphImpl(StatsImpl):
+    """Chainer's BatchNormalization implementation interface, on graphs; a
+    key cuDNN refuses runs :class:`StatsImpl` (path ``'statistics'``)."""
 
     def forward(self, axis, gamma, x, x_layout, xp, expander, beta, eps, decay,
                 running_mean, running_var):
@@ -182,7 +195,8 @@ class GraphImpl(_bn.GeneralBatchNormalizationImpl):
                 return y, x_layout, running_mean, running_var, mean, None, inv_std, None
             except _graphs.Unsupported as e:
                 reason = e.reason
-        _paths.record(op, 'chainer', reason)
+        path = 'statistics' if _bn_stats.usable(x, axis) else 'chainer'
+        _paths.record(op, path, reason)
         return super().forward(axis, gamma, x, x_layout, xp, expander, beta, eps, decay,
                                running_mean, running_var)
 

@@ -2,7 +2,7 @@
 ``handle.report()``.
 
 Per operation (:data:`fastchain.cudnn._keys.CONV_OPS` and ``BN_OPS``), the
-calls per path (``'graph'``, ``'cupy-cudnn'``, ``'chainer'``) and, for the
+calls per path (``'graph'``, ``'cupy-cudnn'``, ``'statistics'``, ``'chainer'``) and, for the
 calls that did not take a graph, the reasons with their counts. Counting is
 a dictionary update per call.
 """

@@ -211,6 +211,35 @@ def test_batchnorm_graphs_match_chainer(graphs, case, monkeypatch):
         _within(name, g, w, numpy.full(w.shape, scale), tol, w.dtype)
 
 
+@pytest.mark.parametrize('case', list(bn_cases(count(10), seed=2029)),
+                         ids=lambda c: 's{seed}'.format(**c))
+def test_two_level_statistics_match_float64_and_chainers(case):
+    """fastchain/cudnn/_bn_stats.py's CuPy kernels, on NCHW arrays and on the
+    channels-last views Chainer's im2col convolution outputs."""
+    import cupy
+    from chainer.functions.normalization import batch_normalization as _bn
+    from fastchain.cudnn import _bn_stats, _layers
+    n, c, size, dtype, seed = (case[k] for k in ('n', 'c', 'size', 'dtype', 'seed'))
+    rng = numpy.random.RandomState(seed)
+    host = rng.normal(0.5, 2, (n, size, size, c)).astype(dtype)
+    for x in (cupy.asarray(host.transpose(0, 3, 1, 2).copy()),
+              cupy.asarray(host).transpose(0, 3, 1, 2)):
+        mean, var = _bn_stats.mean_and_var(x, numpy.float32)
+        x64 = cupy.asnumpy(x).astype(numpy.float64)
+        scale = max(1.0, float(abs(x64).max()))
+        _within('mean', mean, x64.mean(axis=(0, 2, 3)), numpy.full(c, scale),
+                BN_TOL['float32'], 'float32')
+        _within('var', var, x64.var(axis=(0, 2, 3)), numpy.full(c, scale * scale),
+                BN_TOL['float32'], 'float32')
+        gamma = cupy.asarray(rng.uniform(0.5, 1.5, c).astype('f'))
+        beta = cupy.asarray(rng.uniform(-1, 1, c).astype('f'))
+        args = ((0, 2, 3), gamma, x, None, cupy, (None, Ellipsis, None, None), beta, 2e-5, 0.9)
+        got = _layers.StatsImpl().forward(*args, None, None)[0]
+        want = _bn.GeneralBatchNormalizationImpl().forward(*args, None, None)[0]
+        _within('y', got, cupy.asnumpy(want), numpy.full(want.shape, max(
+            1.0, float(abs(cupy.asnumpy(want)).max()))), BN_TOL[dtype], dtype)
+
+
 def test_each_key_is_built_once(graphs):
     import cupy
     from fastchain.cudnn import _graphs

@@ -1,0 +1,67 @@
+"""BatchNormalization's batch statistics on CuPy, reduced in two levels.
+
+Chainer's general implementation takes them as ``x.mean(axis=(0, 2, 3))``
+and ``x.var(axis=(0, 2, 3))``: one CuPy reduction per channel over N x H x W
+values, across the channel axis. On an H200 (2026-11-28, CuPy 14.2,
+ResNet-50 at batch 32, ``benchmarks/results/gpu/breakdown-quick.*``) those
+two kernels were the largest device cost of every step: the variance
+(``cupy_var_core_float32``) 52.7 ms of a 95.7 ms fp16 step and 67.3 ms of a
+140 ms fp32 step with cuDNN convolutions; PyTorch's whole step used 7.7 ms
+of device time.
+
+Here the array is seen as (N, C, H x W) and each level reduces a
+contiguous run: the sums over H x W first (N x C outputs, each a contiguous
+row), then over N (C outputs of N values). The variance is the mean of
+squared deviations from the mean (two passes, as Chainer's), accumulated in
+``dtype`` (float32 under mixed16, as Chainer's). Not bitwise equal to
+Chainer's (another order of additions); within the tolerances the GPU
+tests state. Not yet measured on a GPU: ``benchmarks/bn_stats.py`` times it
+against Chainer's reductions and cuDNN's graph.
+"""
+
+import numpy
+
+_kernel = None
+
+
+def usable(x, axis):
+    """True for an (N, C, ...) array reduced over every axis but the
+    channels' (1): the shape Chainer's BatchNormalization gives its CNNs."""
+    return x.ndim >= 2 and tuple(axis) == (0,) + tuple(range(2, x.ndim))
+
+
+def _squared_deviations():
+    """The CuPy kernel summing (x - mean)**2 along the last axis, x cast to
+    the mean's dtype before subtracting (float16 data, float32 sums)."""
+    global _kernel
+    if _kernel is None:
+        import cupy
+        _kernel = cupy.ReductionKernel(
+            'T x, U mean', 'U out',
+            '(static_cast<U>(x) - mean) * (static_cast<U>(x) - mean)',
+            'a + b', 'out = a', '0', 'fastchain_bn_squared_deviations')
+    return _kernel
+
+
+def mean_and_var(x, dtype):
+    """(mean, biased variance) per channel (axis 1) of ``x``, in ``dtype``."""
+    xp = numpy if isinstance(x, numpy.ndarray) else _cupy()
+    dtype = numpy.dtype(dtype)
+    n, c = x.shape[:2]
+    x3 = xp.ascontiguousarray(x).reshape(n, c, -1)
+    count = dtype.type(n * x3.shape[2])
+    mean = x3.sum(axis=2, dtype=dtype).sum(axis=0)
+    mean /= count
+    if xp is numpy:
+        d = x3.astype(dtype) - mean[:, None]
+        squares = (d * d).sum(axis=2)
+    else:
+        squares = _squared_deviations()(x3, mean.reshape(1, c, 1), axis=2)
+    var = squares.sum(axis=0)
+    var /= count
+    return mean, var
+
+
+def _cupy():
+    import cupy
+    return cupy
