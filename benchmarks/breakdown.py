@@ -85,9 +85,13 @@ import _common  # noqa: E402
 # run in this order: the fullest of fastchain's and the peer first after the
 # baseline (a run cut off at its limit keeps those); cudnn and fp16 then
 # split the static_graph variant's gain into its parts
-VARIANTS = ('baseline', 'static_graph', 'torch', 'cudnn', 'fp16')
-GPU_VARIANTS = ('cudnn', 'fp16')        # on a CPU the baseline's steps
-RUNG = {'fp16': 'fp32_preprocessing'}    # the ladder's rung of the same options
+VARIANTS = ('baseline', 'static_graph', 'torch', 'cudnn', 'fp16', 'static_graph_bn')
+GPU_VARIANTS = ('cudnn', 'fp16', 'static_graph_bn')     # on a CPU the baseline's steps
+# the ladder's rung of the same options; static_graph_bn: static_graph's with
+# BatchNormalization's cuDNN graphs turned on (FASTCHAIN_CUDNN_BN=1, off by default)
+RUNG = {'fp16': 'fp32_preprocessing', 'static_graph_bn': 'static_graph'}
+BN_ON = ('static_graph_bn',)
+BN_ENV = 'FASTCHAIN_CUDNN_BN'           # fastchain.cudnn._layers.BN_ENV
 STEP_ANNOTATION = 'fastchain.breakdown.step'
 CLASSES = 1000
 # kind of device work: the first pattern the lower-cased kernel name matches
@@ -249,6 +253,8 @@ def chainer_variant(name, device, batch, crop, width, timeline):
     options, _ = rung_options(RUNG.get(name, name), gpu, fp16_ok=gpu)
     options.update(autotune=False, loader_workers=0, prefetch_to_device=False,
                    timeline=timeline)
+    if name in BN_ON:       # read by the layer at each call; the run loop puts it back
+        os.environ[BN_ENV] = '1'
     handle = fastchain.enable(**options)
     # the timeline is read in this process: its trace, chart and summary files
     # (written when the handle is disabled) are not wanted
@@ -431,12 +437,13 @@ def run(args):
     details = {'_run': {'cudnn_unavailable': no_cudnn, 'profiled_steps': profiled,
                         'teardown_cupti': os.environ.get('TEARDOWN_CUPTI'),
                         'torch': sys.modules['torch'].__version__ if torch_ok else None}}
+    bn_env = os.environ.get(BN_ENV)
     with tempfile.TemporaryDirectory(prefix='fastchain-breakdown-') as workdir:
         for name in args.variants:
             if name in GPU_VARIANTS and not gpu:
                 rows.skip(name, 'needs a GPU (on a CPU it would repeat the baseline\'s steps)')
                 continue
-            if name == 'cudnn' and no_cudnn:
+            if name in ('cudnn',) + BN_ON and no_cudnn:
                 rows.skip(name, "fastchain's cuDNN graphs cannot run here: " + no_cudnn)
                 continue
             if name == 'torch' and not torch_ok:
@@ -456,9 +463,17 @@ def run(args):
                     cleanup(details, name, 'disabling its fastchain handle', h.disable)
             finally:
                 cleanup(details, name, 'giving its memory back', release)
+                set_env(BN_ENV, bn_env)
             # written after every variant: a run cut off keeps the variants done
             report(args, device, rows, details, gpu, torch_ok, final=False)
     return report(args, device, rows, details, gpu, torch_ok, final=True)
+
+
+def set_env(name, value):
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def cleanup(details, name, what, fn):
@@ -540,6 +555,7 @@ def report(args, device, rows, details, gpu, torch_ok, final):
               'variants': {k: v for k, v in details.items() if not k.startswith('_')}}
     ratios = {'{}/baseline'.format(v): rows.ratio(v, 'baseline') for v in VARIANTS[1:]}
     ratios['static_graph/torch'] = rows.ratio('static_graph', 'torch')
+    ratios['static_graph_bn/static_graph'] = rows.ratio('static_graph_bn', 'static_graph')
     notes = describe(details, gpu, torch_ok, args.traces)
     if not final:
         notes.append('Written after {}: the run had not finished.'.format(
@@ -565,6 +581,9 @@ def describe(details, gpu, torch_ok, traces=None):
         how += (' The fp16 variant is the ladder\'s fp32_preprocessing rung\'s options: fp32 '
                 'data cast on the device, fp16 compute with fp32 master weights and loss '
                 'scaling.')
+    if 'static_graph_bn' in ran:
+        how += (' static_graph_bn is static_graph with BatchNormalization\'s cuDNN graphs '
+                'turned on (FASTCHAIN_CUDNN_BN=1; off by default until proven on a GPU).')
     if not gpu:
         how += (' On a CPU: step times and host phases only (no device figures, no traces, '
                 'no cuDNN).')

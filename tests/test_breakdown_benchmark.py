@@ -262,3 +262,13 @@ def test_an_error_while_cleaning_up_is_reported_and_the_next_variant_runs(tmp_pa
         'baseline: giving its memory back: RuntimeError: device lost (stand-in)']
     assert 'Error while cleaning up after baseline: giving its memory back: RuntimeError: ' \
            'device lost (stand-in)' in written['notes']
+
+
+def test_the_batchnorm_graphs_variant_turns_on_the_switch_the_layer_reads(monkeypatch):
+    from fastchain.cudnn import _layers
+    assert breakdown.BN_ENV == _layers.BN_ENV
+    assert breakdown.RUNG['static_graph_bn'] == 'static_graph'
+    assert 'static_graph_bn' in breakdown.GPU_VARIANTS
+    monkeypatch.setenv(_layers.BN_ENV, 'before')
+    breakdown.set_env(_layers.BN_ENV, None)
+    assert _layers.BN_ENV not in os.environ
