@@ -36,6 +36,7 @@ they were skipped).
 """
 
 import argparse
+import calendar
 import importlib.util
 import json
 import os
@@ -58,7 +59,7 @@ NEEDS = {'gpu_tests': ('pytest', 'hypothesis'), 'nccl': ('pytest',)}
 WHEELHOUSE_FIX = 'python3 -m pip install --no-index --find-links dist/wheelhouse {}'
 TIME_LIMITED = ('ladder',)      # steps that take --time-limit and report what they cut
 QUICK_DEADLINE = 480            # well inside a ten-minute command, the install included
-MTIME_SLACK = 2                 # seconds: a tar keeps whole-second times
+MTIME_SLACK = 2                 # seconds: clock granularity of the file systems on the way
 MIN_STEP_SECONDS = 30           # a step with less left is skipped, not started
 PACK_SECONDS = 15               # kept for the last archive
 STEP_MARGIN = 45                # before a time-limited step's kill: its report and charts
@@ -396,12 +397,13 @@ def probe_gpu():
 
 def run_start(report):
     """When the run of a report began, as a time.time(): ``started_epoch``,
-    or for an archive written before it was kept, ``started`` read as the
-    local time it was written in (the node's clock is UTC, as here)."""
+    or for an archive written before it was kept, ``started`` read as UTC
+    (the node's clock, in whose local time it was written, is UTC; this
+    machine's zone does not matter)."""
     if 'started_epoch' in report:
         return report['started_epoch']
     try:
-        return time.mktime(time.strptime(report['started'], '%Y-%m-%d %H:%M:%S'))
+        return calendar.timegm(time.strptime(report['started'], '%Y-%m-%d %H:%M:%S'))
     except (KeyError, TypeError, ValueError, OverflowError):
         return None
 

@@ -43,6 +43,7 @@ the cuDNN graphs; the CPU kernels act on NumPy arrays only (the GPU path is
 not run on a GPU yet).
 """
 
+import collections
 import contextlib
 import cProfile
 import io
@@ -145,21 +146,47 @@ def profile(step, n=5):
     out = io.StringIO()
     stats = pstats.Stats(pr, stream=out).sort_stats('tottime')
     total = sum(v[2] for v in stats.stats.values()) / n
-    rows = []
+    rows, packages = [], collections.Counter()
     for (path, line, func), (cc, nc, tt, ct, callers) in sorted(
-            stats.stats.items(), key=lambda kv: -kv[1][2])[:12]:
-        rows.append({'function': '{}:{}({})'.format(os.path.basename(path), line, func),
-                     'ms_per_step': round(tt / n * 1e3, 2),
-                     'share': round(tt / n / total, 3) if total else None})
-    return {'ms_per_step': round(total * 1e3, 1), 'top': rows}
+            stats.stats.items(), key=lambda kv: -kv[1][2]):
+        packages[package_of(path)] += tt / n * 1e3
+        if len(rows) < 12:
+            rows.append({'function': '{}:{}({})'.format(os.path.basename(path), line, func),
+                         'ms_per_step': round(tt / n * 1e3, 2),
+                         'share': round(tt / n / total, 3) if total else None})
+    return {'ms_per_step': round(total * 1e3, 1), 'top': rows,
+            'by_package_ms': {k: round(v, 2) for k, v in packages.most_common()}}
+
+
+PACKAGES = {'cudnn': 'cuDNN frontend', 'fastchain': 'fastchain', 'chainer': 'chainer',
+            'cupy': 'cupy', 'cupy_backends': 'cupy', 'cupyx': 'cupy', 'numpy': 'numpy'}
+
+
+def package_of(path, fastchain_dir=None):
+    """Where a profiled function lives, for the own time by package: the
+    folder under site-packages, or fastchain's own package folder (an
+    editable install; a checkout named fastchain holding the venv does not
+    count its installed packages as fastchain's). Calls into compiled code
+    (the frontend's pybind functions, CuPy's kernels' launches) count as
+    'C functions and methods'."""
+    if path == '~':
+        return 'C functions and methods'
+    if fastchain_dir is None:
+        import fastchain
+        fastchain_dir = os.path.dirname(os.path.abspath(fastchain.__file__))
+    parts = os.path.normpath(path).split(os.sep)
+    if 'site-packages' in parts[:-1]:
+        return PACKAGES.get(parts[parts.index('site-packages') + 1], 'other')
+    if os.path.normpath(path).startswith(fastchain_dir + os.sep):
+        return 'fastchain'
+    return 'other'
 
 
 def main(argv=None):
     p = _common.parser('overhead', __doc__)
     p.add_argument('--device', default=None,
                    help="Chainer device (default: '@cupy:0' where a GPU works, else '@numpy'); "
-                        'the CPU kernels (cpu_conv, fused_update) act on NumPy arrays only; '
-                        'the GPU path is not run on a GPU yet')
+                        'the CPU kernels (cpu_conv, fused_update) act on NumPy arrays only')
     p.add_argument('--untuned', action='store_true',
                    help='also run dynamic and static with autotune off (fastchain\'s kernels '
                         'everywhere, the cache always replays): what autotune\'s machinery '
@@ -171,6 +198,7 @@ def main(argv=None):
     except RuntimeError as e:
         sys.exit(str(e))
     device.use()
+    gpu = device.xp is not numpy
     # Rounds (one step per variant each); --windows sets the overhead- and
     # python-bound counts. A compute-bound step takes ~2 s here.
     short = args.windows or (30 if args.quick else 80)
@@ -267,14 +295,19 @@ def main(argv=None):
              'Where a cached overhead-bound step (static) still spends its host time '
              '(cProfile, top functions by own time): ' + '; '.join(
                  '{function} {ms_per_step} ms'.format(**r) for r in remaining[:6]),
-             'Under cProfile a cached overhead-bound step took {} ms, {:.1f} ms of it in '
-             'the update and the three convolution kernels, which stream the weights.'.format(
-                 profiles.get('static', {}).get('ms_per_step'), streaming),
-             "The optimizer update's own time per step, same run: Chainer's "
-             'MomentumSGD update_core_cpu {} ms (chainer_static), the fused '
-             '_momentum_blocks {} ms (static).'.format(
-                 own_ms('chainer_static', 'update_core_cpu'),
-                 own_ms('static', '_momentum_blocks'))]
+             'Under cProfile a cached overhead-bound step (static) took {} ms; its own time '
+             'by package: {}.'.format(
+                 profiles.get('static', {}).get('ms_per_step'), ', '.join(
+                     '{} {} ms'.format(k, v) for k, v in
+                     profiles.get('static', {}).get('by_package_ms', {}).items()))]
+    if not gpu:
+        notes += ['{:.1f} ms of that step in the update and the three convolution kernels, '
+                  'which stream the weights.'.format(streaming),
+                  "The optimizer update's own time per step, same run: Chainer's "
+                  'MomentumSGD update_core_cpu {} ms (chainer_static), the fused '
+                  '_momentum_blocks {} ms (static).'.format(
+                      own_ms('chainer_static', 'update_core_cpu'),
+                      own_ms('static', '_momentum_blocks'))]
     _common.write('overhead', args, config, rows, ratios, notes)
 
 

@@ -391,13 +391,14 @@ def test_a_run_packs_and_unpacks_only_the_files_it_wrote(tmp_path):
     assert not (out / 'logs' / 'x.log').exists()
 
 
-def test_unpacking_an_archive_of_the_older_pack_leaves_out_what_predates_its_run(tmp_path):
+def test_unpacking_an_archive_of_the_older_pack_leaves_out_what_predates_its_run(tmp_path,
+                                                                                monkeypatch):
     gpu_check = load_script()
     d = tmp_path / 'gpu'
     d.mkdir()
     started = time.time() - 60
-    (d / 'gpu_check.json').write_text(json.dumps(
-        {'started': time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started)),
+    (d / 'gpu_check.json').write_text(json.dumps(        # the node's clock: UTC
+        {'started': time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(started)),
          'steps': {'nccl': {'status': 'ok'}}}))
     for name, mtime in (('stale.md', started - 3600), ('fresh.md', started + 10)):
         (d / name).write_text(name)
@@ -405,5 +406,11 @@ def test_unpacking_an_archive_of_the_older_pack_leaves_out_what_predates_its_run
     path = str(tmp_path / 'a.tgz')
     with tarfile.open(path, 'w:gz') as tar:        # everything, as pack() once did
         tar.add(str(d), arcname='gpu')
-    gpu_check.unpack([path], str(tmp_path / 'out'))
-    assert sorted(os.listdir(tmp_path / 'out')) == ['fresh.md', 'gpu_check.json']
+    for zone in ('UTC0', 'EST5', 'JST-9'):          # wherever it is unpacked
+        monkeypatch.setenv('TZ', zone)
+        time.tzset()
+        out = tmp_path / ('out-' + zone)
+        gpu_check.unpack([path], str(out))
+        assert sorted(os.listdir(out)) == ['fresh.md', 'gpu_check.json'], zone
+    monkeypatch.undo()
+    time.tzset()

@@ -43,3 +43,21 @@ def test_untuned_variants_train_the_same_bits_and_replay():
     for key in w['static']:
         numpy.testing.assert_array_equal(w['static'][key], w['static_untuned'][key], key)
         numpy.testing.assert_array_equal(w['static'][key], w['dynamic_untuned'][key], key)
+
+
+def test_own_time_is_grouped_by_the_package_it_is_spent_in():
+    join = os.path.join
+    repo = join(os.sep, 'home', 'me', 'fastchain')         # a checkout named fastchain
+    site = join(repo, '.venv', 'lib', 'python3.12', 'site-packages')
+    mine = join(repo, 'fastchain')
+
+    def of(*path):
+        return overhead.package_of(join(*path), fastchain_dir=mine)
+    assert of(site, 'cudnn', '_pygraph.py') == 'cuDNN frontend'
+    assert of(mine, 'cudnn', '_graphs.py') == 'fastchain'
+    assert of(site, 'fastchain', 'cudnn', '_graphs.py') == 'fastchain'   # a wheel install
+    assert of(site, 'chainer', 'function_node.py') == 'chainer'
+    assert of(site, 'cupy', '_core', 'x.py') == 'cupy'
+    assert of(repo, 'benchmarks', 'overhead.py') == 'other'
+    assert of(os.sep, 'usr', 'lib', 'python3.12', 'abc.py') == 'other'
+    assert overhead.package_of('~') == 'C functions and methods'

@@ -21,24 +21,21 @@ from fastchain.cudnn._graphs import (HEURISTIC_PLANS, _dtype, _entry, _execute, 
                                      more_plans, strides)
 
 
-class HostScalar:
-    """A float32 scalar passed by value, as the frontend takes it: through
-    DLPack, on the host. Frontend 1.32 asks for the capsule with
-    ``stream=-1`` (DLPack's "the caller orders its work"), which NumPy
-    refuses for a host array ("NumPy only supports stream=None"): every
-    BatchNormalization training forward failed on it (an H200, 2026-11-28).
-    A host array is on no stream, so the request is answered without one."""
+class HostScalar(numpy.ndarray):
+    """A float32 scalar passed by value, shaped (1, 1, 1, 1), as the
+    frontend takes it: through DLPack, on the host. Frontend 1.32 asks for
+    the capsule with ``stream=-1`` (DLPack's "the caller orders its work"),
+    which NumPy refuses for a host array ("NumPy only supports
+    stream=None"): every BatchNormalization training forward failed on it
+    (an H200, 2026-11-28). A host array is on no stream, so the request is
+    answered without one. An array in every other respect: 1.32's Python
+    normalization engines read the value with ``.reshape(-1)[0].item()``."""
 
-    __slots__ = ('array',)
-
-    def __init__(self, value):
-        self.array = numpy.full((1, 1, 1, 1), value, numpy.float32)
+    def __new__(cls, value):
+        return numpy.full((1, 1, 1, 1), value, numpy.float32).view(cls)
 
     def __dlpack__(self, stream=None, **kwargs):
-        return self.array.__dlpack__()
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
+        return self.view(numpy.ndarray).__dlpack__()
 
 
 def _param_shape(x_shape):

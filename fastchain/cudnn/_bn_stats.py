@@ -13,7 +13,8 @@ Here the array is seen as (N, C, H x W) and each level reduces a
 contiguous run: the sums over H x W first (N x C outputs, each a contiguous
 row), then over N (C outputs of N values). The variance is the mean of
 squared deviations from the mean (two passes, as Chainer's), accumulated in
-``dtype`` (float32 under mixed16, as Chainer's). Not bitwise equal to
+float32 at least and returned in ``dtype`` (float32 under mixed16, as
+Chainer's). Not bitwise equal to
 Chainer's (another order of additions); within the tolerances the GPU
 tests state. Not yet measured on a GPU: ``benchmarks/bn_stats.py`` times it
 against Chainer's reductions and cuDNN's graph.
@@ -44,22 +45,25 @@ def _squared_deviations():
 
 
 def mean_and_var(x, dtype):
-    """(mean, biased variance) per channel (axis 1) of ``x``, in ``dtype``."""
+    """(mean, biased variance) per channel (axis 1) of ``x``, in ``dtype``;
+    added up in float32 at least (a float16 ``dtype`` would overflow the
+    count and the sums of a large layer: 32 x 112 x 112 values > 65504)."""
     xp = numpy if isinstance(x, numpy.ndarray) else _cupy()
     dtype = numpy.dtype(dtype)
+    acc = numpy.promote_types(dtype, numpy.float32)
     n, c = x.shape[:2]
     x3 = xp.ascontiguousarray(x).reshape(n, c, -1)
-    count = dtype.type(n * x3.shape[2])
-    mean = x3.sum(axis=2, dtype=dtype).sum(axis=0)
+    count = float(n * x3.shape[2])
+    mean = x3.sum(axis=2, dtype=acc).sum(axis=0)
     mean /= count
     if xp is numpy:
-        d = x3.astype(dtype) - mean[:, None]
+        d = x3.astype(acc) - mean[:, None]
         squares = (d * d).sum(axis=2)
     else:
         squares = _squared_deviations()(x3, mean.reshape(1, c, 1), axis=2)
     var = squares.sum(axis=0)
     var /= count
-    return mean, var
+    return mean.astype(dtype, copy=False), var.astype(dtype, copy=False)
 
 
 def _cupy():

@@ -17,12 +17,13 @@ Chainer's.
 BatchNormalization (training): the node's ``_impl_selector`` returns
 :class:`GraphImpl` where Chainer would take its general (elementwise)
 implementation (a key cuDNN refuses then runs Chainer's with the batch
-statistics of :mod:`fastchain.cudnn._bn_stats`, path ``'statistics'``); its forward updates the running statistics as Chainer does
-(``decay``, unbiased variance) and returns the batch mean and inverse
-standard deviation Chainer's backward and double backward use; its backward
-is a graph too. ``FixedBatchNormalization`` (inference) stays Chainer's
-(``BN_INFERENCE`` says why); a layer on ``forward`` counts it. Statistics and gamma/beta stay in their dtype (float32
-under ``mixed16``), as Chainer's cuDNN path did. Off unless
+statistics of :mod:`fastchain.cudnn._bn_stats`, path ``'statistics'``); its
+forward updates the running statistics as Chainer does (``decay``, unbiased
+variance) and returns the batch mean and inverse standard deviation
+Chainer's backward and double backward use; its backward is a graph too.
+``FixedBatchNormalization`` (inference) stays Chainer's (``BN_INFERENCE``
+says why); a layer on ``forward`` counts it. Statistics and gamma/beta stay
+in their dtype (float32 under ``mixed16``), as Chainer's cuDNN path did. Off unless
 ``FASTCHAIN_CUDNN_BN=1`` (``BN_OFF`` says why): every call then stays
 Chainer's with that reason.
 """

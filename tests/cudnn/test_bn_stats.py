@@ -101,3 +101,14 @@ def test_a_key_cuDNN_refuses_runs_chainers_code_with_these_statistics(monkeypatc
     assert entry['paths'] == {'statistics': 1}
     (reason,) = entry['reasons']
     assert reason.startswith('no cuDNN engine for NCHW')
+
+
+def test_float16_statistics_are_added_up_in_float32():
+    """A float16 intermediate dtype (float16 x and gamma): more values than
+    float16 counts (65504) and sums it could not hold, returned in float16."""
+    x = numpy.random.RandomState(3).normal(3, 2, (8, 3, 100, 100)).astype('e')
+    mean, var = _bn_stats.mean_and_var(x, numpy.float16)
+    assert mean.dtype == var.dtype == numpy.float16
+    x64 = x.astype(numpy.float64)
+    numpy.testing.assert_allclose(mean, x64.mean(axis=(0, 2, 3)), rtol=2 ** -10)
+    numpy.testing.assert_allclose(var, x64.var(axis=(0, 2, 3)), rtol=2 ** -10)

@@ -135,8 +135,30 @@ def test_the_scalars_passed_by_value_are_read_as_the_frontend_reads_them(describ
     for name, value in (('eps', 2e-5), ('momentum', 0.1)):
         scalar = _bn_graphs.HostScalar(value)
         ptr = cudnn._pybind_module._get_data_ptr(scalar)
-        assert ptr == scalar.array.ctypes.data
+        assert ptr == scalar.ctypes.data
+        assert scalar.reshape(-1)[0].item() == numpy.float32(value)  # 1.32's Python engines
         if describe is not None:
             read, _ = describe(scalar, g.tensors[name].uid)
             assert read == ptr, name
         assert numpy.from_dlpack(scalar).ravel()[0] == numpy.float32(value)
+
+
+def test_a_forward_pack_is_normalised_by_the_frontend_as_it_executes(described):
+    """The whole variant pack of a training forward through 1.32's own
+    normalisation (what execute does before the backend runs); NumPy host
+    arrays for the scalars fail there, as they did on the GPU."""
+    key = _keys.bn_key('batchnorm forward', numpy.zeros((4, 8, 5, 5), 'f'),
+                       numpy.zeros(8, 'f'), 2e-5, True, 0)
+    g = _bn_graphs.build_bn(key, 'nchw')
+    normalize = getattr(g.graph, '_normalize', None)
+    if normalize is None:
+        pytest.skip('this frontend has no Python normalisation of the pack')
+
+    def pack(scalar):
+        # device operands stand in as host arrays of their shape and dtype:
+        # what is read here is the geometry, not the device
+        return {t.uid: scalar(0.5) if name in ('eps', 'momentum') else
+                _bn_graphs.HostScalar(0.0) for name, t in g.tensors.items()}
+    normalize(pack(_bn_graphs.HostScalar), None)
+    with pytest.raises(Exception, match='stream'):
+        normalize(pack(lambda v: numpy.full((1, 1, 1, 1), v, numpy.float32)), None)

@@ -231,6 +231,13 @@ def test_two_level_statistics_match_float64_and_chainers(case):
                 BN_TOL['float32'], 'float32')
         _within('var', var, x64.var(axis=(0, 2, 3)), numpy.full(c, scale * scale),
                 BN_TOL['float32'], 'float32')
+        if dtype == 'float16':      # float16 x and gamma: float16 statistics, float32 sums
+            half = [cupy.asnumpy(a).astype(numpy.float64)
+                    for a in _bn_stats.mean_and_var(x, numpy.float16)]
+            numpy.testing.assert_allclose(half[0], x64.mean(axis=(0, 2, 3)), rtol=2 ** -10,
+                                          atol=2 ** -14 * scale)
+            numpy.testing.assert_allclose(half[1], x64.var(axis=(0, 2, 3)), rtol=2 ** -10,
+                                          atol=2 ** -14 * scale * scale)
         gamma = cupy.asarray(rng.uniform(0.5, 1.5, c).astype('f'))
         beta = cupy.asarray(rng.uniform(-1, 1, c).astype('f'))
         args = ((0, 2, 3), gamma, x, None, cupy, (None, Ellipsis, None, None), beta, 2e-5, 0.9)
