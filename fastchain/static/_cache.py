@@ -25,9 +25,11 @@ per-function Python work. fastchain uses it with its faults fixed
   a double backward through it is computed define-by-run, within rounding
   (the cache gives up);
 - **keys**: one Chainer schedule manager per key (the structure, types,
-  shapes, dtypes and devices of the inputs, and ``chainer.config``'s
+  shapes, dtypes and devices of the inputs, ``chainer.config``'s
   ``train``, ``dtype``, ``use_cudnn``, ``cudnn_deterministic``, ``use_ideep``,
-  ``cudnn_fast_batch_normalization`` and ``lazy_grad_sum``);
+  ``cudnn_fast_batch_normalization`` and ``lazy_grad_sum``, every entry of
+  it that is not Chainer's, and the state of the links' attributes), at most
+  :data:`MAX_KEYS`;
 - **autotune** (``enable(autotune=...)``, :mod:`fastchain.tune`): once a key
   is verified, its replay and define-by-run take turns for a few steps, timed
   over whole steps, and the faster is kept (a model too small for the replay
@@ -57,6 +59,11 @@ from fastchain.tune import _steps, _tuner
 
 STATE = 'static_cache'      # attachment key: the chain's cache
 VOIDED_LIMIT = 32           # autotune: periods voided by evaluations before it gives up
+# Keys (input shapes, dtypes, configurations, attribute states) of one chain
+# before it gives up: each is recorded and verified (two forwards) and keeps
+# its schedules; a batch shape new on every step cost 5x and 119 MiB over 300
+# steps of a small MLP, silently (a new-user trial)
+MAX_KEYS = 16
 LIVE = weakref.WeakSet()    # every cache whose chain lives (for handle.report())
 
 
@@ -127,7 +134,13 @@ class _Cache:
             # outside the fixes; a call in another cached chain's belongs to it;
             # F.forget's recomputation must not update statistics, which a
             # replay would)
-            return plain(*args, **kwargs)
+            if self.state['fallback'] is not None:
+                return plain(*args, **kwargs)
+            self.watch.outside_call()
+            try:
+                return plain(*args, **kwargs)
+            finally:
+                self.watch.after_outside_call()
         key = _keys.key(args) if not kwargs else None
         if key is not None:
             state = self.watch.state()
@@ -154,6 +167,9 @@ class _Cache:
             # Chainer's own attribute; one left by an earlier cache is not reused.
             managers = chain.__dict__['schedule_manager'] = _keys.Managers(
                 self.token, self.verbosity, weakref.ref(self))
+        if key not in managers.by_key and len(managers.by_key) >= MAX_KEYS:
+            return self._redo(plain, args, *_reasons.keys_reason(
+                len(managers.by_key), key, list(managers.by_key)))
         manager = managers.select(key)
         if not _node.claim(manager):
             return self._redo(plain, args, 'unsupported', _node.TOO_MANY)

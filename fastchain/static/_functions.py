@@ -156,7 +156,10 @@ def refusal(names):
     for name in sorted(names):
         entry = TABLE.get(name)
         if entry is not None and entry[0] == REFUSED:
-            return '{} cannot be cached: {}'.format(short(name), entry[1])
+            fix = ('; compute the loss outside the cached chain (a forward returning the '
+                   "prediction, as L.Classifier's predictor, which enable(static_graph=True) "
+                   'caches)') if name.startswith(_F + 'loss.') else ''
+            return '{} cannot be cached: {}{}'.format(short(name), entry[1], fix)
     return None
 
 

@@ -35,6 +35,16 @@ class StaticGraphGroup(Group):
         return [state]
 
 
+def _add(fell, name, why):
+    """``fell[name] = why``; two models of one class that fell back for
+    different reasons are 'Net' and 'Net (2)' (one hid the other's reason)."""
+    k, key = 1, name
+    while key in fell and fell[key] != why:
+        k += 1
+        key = '{} ({})'.format(name, k)
+    fell[key] = why
+
+
 def models():
     """{'cached': models replaying (or still verifying) their schedules,
     'define_by_run': {model: why} for those that fell back, 'not_bitwise':
@@ -46,14 +56,17 @@ def models():
     refused = list(_NOT_CACHED.items())
     if not live and not refused:
         return None
-    fell = {type(link).__name__: why for link, why in refused}
-    fell.update((c.name, c.state['fallback']) for c in live
-                if c.state['fallback'] is not None)
+    fell = {}
+    for name, why in ([(type(link).__name__, why) for link, why in refused]
+                      + [(c.name, c.state['fallback']) for c in live
+                         if c.state['fallback'] is not None]):
+        _add(fell, name, why)
     kept = [c for c in live if c.state['fallback'] is None]
     # autotune decided define-by-run for every structure it measured: the
     # model trains define-by-run (it read "cached", a new-user trial)
     tuned_out = [c for c in kept if _tuned_out(c)]
-    fell.update((c.name, TUNED_OUT) for c in tuned_out)
+    for c in tuned_out:
+        _add(fell, c.name, TUNED_OUT)
     names = collections.Counter(c.name for c in kept if c not in tuned_out)
     order = {c.name: c.state['not_bitwise'] for c in kept if c.state.get('not_bitwise')}
     return {'cached': dict(sorted(names.items())), 'define_by_run': fell,

@@ -3,9 +3,11 @@
 Chainer keys its schedules by the shapes and dtypes of the inputs and
 ``chainer.config.train`` (``ScheduleManager.get_schedule``). The replay also
 depends on what decided the functions and kernels while the schedule was
-recorded: the array types and devices of the inputs, and the configuration
+recorded: the array types and devices of the inputs, the configuration
 that Chainer's functions read in Python when they make their nodes (cuDNN and
-iDeep use, the default dtype, the gradient summation mode). fastchain's key
+iDeep use, the default dtype, the gradient summation mode), and every entry
+of ``chainer.config`` that is not Chainer's own (a user's, which a forward
+may branch on). fastchain's key
 covers all of it, and each key gets its own Chainer ``ScheduleManager`` so
 that Chainer never reuses a schedule across keys.
 """
@@ -18,6 +20,16 @@ CHAINER_ATTRIBUTES = ('schedule_manager', 'static_schedule', '_out_vars_unflatte
 OWNER = 'static_owner'      # on Chainer's ScheduleManager: the cache it belongs to (weakref)
 CONFIG = ('train', 'dtype', 'use_cudnn', 'cudnn_deterministic', 'use_ideep',
           'cudnn_fast_batch_normalization', 'lazy_grad_sum')
+# Chainer's own configuration (7.8.1's global_config); every other entry is
+# the user's, and all of them are in the key: a forward may branch on one
+# (``if chainer.config.use_aux: ...``), and the replay would keep the branch
+# recorded (a new-user trial found it did, without a word).
+CHAINER_CONFIG = frozenset((
+    '_will_recompute', 'autotune', 'compute_mode', 'cudnn_deterministic',
+    'cudnn_fast_batch_normalization', 'debug', 'dtype', 'enable_backprop', 'in_recomputing',
+    'keep_graph_on_report', 'lazy_grad_sum', 'schedule_func', 'train', 'type_check',
+    'use_cudnn', 'use_cudnn_tensor_core', 'use_ideep', 'use_static_graph',
+    'warn_nondeterministic'))
 
 
 def _array_key(x):
@@ -69,7 +81,26 @@ def key(args):
     if arrays is None:
         return None
     config = chainer.config
-    return arrays, tuple(getattr(config, name, None) for name in CONFIG)
+    return arrays, tuple(getattr(config, name, None) for name in CONFIG), user_config()
+
+
+def user_config():
+    """The entries of ``chainer.config`` that are not Chainer's, as they are
+    in this thread: ((name, value), ...), a value that cannot be hashed by
+    its type and identity."""
+    names = set(vars(chainer.global_config))
+    local = getattr(chainer.config, '_local', None)
+    if local is not None:
+        names.update(vars(local))
+    found = []
+    for name in sorted(names - CHAINER_CONFIG):
+        value = getattr(chainer.config, name, None)
+        try:
+            hash(value)
+        except TypeError:
+            value = ('unhashable', type(value).__name__, id(value))
+        found.append((name, value))
+    return tuple(found)
 
 
 class Managers:

@@ -306,7 +306,10 @@ def _recompute(schedule, grad_outputs, call, double):
             stack.enter_context(_verify.reference_run())
             stack.enter_context(_verify.without_function_hooks())
             stack.enter_context(chainer.force_backprop_mode())  # off in a first-order backward
-            for name, value in zip(_keys.CONFIG, key[1]):   # the call's configuration
+            # the call's configuration, the user's entries too
+            for name, value in list(zip(_keys.CONFIG, key[1])) + list(key[2]):
+                if isinstance(value, tuple) and value[:1] == ('unhashable',):
+                    continue        # (the object itself is not in the key)
                 if getattr(chainer.config, name, None) != value:
                     stack.enter_context(chainer.using_config(name, value))
             outputs = _verify.flatten(cache.forward(chain, *inputs))

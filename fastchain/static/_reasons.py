@@ -36,6 +36,11 @@ def machinery_reason(last, error, drew):
         # (Chainer's recording then fails on what the draw made: its error
         # would only confuse; a new-user trial found it did)
         return 'not static', _RANDOM.format('in the call')
+    if isinstance(error, AttributeError) and "'dict' object" in str(error):
+        return ('unsupported', "the forward returns a dict: Chainer's static graph replays "
+                'a forward that returns a variable or a tuple or list of them. Return a '
+                'tuple (and make the dict outside the cached chain), or leave this model '
+                'uncached')
     where = 'replayed' if last is False else 'built' + (
         ' (at {})'.format(_functions.short(last)) if last else '')
     return ('defect', 'the schedule could not be {} ({}: {}): Chainer\'s static graph cannot '
@@ -56,7 +61,16 @@ def kept_reason(kept):
 
 def python_reason(changed):
     """(cause, reason): the forward changed state its links keep in Python
-    (``changed``: ``'path/name: what'``, :mod:`fastchain.static._state`)."""
+    (``changed``: ``'path/name: what'``, :mod:`fastchain.static._state`), or
+    drew from a random generator outside them."""
+    from fastchain.static._state import DRAWN
+    drawn = [c.split(':')[0] for c in changed if c.endswith(DRAWN)]
+    if drawn:
+        return ('not static', 'the forward draws random numbers from {} (e.g. '
+                'random.random() for stochastic depth, or noise from a module-level '
+                "generator): the replay runs none of the forward's Python, so it would keep "
+                "the first step's draws. Draw them in the training loop and pass the result "
+                'as an input, or leave this model uncached'.format(' and '.join(drawn[:3])))
     return ('not static', 'the model keeps state in Python that its forward changes ({}): '
             'a counter, a list or dict it fills, an array it changes in place, a random '
             "generator of its own it draws from. The replay runs none of the forward's "
@@ -64,6 +78,32 @@ def python_reason(changed):
             'forward computes from it would be frozen. Keep such state outside the cached '
             'chain (in the training loop or an extension), or leave this model '
             'uncached'.format(_first_three(changed, '; ')))
+
+
+def keys_reason(count, key, keys):
+    """(cause, reason): the chain met a key past the ``count`` it has (its
+    inputs' shapes and dtypes and the configuration: :func:`_keys.key`)."""
+    shapes = {_shapes(k[0]) for k in keys}
+    what = ('input shapes ({} of them: {})'.format(len(shapes), ', '.join(sorted(shapes)[:3])
+                                                    + (', ...' if len(shapes) > 3 else ''))
+            if len(shapes) > 1 else 'configurations or attribute states')
+    return ('not static', 'the model was called with more than {} different {}: each is '
+            'recorded and verified anew (two forwards) and keeps its schedule, so inputs '
+            'whose shape changes on most steps (variable-length data) cost more than the '
+            'replay saves. Bucket the inputs into a few shapes (pad them), or leave this '
+            'model uncached'.format(count, what))
+
+
+def _shapes(arrays_key):
+    """'32x3x224x224' for each array of a key's arrays part."""
+    def walk(part):
+        if isinstance(part, tuple) and len(part) == 2 and isinstance(part[1], tuple) and \
+                part[0] in (list, tuple):
+            return '(' + ', '.join(walk(p) for p in part[1]) + ')'
+        if isinstance(part, tuple) and len(part) >= 2 and isinstance(part[1], tuple):
+            return 'x'.join(str(d) for d in part[1]) or 'scalar'
+        return '?'
+    return walk(arrays_key)
 
 
 def attributes_reason(change, states):

@@ -30,14 +30,29 @@ as set too. Lists, dicts and configs a link holds, changed in place
 among a ``Sequential``'s layers), set nothing on the link: they are looked
 at on every call, each object once (:mod:`fastchain.static._configs`).
 
+NumPy arrays the links hold (persistent values included, parameters not),
+changed in place between calls (a pruning mask ``self.mask[:k] = False``, a
+0-d persistent ``load_npz`` copies a snapshot's value into), set nothing
+either: a replay reads an array in place where a function takes it, but
+not what the forward computed from it in Python (``self.mask.astype(...)``,
+``float(self.temperature)``), which it froze (a new-user trial: 0.08 off
+from the step the mask changed). They are compared by a digest at the end
+of each call and at the start of the next (what a call changes, such as
+BatchNormalization's running statistics, is the call's); a change between
+calls starts a new state. Arrays over 16 MiB, CuPy arrays (a digest would
+copy them to the host) and those of Chainer's own links (passed to
+functions, read in place) are not looked at.
+
 Not seen: an attribute set around ``__setattr__`` (``vars(link)[name] =
 ...``), a change inside an object that holds links or other objects (an
 optimizer), a class attribute, and state outside the links (a module's
 global).
 """
 
+import hashlib
 import weakref
 
+import numpy
 from chainer.backend import Device
 
 from fastchain.config import _patches
@@ -47,6 +62,7 @@ from fastchain.static._keys import CHAINER_ATTRIBUTES
 MAX_STATES = 6      # states of one cached chain's attributes before it gives up
 _LONG = 1024        # a tuple or list up to this long is taken item by item
 _HUGE = 1 << 16     # up to this long, by its items' identities; longer, by its length
+_DIGESTED = 16 << 20    # bytes: a larger NumPy array held by a link is not looked at
 _VALUES = _configs.VALUES
 _IGNORED = frozenset(CHAINER_ATTRIBUTES)
 
@@ -230,7 +246,10 @@ class Watch:
         self.last_change = None
         self.configs = _configs.Configs(_Same)
         self.replayed = False   # set by a call that ran none of the forward's Python
+        self.moves = 0          # arrays changed in place between calls: times
+        self.pending = None     # such a change noted around an uncached call
         self._take(chain)
+        self.after = self._digests()
         self.states[self._whole()] = 0
 
     def _take(self, chain):
@@ -246,30 +265,76 @@ class Watch:
                        for path, link in links}
 
     def _whole(self):
-        return tuple(self.stamps[path] for path, _ in self.links)
+        return tuple(self.stamps[path] for path, _ in self.links) + (('moves', self.moves),)
+
+    def _digests(self):
+        """{(path, name): digest} of the NumPy arrays the links of the
+        user's own classes hold in attributes (persistent values included,
+        parameters not). Chainer's links pass theirs to functions, which a
+        replay reads in place (BatchNormalization's running statistics:
+        ResNet-50's 106 would cost milliseconds a call)."""
+        found = {}
+        for path, ref in self.links:
+            link = ref()
+            if link is None or type(link).__module__.startswith('chainer.'):
+                continue
+            params = link._params
+            for name, value in list(vars(link).items()):
+                if type(value) is numpy.ndarray and name not in params and \
+                        value.nbytes <= _DIGESTED and not _skipped(link, name):
+                    found[(path, name)] = (value.shape, value.dtype.str, hashlib.blake2b(
+                        numpy.ascontiguousarray(value).view(numpy.uint8)).digest())
+        return found
+
+    def _moved(self):
+        """The first array changed since the last call ended ('path/name'), or None."""
+        now = self._digests()
+        for place in sorted(set(now) | set(self.after)):
+            if now.get(place) != self.after.get(place):
+                return _join(*place)
+        return None
+
+    def outside_call(self):
+        """Around a call that is not cached (evaluation, no backprop): what
+        changed before it is noted for the next cached call; what it changes
+        (running statistics in train mode) is the call's."""
+        moved = self._moved()
+        if moved is not None:
+            self.pending = self.pending or moved
+
+    def after_outside_call(self):
+        self.after = self._digests()
 
     def state(self):
         """The state this call starts in (a number), or None past
         :data:`MAX_STATES` (:attr:`last_change` names the last change)."""
         inside = self.configs.changed() if self.configs.watched else []
-        if _generation[0] == self.seen and not inside:
+        moved, self.pending = self._moved() or self.pending, None
+        if _generation[0] == self.seen and not inside and moved is None:
             return self.current
         chain = self.ref()
         changed = inside + [path for path, ref in self.links
                             if ref() is None or _set_at.get(ref(), 0) > self.seen]
         self.seen = _generation[0]
-        if chain is None or not changed:
+        if chain is None or not (changed or moved):
             return self.current
         before = dict(self.stamps)
         self._take(chain)       # a link may have been added or replaced
-        if not _configs._differ(self.stamps, before):
+        if moved is not None:
+            # a new state, not one seen before: an array's earlier contents
+            # are not kept to tell them again
+            self.moves += 1
+            self.last_change = '{}: changed in place between calls'.format(moved)
+        elif not _configs._differ(self.stamps, before):
             return self.current
-        path = next((p for p, _ in self.links
-                     if _configs._differ(self.stamps.get(p), before.get(p))), changed[0])
-        try:
-            self.last_change = difference(path, before.get(path, ()), self.stamps.get(path, ()))
-        except Exception:   # a value that cannot be compared or shown
-            self.last_change = path
+        else:
+            path = next((p for p, _ in self.links
+                         if _configs._differ(self.stamps.get(p), before.get(p))), changed[0])
+            try:
+                self.last_change = difference(path, before.get(path, ()),
+                                              self.stamps.get(path, ()))
+            except Exception:   # a value that cannot be compared or shown
+                self.last_change = path
         whole = self._whole()
         try:
             number = self.states.get(whole)
@@ -291,6 +356,7 @@ class Watch:
         """After a call that ran the forward's Python (recording, verified
         or define-by-run): what it set belongs to the state it started in."""
         replayed, self.replayed = self.replayed, False
+        self.after = self._digests()    # what the call changed is the call's
         if _generation[0] == self.seen and (
                 replayed or not self.configs.watched or not self.configs.changed()):
             return

@@ -1,0 +1,197 @@
+"""What a cached forward reads from outside its links' attributes, or from
+their arrays changed in place between calls: each of these trained
+differently from plain Chainer without a word in a new-user trial (session
+31). Python's ``random`` module and a module-level generator drawn from in
+the forward (stochastic depth, input noise); an entry of ``chainer.config``
+that is not Chainer's, branched on; a mask the training loop prunes in
+place and a 0-d persistent ``load_npz`` copies a value into, read in Python;
+and a batch shape new on every step (the cost, not the result). Each trains
+exactly as plain Chainer, the model cached where it can be, a fallback named
+where it cannot."""
+
+import io
+import random
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from fastchain.static import StaticGraphFallback, cache_state, cache_static_graph
+from fastchain.static import _cache
+
+from tests.helpers import assert_same, copies
+
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
+
+NOISE = numpy.random.default_rng(0)     # a module-level generator
+
+
+class Net(chainer.Chain):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        with self.init_scope():
+            self.l1 = L.Linear(3, 4)
+            self.l2 = L.Linear(4, 4)
+            self.l3 = L.Linear(4, 3)
+        self.mask = numpy.ones(4, bool)
+        self.add_persistent('temperature', numpy.array(1.0, numpy.float32))
+
+    def forward(self, x):
+        h = F.relu(self.l1(x))
+        kind = self.kind
+        if kind == 'stochastic depth' and random.random() < 0.9:
+            h = h + F.relu(self.l2(h))
+        elif kind == 'module generator':
+            h = h + NOISE.normal(0, 0.1, h.shape).astype(numpy.float32)
+        elif kind == 'user config' and getattr(chainer.config, 'use_aux', False):
+            h = h + F.tanh(self.l2(h))
+        elif kind == 'mask':
+            h = h * self.mask.astype(numpy.float32)
+        elif kind == 'temperature':
+            h = h / float(self.temperature)
+        return self.l3(h)
+
+
+def _train(models, steps, between=None, shape=lambda i: 4):
+    """Both models on the same batches, each step seeded alike (NumPy's and
+    Python's random); ``between(i, model)`` runs before step i's update of
+    each. Returns the fallback warnings' messages."""
+    rng = numpy.random.RandomState(0)
+    optimizers = [chainer.optimizers.MomentumSGD(0.1).setup(m) for m in models]
+    caught = []
+    for i in range(steps):
+        n = shape(i)
+        x, t = rng.rand(n, 3).astype(numpy.float32), rng.randint(0, 3, n).astype(numpy.int32)
+        for model, optimizer in zip(models, optimizers):
+            numpy.random.seed(i)
+            random.seed(i)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter('always')
+                with chainer.using_config('use_aux', i >= 5):
+                    if between is not None:
+                        between(i, model)
+                    optimizer.update(lambda: F.softmax_cross_entropy(model(x), t))
+            caught += [str(m.message) for m in w if m.category is StaticGraphFallback]
+        assert_same(models[0], models[1], 'step {}'.format(i))
+        assert random.getstate() is not None
+    return caught
+
+
+@pytest.mark.parametrize('kind, named', [
+    ('stochastic depth', "Python's random module"),
+    ('module generator', __name__ + '.NOISE')])
+def test_a_draw_outside_the_links_falls_back_naming_the_generator(kind, named):
+    ordinary, cached = copies(lambda: Net(kind))
+    cache_static_graph(cached)
+    draws = []
+
+    def between(i, model):
+        global NOISE
+        NOISE = numpy.random.default_rng(i)     # the same draws for both models
+        draws.append(random.random())
+    caught = _train((ordinary, cached), 8, between)
+    assert len(caught) == 1 and named in caught[0], caught
+    assert 'draws random numbers from' in caught[0]
+    assert cache_state(cached)['cause'] == 'not static'
+    # the recording's and the reference run's draws were put back: the
+    # script's own draws after each step are plain Chainer's
+    assert draws[0::2] == draws[1::2]
+
+
+def test_a_users_config_entry_is_in_the_key():
+    ordinary, cached = copies(lambda: Net('user config'))
+    cache_static_graph(cached)
+    assert _train((ordinary, cached), 9) == []
+    assert cache_state(cached)['fallback'] is None
+    assert len(cache_state(cached)['sequences']) == 2       # one per value of use_aux
+
+
+@pytest.mark.parametrize('kind', ['mask', 'temperature'])
+def test_an_array_changed_in_place_between_calls_is_a_new_state(kind):
+    ordinary, cached = copies(lambda: Net(kind))
+    cache_static_graph(cached)
+    snapshot = io.BytesIO()
+    changed = Net(kind)
+    changed.temperature[...] = 2.5
+    chainer.serializers.save_npz(snapshot, changed)
+
+    def between(i, model):
+        if i == 5 and kind == 'mask':
+            model.mask[:2] = False          # pruned in place
+        if i == 5 and kind == 'temperature':
+            snapshot.seek(0)
+            params = {n: p.array.copy() for n, p in model.namedparams()}
+            chainer.serializers.load_npz(snapshot, model)   # copies into the 0-d array
+            for n, p in model.namedparams():
+                p.array[...] = params[n]
+    assert _train((ordinary, cached), 9, between) == []
+    assert cache_state(cached)['fallback'] is None
+    assert sum(cache_state(cached)['verified'].values()) > 2   # the new state verified too
+
+
+def test_a_shape_new_on_every_step_falls_back_past_the_keys_it_keeps():
+    ordinary, cached = copies(lambda: Net('plain'))
+    cache_static_graph(cached)
+    caught = _train((ordinary, cached), _cache.MAX_KEYS + 3, shape=lambda i: 2 + i)
+    assert len(caught) == 1, caught
+    assert 'more than {} different input shapes'.format(_cache.MAX_KEYS) in caught[0]
+    assert 'Bucket the inputs' in caught[0]
+    assert cache_state(cached)['fallback'] is not None
+
+
+class DictOut(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 3)
+
+    def forward(self, x):
+        return {'y': self.l1(x)}
+
+
+class LossIn(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 3)
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.l1(x), t)
+
+
+def test_what_a_cache_cannot_replay_is_named_with_the_fix():
+    """A dict returned, a loss computed in the model; two models of one class
+    that fell back for different reasons are both in the report."""
+    import fastchain
+    x = numpy.ones((2, 3), numpy.float32)
+    t = numpy.zeros(2, numpy.int32)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with fastchain.enable(static_graph=True, autotune=False, loader_workers=0) as h:
+            out, loss = DictOut(), LossIn()
+            cache_static_graph(out)
+            cache_static_graph(loss)
+            F.sum(out(x)['y']).backward()
+            loss(x, t).backward()
+            other = DictOut()
+            cache_static_graph(other)
+            other.l1(x)     # nothing cached from this one: it stays cached
+            fell = h.report()['static_graph']['calls']['define_by_run']
+    messages = [str(m.message) for m in w if m.category is StaticGraphFallback]
+    assert any("returns a dict" in m and 'Return a tuple' in m for m in messages), messages
+    assert any('compute the loss outside the cached chain' in m for m in messages), messages
+    assert set(fell) == {'DictOut', 'LossIn'}
+
+
+def test_two_models_of_one_class_keep_both_reasons_in_the_report():
+    from fastchain.static import _group
+    fell = {}
+    _group._add(fell, 'Net', 'one reason')
+    _group._add(fell, 'Net', 'one reason')
+    _group._add(fell, 'Net', 'another reason')
+    assert fell == {'Net': 'one reason', 'Net (2)': 'another reason'}
