@@ -228,7 +228,7 @@ class _Cache:
             contextlib.nullcontext()
         watch = _reads.watching() if building else contextlib.nullcontext(_reads.Found())
         try:
-            with statistics, recorder, watch as reads, \
+            with statistics, recorder, watch as reads, before.python.draws.watching(), \
                     _fixes.verbosity(self.verbosity > 0):
                 out = self._replay(chain, key, args, building)
         except Exception as e:      # the caching machinery could not handle it
@@ -247,6 +247,7 @@ class _Cache:
             before.restore()
             return self._redo(plain, args, *_reasons.kept_reason(kept))
         if building:
+            self.watch.read_in_place |= recorder.inputs
             recorder.resolve(chain)
             refused = _functions.refusal(recorder.names)
             if refused is not None:
@@ -268,7 +269,8 @@ class _Cache:
         schedule = chain.static_schedule
         after = _verify.Snapshot(chain, grads=False, python=building)
         before.put_back()
-        reference = _verify.Reference(chain, plain, args)
+        with before.python.draws.watching():
+            reference = _verify.Reference(chain, plain, args)
         reached = _verify.Snapshot(chain, grads=False)
         after.put_back()
         # The recording's or the reference's Python changed the model (the

@@ -229,6 +229,7 @@ class Recorder(chainer.FunctionHook):
         self.names = set()
         self._pending = {}
         self._ids = []
+        self.inputs = set()     # ids of every input array and of the arrays they view
         self.last = None        # the last function that started: the one that failed
 
     def forward_preprocess(self, function, in_data):
@@ -244,6 +245,10 @@ class Recorder(chainer.FunctionHook):
         self.calls.append((short(name), tuple(tuple(x.shape) for x in in_data),
                            self._pending.pop(id(function), ())))
         self._ids.append(tuple(id(x) for x in in_data))
+        for x in in_data:
+            while x is not None:        # a view's base too (self.queue[:k])
+                self.inputs.add(id(x))
+                x = getattr(x, 'base', None)
 
     def resolve(self, chain):
         """Name the parameters among the inputs; call right after the pass (the

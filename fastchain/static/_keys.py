@@ -87,7 +87,7 @@ def key(args):
 def user_config():
     """The entries of ``chainer.config`` that are not Chainer's, as they are
     in this thread: ((name, value), ...), a value that cannot be hashed by
-    its type and identity."""
+    its type and ``repr``."""
     names = set(vars(chainer.global_config))
     local = getattr(chainer.config, '_local', None)
     if local is not None:
@@ -98,7 +98,9 @@ def user_config():
         try:
             hash(value)
         except TypeError:
-            value = ('unhashable', type(value).__name__, id(value))
+            # by what it holds (a dict changed in place, or a new one in the
+            # place of a freed one whose id it takes: by id, both replayed stale)
+            value = ('unhashable', type(value).__name__, repr(value)[:10000])
         found.append((name, value))
     return tuple(found)
 

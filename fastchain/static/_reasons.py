@@ -63,9 +63,9 @@ def python_reason(changed):
     """(cause, reason): the forward changed state its links keep in Python
     (``changed``: ``'path/name: what'``, :mod:`fastchain.static._state`), or
     drew from a random generator outside them."""
-    from fastchain.static._state import DRAWN
-    drawn = [c.split(':')[0] for c in changed if c.endswith(DRAWN)]
-    if drawn:
+    from fastchain.static._draws import DRAWN
+    drawn = [c[:-len(': ' + DRAWN)] for c in changed if c.endswith(': ' + DRAWN)]
+    if drawn and len(drawn) == len(changed):    # (a link's own generator: named by its path)
         return ('not static', 'the forward draws random numbers from {} (e.g. '
                 'random.random() for stochastic depth, or noise from a module-level '
                 "generator): the replay runs none of the forward's Python, so it would keep "
@@ -77,21 +77,37 @@ def python_reason(changed):
             'Python, so that state would stay as the first call left it, and what the '
             'forward computes from it would be frozen. Keep such state outside the cached '
             'chain (in the training loop or an extension), or leave this model '
-            'uncached'.format(_first_three(changed, '; ')))
+            'uncached'.format(_first_three([c for c in changed if not c.endswith(DRAWN)]
+                                           or changed, '; ')))
 
 
 def keys_reason(count, key, keys):
     """(cause, reason): the chain met a key past the ``count`` it has (its
-    inputs' shapes and dtypes and the configuration: :func:`_keys.key`)."""
-    shapes = {_shapes(k[0]) for k in keys}
-    what = ('input shapes ({} of them: {})'.format(len(shapes), ', '.join(sorted(shapes)[:3])
-                                                    + (', ...' if len(shapes) > 3 else ''))
-            if len(shapes) > 1 else 'configurations or attribute states')
-    return ('not static', 'the model was called with more than {} different {}: each is '
-            'recorded and verified anew (two forwards) and keeps its schedule, so inputs '
-            'whose shape changes on most steps (variable-length data) cost more than the '
-            'replay saves. Bucket the inputs into a few shapes (pad them), or leave this '
-            'model uncached'.format(count, what))
+    inputs' shapes and dtypes, Chainer's configuration, the user's
+    configuration entries, the links' attribute state: :func:`_keys.key`)."""
+    keys = list(keys) + [key]
+    shapes = sorted({_shapes(k[0]) for k in keys})
+    entries = sorted({name for k in keys for name, _ in k[2]
+                      if len({repr(dict(j[2]).get(name)) for j in keys}) > 1})
+    states = len({k[3] for k in keys if len(k) > 3})
+    parts, fixes = [], []
+    if len(shapes) > 1:
+        parts.append('{} input shapes ({}{})'.format(len(shapes), ', '.join(shapes[:3]),
+                                                     ', ...' if len(shapes) > 3 else ''))
+        fixes.append('bucket the inputs into a few shapes (pad them)')
+    if entries:
+        parts.append('values of the chainer.config entries {}'.format(', '.join(entries[:3])))
+        fixes.append('keep a value that changes every step (a counter) out of chainer.config')
+    if states > 1:
+        parts.append("{} states of the links' attributes".format(states))
+        fixes.append("keep what changes every step out of the model's links")
+    if not parts:
+        parts.append("states of Chainer's configuration")
+    return ('not static', 'the model was called with more than {} different keys ({}): '
+            'each is recorded and verified anew (two forwards) and keeps its schedule, so '
+            'what changes on most steps costs more than the replay saves. {}, or leave this '
+            'model uncached'.format(count, '; '.join(parts),
+                                    '; '.join(fixes).capitalize() or 'Pass what changes as an input'))
 
 
 def _shapes(arrays_key):

@@ -24,11 +24,7 @@ at most 10,000 values an attribute (past that a container by its length);
 NumPy's ``RandomState`` and ``Generator`` and ``random.Random`` by their
 state. Anything else (a module, a function, another link, an object of a
 library such as ``itertools.count``) by identity. Random generators outside
-the links are looked at by their state too: Python's ``random`` module (a
-stochastic-depth ``if random.random() < p`` trained differently from plain
-Chainer without a word: a new-user trial found it) and the generators the
-modules of the chain's link classes hold as globals (NumPy's global state is
-the verification's own). Other state outside the links (a module's other
+the links are looked at by their state too (:mod:`fastchain.static._draws`). Other state outside the links (a module's other
 globals, a closure) is not seen; what is not seen is advanced by both the
 recording and the reference run on a verified call (as before).
 """
@@ -44,7 +40,7 @@ import numpy
 import chainer
 
 from fastchain.config import _patches
-from fastchain.static import _configs
+from fastchain.static import _configs, _draws
 from fastchain.static._keys import CHAINER_ATTRIBUTES
 
 _DEPTH = 4          # how far into containers and objects
@@ -296,48 +292,10 @@ def _attributes(link):
             if name not in skip and not _patches.is_ours(link, name)}
 
 
-DRAWN = 'a random generator outside the links the forward draws from'
-_GENERATORS = (numpy.random.RandomState, numpy.random.Generator, random.Random)
-
-
-def global_generators(chain):
-    """(label, generator) of the random generators a forward may draw from
-    outside its links: Python's ``random`` module (its hidden instance) and
-    those the modules of ``chain``'s link classes hold as globals. NumPy's
-    global state is left out (the verification compares and puts it back)."""
-    found, seen = [], {id(numpy.random.mtrand._rand)}
-    hidden = getattr(random, '_inst', None)
-    if hidden is not None:
-        found.append(("Python's random module", hidden))
-        seen.add(id(hidden))
-    for name, namespace in _namespaces(chain):
-        for attr, value in sorted(namespace.items()):
-            if isinstance(value, _GENERATORS) and id(value) not in seen:
-                seen.add(id(value))
-                found.append(('{}.{}'.format(name, attr), value))
-    return found
-
-
-def _namespaces(chain):
-    """(module name, globals) where the link classes of ``chain`` that are
-    not a library's were defined: their functions' globals (a script loaded
-    from a file need not be in ``sys.modules``)."""
-    found = {}
-    for link in chain.links():
-        for cls in type(link).__mro__:
-            if (cls.__module__ or '').split('.')[0] in _LIBRARIES:
-                continue
-            for value in vars(cls).values():
-                namespace = getattr(value, '__globals__', None)
-                if isinstance(namespace, dict) and id(namespace) not in found:
-                    found[id(namespace)] = (namespace.get('__name__', cls.__module__), namespace)
-    return sorted(found.values(), key=lambda item: item[0])
-
-
 class PythonState:
     """What the attributes of ``chain``'s links hold, and the random
-    generators outside them (:func:`global_generators`), to compare and put
-    back."""
+    generators outside them (:mod:`fastchain.static._draws`), to compare and
+    put back."""
 
     def __init__(self, chain):
         self.links = []
@@ -346,7 +304,8 @@ class PythonState:
                      for name, value in _attributes(link).items()}
             self.links.append((link, path.rstrip('/') or '/', saved))
         self.generators = [(label, _take(value, 1, [_BUDGET], frozenset()))
-                           for label, value in global_generators(chain)]
+                            for label, value in _draws.global_generators(chain)]
+        self.draws = _draws.Draws(lambda g: _take(g, 1, [_BUDGET], frozenset()))
 
     def changes(self, made=False):
         """``'path/name: what'`` for each link whose state changed (the first
@@ -365,13 +324,13 @@ class PythonState:
             change = _attributes_change(saved, now, '')
             if change is not None:
                 found.append('{}{}{}'.format(path, '' if path.endswith('/') else '/', change))
-        for label, node in self.generators:
+        for label, node in self.generators + self.draws.taken():
             if _change(node, node.obj) is not None:
-                found.append('{}: {}'.format(label, DRAWN))
+                found.append('{}: {}'.format(label, _draws.DRAWN))
         return found
 
     def restore(self):
-        for _, node in self.generators:
+        for _, node in self.generators + self.draws.taken():
             _put_back(node)
         for link, _, saved in self.links:
             now = vars(link)

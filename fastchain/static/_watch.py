@@ -39,9 +39,13 @@ not what the forward computed from it in Python (``self.mask.astype(...)``,
 from the step the mask changed). They are compared by a digest at the end
 of each call and at the start of the next (what a call changes, such as
 BatchNormalization's running statistics, is the call's); a change between
-calls starts a new state. Arrays over 16 MiB, CuPy arrays (a digest would
-copy them to the host) and those of Chainer's own links (passed to
-functions, read in place) are not looked at.
+calls starts a new state. Not looked at: the arrays a recorded function
+takes as an input (or a view of them), which the replay reads in place (a
+memory bank, EMA weights the loop updates: they would start a state on every
+step), those of Chainer's own links (passed to functions), arrays of objects,
+CuPy arrays (a digest would copy them to the host), arrays inside a list or
+dict a link holds, one over 1 MiB, and past 4 MiB in all, the rest (a
+digest pass costs about a millisecond a MiB, twice a call).
 
 Not seen: an attribute set around ``__setattr__`` (``vars(link)[name] =
 ...``), a change inside an object that holds links or other objects (an
@@ -62,7 +66,8 @@ from fastchain.static._keys import CHAINER_ATTRIBUTES
 MAX_STATES = 6      # states of one cached chain's attributes before it gives up
 _LONG = 1024        # a tuple or list up to this long is taken item by item
 _HUGE = 1 << 16     # up to this long, by its items' identities; longer, by its length
-_DIGESTED = 16 << 20    # bytes: a larger NumPy array held by a link is not looked at
+_DIGESTED = 4 << 20     # bytes of NumPy arrays a digest pass looks at, in all
+_DIGESTED_ONE = 1 << 20     # bytes: a larger array is not looked at
 _VALUES = _configs.VALUES
 _IGNORED = frozenset(CHAINER_ATTRIBUTES)
 
@@ -247,6 +252,9 @@ class Watch:
         self.configs = _configs.Configs(_Same)
         self.replayed = False   # set by a call that ran none of the forward's Python
         self.moves = 0          # arrays changed in place between calls: times
+        # ids of the arrays recorded functions take as inputs: a replay reads
+        # them in place (a memory bank F.matmul takes, EMA weights F.linear takes)
+        self.read_in_place = set()
         self.pending = None     # such a change noted around an uncached call
         self._take(chain)
         self.after = self._digests()
@@ -273,17 +281,23 @@ class Watch:
         parameters not). Chainer's links pass theirs to functions, which a
         replay reads in place (BatchNormalization's running statistics:
         ResNet-50's 106 would cost milliseconds a call)."""
-        found = {}
+        found, budget = {}, _DIGESTED
         for path, ref in self.links:
             link = ref()
             if link is None or type(link).__module__.startswith('chainer.'):
                 continue
             params = link._params
             for name, value in list(vars(link).items()):
-                if type(value) is numpy.ndarray and name not in params and \
-                        value.nbytes <= _DIGESTED and not _skipped(link, name):
+                if type(value) is not numpy.ndarray or name in params or \
+                        value.dtype.hasobject or id(value) in self.read_in_place or \
+                        value.nbytes > min(budget, _DIGESTED_ONE) or _skipped(link, name):
+                    continue
+                budget -= value.nbytes
+                try:
                     found[(path, name)] = (value.shape, value.dtype.str, hashlib.blake2b(
                         numpy.ascontiguousarray(value).view(numpy.uint8)).digest())
+                except Exception:       # an array that cannot be read as bytes
+                    continue
         return found
 
     def _moved(self):

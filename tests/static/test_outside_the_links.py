@@ -139,8 +139,9 @@ def test_a_shape_new_on_every_step_falls_back_past_the_keys_it_keeps():
     cache_static_graph(cached)
     caught = _train((ordinary, cached), _cache.MAX_KEYS + 3, shape=lambda i: 2 + i)
     assert len(caught) == 1, caught
-    assert 'more than {} different input shapes'.format(_cache.MAX_KEYS) in caught[0]
-    assert 'Bucket the inputs' in caught[0]
+    assert 'more than {} different keys ({} input shapes'.format(
+        _cache.MAX_KEYS, _cache.MAX_KEYS + 1) in caught[0]
+    assert 'Bucket the inputs into a few shapes' in caught[0]
     assert cache_state(cached)['fallback'] is not None
 
 
@@ -195,3 +196,89 @@ def test_two_models_of_one_class_keep_both_reasons_in_the_report():
     _group._add(fell, 'Net', 'one reason')
     _group._add(fell, 'Net', 'another reason')
     assert fell == {'Net': 'one reason', 'Net (2)': 'another reason'}
+
+
+class Bank(chainer.Chain):
+    """A memory bank the loop updates in place and the forward passes to a
+    function (read in place by a replay), an array of objects, a class
+    attribute generator."""
+
+    rng = random.Random(0)
+
+    def __init__(self, draw=False):
+        super().__init__()
+        self.draw = draw
+        with self.init_scope():
+            self.l1 = L.Linear(3, 4)
+            self.l3 = L.Linear(4, 3)
+        self.queue = numpy.ones((4, 4), numpy.float32)
+        self.labels = numpy.array(['cat', None], dtype=object)
+
+    def forward(self, x):
+        h = F.matmul(F.relu(self.l1(x)), self.queue)
+        if self.draw and self.rng.random() < 0.5:
+            h = h * 2
+        return self.l3(h)
+
+
+def test_a_bank_updated_in_place_and_read_by_a_function_stays_cached():
+    ordinary, cached = copies(lambda: Bank())
+    cache_static_graph(cached)
+
+    def between(i, model):
+        model.queue *= 0.9                  # in place, every step
+    assert _train((ordinary, cached), 9, between) == []
+    assert cache_state(cached)['fallback'] is None
+
+
+def test_a_class_attribute_generator_falls_back_and_is_put_back():
+    ordinary, cached = copies(lambda: Bank(draw=True))
+    cache_static_graph(cached)
+
+    def between(i, model):
+        Bank.rng.seed(i)                    # the same draws for both models
+    caught = _train((ordinary, cached), 6, between)
+    assert len(caught) == 1 and 'a random.Random (drawn from at test_outside_the_links.py' \
+        in caught[0], caught
+
+
+def test_another_threads_draws_are_not_the_forwards():
+    """A data thread drawing from Python's random meanwhile (a
+    MultithreadIterator's augmentation) neither makes the model fall back
+    nor is rewound."""
+    import threading
+    stop = threading.Event()
+
+    def augment():
+        while not stop.is_set():
+            random.random()
+    thread = threading.Thread(target=augment, daemon=True)
+    thread.start()
+    try:
+        ordinary, cached = copies(lambda: Net('plain'))
+        cache_static_graph(cached)
+        assert _train((ordinary, cached), 6) == []
+    finally:
+        stop.set()
+        thread.join()
+    assert cache_state(cached)['fallback'] is None
+
+
+def test_a_config_dict_changed_in_place_is_a_new_key():
+    class Opts(Net):
+        def forward(self, x):
+            h = F.relu(self.l1(x))
+            if chainer.config.opts['aux']:
+                h = h + F.tanh(self.l2(h))
+            return self.l3(h)
+    ordinary, cached = copies(lambda: Opts('plain'))
+    cache_static_graph(cached)
+    opts = {'aux': False}
+
+    def between(i, model):
+        opts['aux'] = i >= 4                # the same dict, changed in place
+    with chainer.using_config('opts', opts):
+        assert _train((ordinary, cached), 8, between) == []
+    assert cache_state(cached)['fallback'] is None
+    # aux off; on (step 4); on with _train's use_aux (from step 5)
+    assert len(cache_state(cached)['sequences']) == 3

@@ -1,0 +1,101 @@
+"""Random generators outside a cached chain's links that its forward draws
+from, which a replay never draws from again.
+
+A stochastic-depth ``if random.random() < p`` or noise from a module-level
+``default_rng`` trained differently from plain Chainer without a word (a
+new-user trial: 4 of 6 seeds cached; and where the model fell back, the
+recording's and the reference run's draws had left the script's own later
+draws off plain Chainer's). Two ways of seeing them, both compared and put
+back around a verified call by :class:`fastchain.static._state.PythonState`:
+
+- Python's ``random.Random`` objects (the ``random`` module's hidden one, a
+  module's, a class attribute, a closure's): a profile function on the
+  calling thread while the recording and the reference run execute
+  (:meth:`Draws.watching`) takes each one's state before its first draw
+  there. Thread by thread: a data-loading thread drawing from ``random``
+  meanwhile is not taken for the forward (a review measured that false
+  alarm, and the put-back then rewound that thread's draws). Left alone
+  where a profiler is already set (``cProfile``): then not seen.
+- NumPy's ``RandomState`` and ``Generator`` objects, whose draws run no
+  Python frame a profile function sees: those the modules of the chain's
+  link classes hold as globals, by their state (:func:`global_generators`;
+  a thread drawing from the same one meanwhile counts as the forward).
+
+NumPy's global state is the verification's own (:mod:`_verify`).
+"""
+
+import contextlib
+import os
+import random
+import sys
+
+import numpy
+
+DRAWN = 'a random generator outside the links the forward draws from'
+_NUMPY = (numpy.random.RandomState, numpy.random.Generator)
+_LIBRARIES = ('chainer', 'fastchain', 'numpy', 'cupy', 'builtins', 'cupyx', 'collections',
+              'itertools', 'functools', 'random', 'threading', 'weakref')
+
+
+def global_generators(chain):
+    """(label, generator) of the NumPy generators the modules of ``chain``'s
+    link classes hold as globals (NumPy's global state left out)."""
+    found, seen = [], {id(numpy.random.mtrand._rand)}
+    for name, namespace in _namespaces(chain):
+        for attr, value in sorted(namespace.items()):
+            if isinstance(value, _NUMPY) and id(value) not in seen:
+                seen.add(id(value))
+                found.append(('{}.{}'.format(name, attr), value))
+    return found
+
+
+def _namespaces(chain):
+    """(module name, globals) where the link classes of ``chain`` that are
+    not a library's were defined: their functions' globals (a script loaded
+    from a file need not be in ``sys.modules``)."""
+    found = {}
+    for link in chain.links():
+        for cls in type(link).__mro__:
+            if (cls.__module__ or '').split('.')[0] in _LIBRARIES:
+                continue
+            for value in vars(cls).values():
+                namespace = getattr(value, '__globals__', None)
+                if isinstance(namespace, dict) and id(namespace) not in found:
+                    found[id(namespace)] = (namespace.get('__name__', cls.__module__), namespace)
+    return sorted(found.values(), key=lambda item: item[0])
+
+
+class Draws:
+    """The ``random.Random`` objects this thread draws from inside
+    :meth:`watching`, each one's state (``take(generator)``) from before its
+    first draw."""
+
+    def __init__(self, take):
+        self.take = take
+        self.found = {}         # id -> (label, taken)
+
+    def taken(self):
+        return list(self.found.values())
+
+    @contextlib.contextmanager
+    def watching(self):
+        if sys.getprofile() is not None:    # a profiler of the user's: left alone
+            yield
+            return
+        sys.setprofile(self._profile)
+        try:
+            yield
+        finally:
+            sys.setprofile(None)
+
+    def _profile(self, frame, event, arg):
+        if event != 'c_call':
+            return
+        owner = getattr(arg, '__self__', None)
+        if isinstance(owner, random.Random) and id(owner) not in self.found:
+            while frame.f_back is not None and frame.f_code.co_filename == random.__file__:
+                frame = frame.f_back        # (random.uniform and the like draw in random.py)
+            label = "Python's random module" if owner is getattr(random, '_inst', None) else \
+                'a random.Random (drawn from at {}:{})'.format(
+                    os.path.basename(frame.f_code.co_filename), frame.f_lineno)
+            self.found[id(owner)] = (label, self.take(owner))
