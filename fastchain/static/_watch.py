@@ -43,8 +43,9 @@ calls starts a new state. Not looked at: the arrays a recorded function
 takes as an input (or a view of them), which the replay reads in place (a
 memory bank, EMA weights the loop updates: they would start a state on every
 step), those of Chainer's own links (passed to functions), arrays of objects,
-CuPy arrays (a digest would copy them to the host), arrays inside a list or
-dict a link holds, one over 1 MiB, and past 4 MiB in all, the rest (a
+CuPy arrays (a digest would copy them to the host), arrays deeper than one
+level in a list, tuple or dict a link holds (or in one of more than 64
+items), one over 1 MiB, and past 4 MiB in all, the rest (a
 digest pass costs about a millisecond a MiB, twice a call).
 
 Not seen: an attribute set around ``__setattr__`` (``vars(link)[name] =
@@ -68,6 +69,7 @@ _LONG = 1024        # a tuple or list up to this long is taken item by item
 _HUGE = 1 << 16     # up to this long, by its items' identities; longer, by its length
 _DIGESTED = 4 << 20     # bytes of NumPy arrays a digest pass looks at, in all
 _DIGESTED_ONE = 1 << 20     # bytes: a larger array is not looked at
+_CONTAINED = 64             # a list, tuple or dict a link holds: its arrays, up to this many items
 _VALUES = _configs.VALUES
 _IGNORED = frozenset(CHAINER_ATTRIBUTES)
 
@@ -288,16 +290,29 @@ class Watch:
                 continue
             params = link._params
             for name, value in list(vars(link).items()):
-                if type(value) is not numpy.ndarray or name in params or \
-                        value.dtype.hasobject or id(value) in self.read_in_place or \
-                        value.nbytes > min(budget, _DIGESTED_ONE) or _skipped(link, name):
+                if name in params or _skipped(link, name):
                     continue
-                budget -= value.nbytes
-                try:
-                    found[(path, name)] = (value.shape, value.dtype.str, hashlib.blake2b(
-                        numpy.ascontiguousarray(value).view(numpy.uint8)).digest())
-                except Exception:       # an array that cannot be read as bytes
-                    continue
+                places = [(name, value)]
+                if type(value) in (list, tuple, dict):      # (by type: a dead proxy raises)
+                    # one level into a list or dict (self.masks['l1'])
+                    try:
+                        items = list(value.items() if type(value) is dict else
+                                     enumerate(value))[:_CONTAINED + 1]
+                    except Exception:       # one that answers oddly (a lazy list)
+                        items = []
+                    if len(items) <= _CONTAINED:
+                        places = [('{}[{!r}]'.format(name, k), v) for k, v in items]
+                for place, array in places:
+                    if type(array) is not numpy.ndarray or array.dtype.hasobject or \
+                            id(array) in self.read_in_place or \
+                            array.nbytes > min(budget, _DIGESTED_ONE):
+                        continue
+                    budget -= array.nbytes
+                    try:
+                        found[(path, place)] = (array.shape, array.dtype.str, hashlib.blake2b(
+                            numpy.ascontiguousarray(array).view(numpy.uint8)).digest())
+                    except Exception:       # an array that cannot be read as bytes
+                        continue
         return found
 
     def _moved(self):

@@ -39,6 +39,7 @@ class Net(chainer.Chain):
             self.l2 = L.Linear(4, 4)
             self.l3 = L.Linear(4, 3)
         self.mask = numpy.ones(4, bool)
+        self.masks = {'l1': numpy.ones(4, bool)}
         self.add_persistent('temperature', numpy.array(1.0, numpy.float32))
 
     def forward(self, x):
@@ -52,6 +53,8 @@ class Net(chainer.Chain):
             h = h + F.tanh(self.l2(h))
         elif kind == 'mask':
             h = h * self.mask.astype(numpy.float32)
+        elif kind == 'mask in a dict':
+            h = h * self.masks['l1'].astype(numpy.float32)
         elif kind == 'temperature':
             h = h / float(self.temperature)
         return self.l3(h)
@@ -111,7 +114,7 @@ def test_a_users_config_entry_is_in_the_key():
     assert len(cache_state(cached)['sequences']) == 2       # one per value of use_aux
 
 
-@pytest.mark.parametrize('kind', ['mask', 'temperature'])
+@pytest.mark.parametrize('kind', ['mask', 'mask in a dict', 'temperature'])
 def test_an_array_changed_in_place_between_calls_is_a_new_state(kind):
     ordinary, cached = copies(lambda: Net(kind))
     cache_static_graph(cached)
@@ -123,6 +126,8 @@ def test_an_array_changed_in_place_between_calls_is_a_new_state(kind):
     def between(i, model):
         if i == 5 and kind == 'mask':
             model.mask[:2] = False          # pruned in place
+        if i == 5 and kind == 'mask in a dict':
+            model.masks['l1'][:2] = False
         if i == 5 and kind == 'temperature':
             snapshot.seek(0)
             params = {n: p.array.copy() for n, p in model.namedparams()}
