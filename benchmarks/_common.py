@@ -29,6 +29,18 @@ def parser(name, doc):
     return p
 
 
+def device(spec):
+    """The Chainer device ``spec`` names (default: GPU 0 if usable, else
+    '@numpy'), made current; exits naming why where it cannot be used."""
+    from fastchain.backends import cuda
+    try:
+        found = cuda.get_device(spec)
+    except RuntimeError as e:
+        sys.exit(str(e))
+    found.use()
+    return found
+
+
 def machine():
     from fastchain.doctor._report import machine as describe
     m = describe()

@@ -122,13 +122,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     import chainer
     from chainer.functions.normalization import batch_normalization as _bn
-    from fastchain.backends import cuda
     from fastchain.cudnn import _group, _layers
-    try:
-        device = cuda.get_device(args.device)
-    except RuntimeError as e:
-        sys.exit(str(e))
-    device.use()
+    device = _common.device(args.device)
     xp = device.xp
     gpu = xp is not numpy
     batch, size = args.batch or (32 if gpu else 2), args.size or (224 if gpu else 32)

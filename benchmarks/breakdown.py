@@ -403,13 +403,8 @@ def cudnn_state(gpu):
 
 def run(args):
     import gc
-    from fastchain.backends import cuda
-    try:
-        device = cuda.get_device(args.device)
-    except RuntimeError as e:
-        sys.exit(str(e))
+    device = _common.device(args.device)
     gpu = device.xp is not numpy
-    device.use()
     args.batch = args.batch or (32 if gpu else 8)
     args.crop = args.crop or (224 if gpu else 32)
     args.steps = args.steps or (10 if args.quick else 20)

@@ -72,13 +72,8 @@ def main(argv=None):
     p.add_argument('--device', default=None, help="default: GPU 0 if usable, else '@numpy'")
     args = p.parse_args(argv)
     import fastchain
-    from fastchain.backends import cuda
     from fastchain.backends import nvtx as nvtx_backend
-    try:
-        device = cuda.get_device(args.device)
-    except RuntimeError as e:
-        sys.exit(str(e))
-    device.use()
+    device = _common.device(args.device)
     gpu = device.xp is not numpy
 
     def sync():             # on a GPU the clock is read after its work is done

@@ -146,10 +146,12 @@ def profile(step, n=5):
     out = io.StringIO()
     stats = pstats.Stats(pr, stream=out).sort_stats('tottime')
     total = sum(v[2] for v in stats.stats.values()) / n
+    import fastchain
+    mine = os.path.dirname(os.path.abspath(fastchain.__file__))
     rows, packages = [], collections.Counter()
     for (path, line, func), (cc, nc, tt, ct, callers) in sorted(
             stats.stats.items(), key=lambda kv: -kv[1][2]):
-        packages[package_of(path)] += tt / n * 1e3
+        packages[package_of(path, mine)] += tt / n * 1e3
         if len(rows) < 12:
             rows.append({'function': '{}:{}({})'.format(os.path.basename(path), line, func),
                          'ms_per_step': round(tt / n * 1e3, 2),
@@ -192,12 +194,7 @@ def main(argv=None):
                         'everywhere, the cache always replays): what autotune\'s machinery '
                         'costs a step')
     args = p.parse_args(argv)
-    from fastchain.backends import cuda
-    try:
-        device = cuda.get_device(args.device)       # default: GPU 0 if usable
-    except RuntimeError as e:
-        sys.exit(str(e))
-    device.use()
+    device = _common.device(args.device)       # default: GPU 0 if usable
     gpu = device.xp is not numpy
     # Rounds (one step per variant each); --windows sets the overhead- and
     # python-bound counts. A compute-bound step takes ~2 s here.

@@ -22,6 +22,8 @@ against Chainer's reductions and cuDNN's graph.
 
 import numpy
 
+import chainer
+
 _kernel = None
 
 
@@ -48,7 +50,7 @@ def mean_and_var(x, dtype):
     """(mean, biased variance) per channel (axis 1) of ``x``, in ``dtype``;
     added up in float32 at least (a float16 ``dtype`` would overflow the
     count and the sums of a large layer: 32 x 112 x 112 values > 65504)."""
-    xp = numpy if isinstance(x, numpy.ndarray) else _cupy()
+    xp = chainer.backend.get_array_module(x)
     dtype = numpy.dtype(dtype)
     acc = numpy.promote_types(dtype, numpy.float32)
     n, c = x.shape[:2]
@@ -64,8 +66,3 @@ def mean_and_var(x, dtype):
     var = squares.sum(axis=0)
     var /= count
     return mean.astype(dtype, copy=False), var.astype(dtype, copy=False)
-
-
-def _cupy():
-    import cupy
-    return cupy

@@ -33,7 +33,8 @@ import numpy
 
 DRAWN = 'a random generator outside the links the forward draws from'
 _NUMPY = (numpy.random.RandomState, numpy.random.Generator)
-_LIBRARIES = ('chainer', 'fastchain', 'numpy', 'cupy', 'builtins', 'cupyx', 'collections',
+# packages whose objects and classes are not the user's (_state looks into the user's)
+LIBRARIES = ('chainer', 'fastchain', 'numpy', 'cupy', 'builtins', 'cupyx', 'collections',
               'itertools', 'functools', 'random', 'threading', 'weakref')
 
 
@@ -56,7 +57,7 @@ def _namespaces(chain):
     found = {}
     for link in chain.links():
         for cls in type(link).__mro__:
-            if (cls.__module__ or '').split('.')[0] in _LIBRARIES:
+            if (cls.__module__ or '').split('.')[0] in LIBRARIES:
                 continue
             for value in vars(cls).values():
                 namespace = getattr(value, '__globals__', None)

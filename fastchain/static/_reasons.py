@@ -2,6 +2,7 @@
 the recording and the verification found (:mod:`fastchain.static._cache`)."""
 
 from fastchain.static import _functions, _verify
+from fastchain.static._draws import DRAWN
 
 
 def sequence_reason(calls, recorded):
@@ -63,7 +64,6 @@ def python_reason(changed):
     """(cause, reason): the forward changed state its links keep in Python
     (``changed``: ``'path/name: what'``, :mod:`fastchain.static._state`), or
     drew from a random generator outside them."""
-    from fastchain.static._draws import DRAWN
     drawn = [c[:-len(': ' + DRAWN)] for c in changed if c.endswith(': ' + DRAWN)]
     if drawn and len(drawn) == len(changed):    # (a link's own generator: named by its path)
         return ('not static', 'the forward draws random numbers from {} (e.g. '
@@ -106,8 +106,8 @@ def keys_reason(count, key, keys):
     return ('not static', 'the model was called with more than {} different keys ({}): '
             'each is recorded and verified anew (two forwards) and keeps its schedule, so '
             'what changes on most steps costs more than the replay saves. {}, or leave this '
-            'model uncached'.format(count, '; '.join(parts),
-                                    '; '.join(fixes).capitalize() or 'Pass what changes as an input'))
+            'model uncached'.format(count, '; '.join(parts), '; '.join(fixes).capitalize()
+                                    or 'Pass what changes as an input'))
 
 
 def _shapes(arrays_key):

@@ -24,9 +24,10 @@ at most 10,000 values an attribute (past that a container by its length);
 NumPy's ``RandomState`` and ``Generator`` and ``random.Random`` by their
 state. Anything else (a module, a function, another link, an object of a
 library such as ``itertools.count``) by identity. Random generators outside
-the links are looked at by their state too (:mod:`fastchain.static._draws`). Other state outside the links (a module's other
-globals, a closure) is not seen; what is not seen is advanced by both the
-recording and the reference run on a verified call (as before).
+the links are looked at by their state too (:mod:`fastchain.static._draws`).
+Other state outside the links (a module's other globals, a closure) is not
+seen; what is not seen is advanced by both the recording and the reference
+run on a verified call (as before).
 """
 
 import collections
@@ -47,8 +48,6 @@ _DEPTH = 4          # how far into containers and objects
 _BUDGET = 10000     # values looked at per attribute (then containers by length)
 _COPIED = 16 << 20  # bytes: a larger NumPy array is compared by a digest (not put back)
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, numpy.generic)
-_LIBRARIES = ('chainer', 'fastchain', 'numpy', 'cupy', 'builtins', 'cupyx', 'collections',
-              'itertools', 'functools', 'random', 'threading', 'weakref')
 _NOT_OBJECTS = (chainer.Link, type, types.FunctionType, types.MethodType,
                 types.BuiltinFunctionType, types.ModuleType)
 
@@ -66,7 +65,8 @@ _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 def _own_object(value):
     """An object of a user's class (looked into), not a library's."""
     module = type(value).__module__ or ''
-    return not isinstance(value, _NOT_OBJECTS) and module.split('.')[0] not in _LIBRARIES
+    return not isinstance(value, _NOT_OBJECTS) and \
+        module.split('.')[0] not in _draws.LIBRARIES
 
 
 def _array(value):
