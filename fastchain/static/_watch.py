@@ -45,8 +45,8 @@ memory bank, EMA weights the loop updates: they would start a state on every
 step), those of Chainer's own links (passed to functions), arrays of objects,
 CuPy arrays (a digest would copy them to the host), arrays deeper than one
 level in a list, tuple or dict a link holds (or in one of more than 64
-items), one over 1 MiB, and past 4 MiB in all, the rest (a
-digest pass costs about a millisecond a MiB, twice a call).
+items), one over 1 MiB, and past 4 MiB in all, the rest (every array looked at is
+digested twice a call).
 
 Not seen: an attribute set around ``__setattr__`` (``vars(link)[name] =
 ...``), a change inside an object that holds links or other objects (an
