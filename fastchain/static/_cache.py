@@ -53,8 +53,8 @@ import chainer
 
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
-from fastchain.static import (_fixes, _functions, _keys, _node, _outside, _reads, _reasons,
-                              _verify, _watch)
+from fastchain.static import (_draws, _fixes, _functions, _keys, _node, _outside, _reads,
+                              _reasons, _verify, _watch)
 from fastchain.tune import _steps, _tuner
 
 STATE = 'static_cache'      # attachment key: the chain's cache
@@ -111,6 +111,7 @@ class _Cache:
         self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)  # autotune: a step a turn
         self.structures = {}        # autotune: key -> the choice's key
         self.lazy = {}              # key -> the parameters unmade before its define-by-run step
+        self.waited_from = 0        # _draws.waited before the verified call now running
         self.watch = _watch.Watch(chain)    # the state of the links' attributes: in the key
         self.turn_form = None       # autotune: (optimizer updates seen, the step's form)
         self.unverifiable = {}      # key -> verified calls whose outputs reached no backward
@@ -193,7 +194,9 @@ class _Cache:
             self.watch.replayed = True      # none of the forward's Python ran
             return out
         self.turns.reset()
-        return self._verified(chain, plain, key, args, building)
+        with _draws.holding_numpy():    # another thread's draws wait: see _draws
+            self.waited_from = len(_draws.waited)
+            return self._verified(chain, plain, key, args, building)
 
     def _tuned(self, key):
         """autotune: the replay or define-by-run for this step. Once a key
@@ -304,7 +307,7 @@ class _Cache:
         if calls != recorded:
             return _reasons.sequence_reason(calls, recorded)
         if not after.same_random_state(reached):
-            return _reasons.RANDOM
+            return _reasons.random_reason(_draws.waited[self.waited_from:])
         pairs = [('output #{}'.format(i + 1), y, e) for i, (y, e) in
                  enumerate(zip(_verify.flatten(out), reference.outputs))]
         found = _verify.first_difference(pairs) or after.compare_persistents(reached)

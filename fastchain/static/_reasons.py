@@ -1,7 +1,7 @@
 """Why a cached chain falls back to define-by-run: the messages, from what
 the recording and the verification found (:mod:`fastchain.static._cache`)."""
 
-from fastchain.static import _functions, _verify
+from fastchain.static import _draws, _functions, _verify
 from fastchain.static._draws import DRAWN
 
 
@@ -27,6 +27,17 @@ _RANDOM = ('NumPy\'s random state advanced {}: the model draws random numbers (i
            'e.g. numpy.random.randn noise, F.gumbel_softmax or a sampler, or in a function '
            "the cache does not know) and the replay keeps the first step's draw")
 RANDOM = ('not static', _RANDOM.format('differently in the replay than in define-by-run'))
+
+
+def random_reason(waited):
+    """RANDOM, and the draws of other threads that waited for the check to
+    end until they went on (``waited``: their functions' names)."""
+    if not waited:
+        return RANDOM
+    return RANDOM[0], RANDOM[1] + (
+        '. Another thread drew from it ({}) while the call was checked and went on after '
+        'waiting {:g} s: a thread the forward waits on, whose draws are the forward\'s'.format(
+            ', '.join(sorted(set(waited))), _draws.HOLD))
 
 
 def machinery_reason(last, error, drew):

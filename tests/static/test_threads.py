@@ -1,0 +1,157 @@
+"""Another thread drawing from NumPy's global random state while a cached
+call is verified (a MultithreadIterator's augmentation, a prefetch thread
+shuffling at an epoch's end). The verification compares that state and
+puts it back (:mod:`fastchain.static._verify`); before, such a thread's
+draws were taken for the forward's (the model fell back, in 3 of 3 runs)
+and rewound by the put-back (about a fifth of that thread's numbers came
+out twice). Now its ``numpy.random`` calls wait until the call is verified
+(:func:`fastchain.static._draws.holding_numpy`)."""
+
+import threading
+import time
+import warnings
+
+import numpy
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from fastchain.static import StaticGraphFallback, cache_state, cache_static_graph
+from fastchain.static import _draws
+
+from tests.helpers import assert_same, copies
+
+pytestmark = pytest.mark.usefixtures('fresh_fixes')
+
+
+class Deep(chainer.Chain):
+    """Long enough a forward (a few ms) for the thread to draw inside it."""
+
+    def __init__(self, noise=False):
+        super().__init__()
+        self.noise = noise
+        with self.init_scope():
+            self.ls = chainer.ChainList(*[L.Linear(128, 128) for _ in range(10)])
+
+    def forward(self, x):
+        for link in self.ls:
+            x = F.relu(link(x))
+        if self.noise:
+            x = x + numpy.random.randn(*x.shape).astype(numpy.float32)
+        return x
+
+
+class Drawing:
+    """A thread drawing from NumPy's global state until stopped."""
+
+    def __init__(self, draw=lambda: numpy.random.random_sample()):
+        self.draws, self.stop = [], threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(draw,), daemon=True)
+
+    def _run(self, draw):
+        while not self.stop.is_set():
+            self.draws.append(draw())
+            time.sleep(0.0002)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def _train(models, steps, during=None):
+    optimizers = [chainer.optimizers.MomentumSGD(0.01).setup(m) for m in models]
+    x = numpy.random.RandomState(0).rand(32, 128).astype(numpy.float32)
+    caught = []
+    for i in range(steps):
+        for model, optimizer in zip(models, optimizers):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter('always')
+                optimizer.update(lambda: F.sum(model(x)))
+            caught += [str(m.message) for m in w if m.category is StaticGraphFallback]
+        assert_same(models[0], models[1], 'step {}'.format(i))
+    return caught
+
+
+def test_a_threads_draws_meanwhile_are_neither_taken_for_the_forward_nor_rewound():
+    ordinary, cached = copies(Deep)
+    cache_static_graph(cached)
+    with Drawing() as thread:
+        caught = _train((ordinary, cached), 5)
+    assert caught == []
+    assert cache_state(cached)['fallback'] is None
+    assert sum(cache_state(cached)['verified'].values()) >= 2
+    assert len(thread.draws) > 50
+    assert len(set(thread.draws)) == len(thread.draws)     # none drawn twice
+    # the functions are NumPy's own again once no call is verified
+    for name in ('random_sample', 'seed', 'rand'):
+        assert not hasattr(getattr(numpy.random, name), 'fastchain_holds'), name
+
+
+def test_the_forwards_own_draw_still_falls_back_while_a_thread_draws():
+    numpy.random.seed(0)
+    model = Deep(noise=True)
+    cache_static_graph(model)
+    optimizer = chainer.optimizers.SGD(0.01).setup(model)
+    x = numpy.ones((32, 128), numpy.float32)
+    with Drawing(), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        for _ in range(4):
+            optimizer.update(lambda: F.sum(model(x)))
+    (message,) = [str(m.message) for m in w if m.category is StaticGraphFallback]
+    assert "NumPy's random state advanced" in message
+    assert cache_state(model)['cause'] == 'not static'
+
+
+class Waiting(chainer.Chain):
+    """A forward that waits on a thread of its own, which draws."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(3, 3)
+
+    def forward(self, x):
+        out = []
+        helper = threading.Thread(target=lambda: out.append(numpy.random.rand()))
+        helper.start()
+        helper.join()
+        return self.l1(x) * float(out[0] >= 0)
+
+
+def test_a_forward_waiting_on_a_thread_that_draws_goes_on_after_the_hold(monkeypatch):
+    monkeypatch.setattr(_draws, 'HOLD', 0.2)
+    monkeypatch.setattr(_draws, 'waited', [])
+    model = Waiting()
+    cache_static_graph(model)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        for _ in range(3):
+            F.sum(model(numpy.ones((2, 3), numpy.float32))).backward()
+    assert set(_draws.waited) == {'numpy.random.rand'}     # (the recording's, the reference's)
+    # that thread's draws are the forward's: not cached (at the first replay,
+    # which draws none where define-by-run draws)
+    (message,) = [str(m.message) for m in w if m.category is StaticGraphFallback]
+    assert 'Another thread drew from it (numpy.random.rand)' in message
+    assert 'waiting 0.2 s' in message
+
+
+def test_a_function_replaced_while_held_is_left_as_replaced():
+    original = numpy.random.rand
+
+    def mine(*args):
+        return 0.5
+    try:
+        with _draws.holding_numpy():
+            assert numpy.random.rand is not original        # one that waits
+            assert 0.0 <= numpy.random.rand() < 1.0         # this thread's draws go on
+            numpy.random.rand = mine
+        assert numpy.random.rand is mine                    # the user's stays
+        assert numpy.random.randn.__self__ is numpy.random.mtrand._rand
+    finally:
+        numpy.random.rand = original
