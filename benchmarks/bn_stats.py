@@ -1,24 +1,26 @@
-"""BatchNormalization's training forward, every layer of ResNet-50 once.
+"""BatchNormalization's training forward and backward, every layer of ResNet-50 once.
 
 The breakdown of a ResNet-50 step on an H200 (2026-11-28) found Chainer's
 batch statistics (``x.mean`` and ``x.var`` over N, H and W) the largest
 device cost of every step. This times the three ways fastchain has of
-computing BatchNormalization's training forward, on the input shapes of
-every BatchNormalization layer of ResNet-50 at the given batch and size
-(recorded from one forward of the model), in float32 and float16 data with
-float32 statistics (Chainer's ``mixed16``):
+computing BatchNormalization's training forward and backward, on the input
+shapes of every BatchNormalization layer of ResNet-50 at the given batch and
+size (recorded from one forward of the model), in float32 and float16 data
+with float32 statistics (Chainer's ``mixed16``):
 
 - ``chainer``: Chainer's general implementation (what runs on CuPy 14).
-- ``statistics``: the same with the two-level batch statistics of
-  ``fastchain/cudnn/_bn_stats.py`` (where cuDNN refuses a key).
-- ``graph``: cuDNN's BatchNormalization graph (``fastchain/cudnn/_bn_graphs.py``;
-  a GPU with the cuDNN frontend only).
+- ``statistics``: the same with the batch statistics and the backward's two
+  sums reduced in two levels (``fastchain/cudnn/_bn_stats.py``; where cuDNN
+  refuses a key, and every call with ``FASTCHAIN_CUDNN_BN=stats``).
+- ``graph``: cuDNN's BatchNormalization graphs (``fastchain/cudnn/_bn_graphs.py``;
+  a GPU with the cuDNN frontend only; ``FASTCHAIN_CUDNN_BN=1``).
 
-Each row is passes per second, a pass being every layer's forward once
-(outputs, batch statistics, running statistics); ``_channels_last`` rows
-take the NCHW views of channels-last memory that Chainer's im2col
-convolution outputs (the plain baseline's case). Each variant's largest
-error against float64 is in the notes.
+Each row is passes per second, a pass being every layer's forward (outputs,
+batch statistics, running statistics) and backward (the input gradient and
+gamma's and beta's) once; ``_channels_last`` rows take the NCHW views of
+channels-last memory that Chainer's im2col convolution outputs (the plain
+baseline's case). Each variant's largest errors against float64 (the
+statistics; the gradients) are in the notes.
 """
 
 import os
@@ -31,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 EPS, DECAY = 2e-5, 0.9
+AXIS, EXPANDER = (0, 2, 3), (None, Ellipsis, None, None)
 
 
 def layer_shapes(device, batch, size):
@@ -70,17 +73,21 @@ class Layers:
                 xp.asarray(host.transpose(0, 3, 1, 2).copy())
             gamma = xp.asarray(rng.uniform(0.5, 1.5, c).astype(numpy.float32))
             beta = xp.asarray(rng.uniform(-1, 1, c).astype(numpy.float32))
+            gy = xp.asarray(rng.standard_normal(shape).astype(dtype))    # C-contiguous
             self.items.append((x, gamma, beta, xp.zeros(c, numpy.float32),
-                               xp.ones(c, numpy.float32)))
+                               xp.ones(c, numpy.float32), gy))
 
 
 def chainer_pass(impl):
     def run(layers):
         out = []
-        for x, gamma, beta, mean, var in layers.items:
-            r = impl.forward((0, 2, 3), gamma, x, None, layers.xp, (None, Ellipsis, None, None),
-                             beta, EPS, DECAY, mean, var)
-            out.append((r[4], r[6]))            # batch mean, 1/sqrt(var + eps)
+        for x, gamma, beta, mean, var, gy in layers.items:
+            r = impl.forward(AXIS, gamma, x, None, layers.xp, EXPANDER, beta, EPS, DECAY, mean,
+                             var)
+            g = impl.backward(AXIS, gamma, gy, x, None, layers.xp, EXPANDER, r[4], r[6], EPS,
+                              r[5], r[7])
+            # batch mean, 1/sqrt(var + eps); gx, ggamma, gbeta
+            out.append((r[4], r[6], g[0], g[2], g[3]))
         return out
     return run
 
@@ -90,28 +97,41 @@ def graph_pass(device_id):
 
     def run(layers):
         out = []
-        for x, gamma, beta, mean, var in layers.items:
+        for x, gamma, beta, mean, var, gy in layers.items:
             key = _keys.bn_key('batchnorm forward', x, gamma, EPS, True, device_id)
             _, batch_mean, inv_std = _bn_graphs.bn_forward(key, x, gamma, beta, mean, var,
                                                           EPS, DECAY)
-            out.append((batch_mean, inv_std))
+            key = _keys.bn_key('batchnorm backward', x, gamma, EPS, False, device_id)
+            gx, ggamma, gbeta = _bn_graphs.bn_backward(key, x, gamma, gy, batch_mean, inv_std)
+            out.append((batch_mean, inv_std, gx, ggamma, gbeta))
         return out
     return run
 
 
-def worst_error(layers, out, to_cpu):
-    """The largest error of the batch mean and of 1/sqrt(var + eps) against
-    float64, each relative to its largest float64 value."""
-    worst = 0.0
-    for (x, *_), (mean, inv_std) in zip(layers.items, out):
-        x64 = to_cpu(x).astype(numpy.float64)
-        axis = (0,) + tuple(range(2, x64.ndim))
-        want_mean = x64.mean(axis=axis)
-        want_inv = 1 / numpy.sqrt(x64.var(axis=axis) + EPS)
-        for got, want in ((mean, want_mean), (inv_std, want_inv)):
-            got = to_cpu(got).astype(numpy.float64).ravel()
-            worst = max(worst, float(numpy.abs(got - want).max() / numpy.abs(want).max()))
-    return worst
+def worst_errors(layers, out, to_cpu):
+    """The largest errors against float64 of (the batch mean and 1/sqrt(var
+    + eps), each relative to its largest float64 value; the input gradient
+    and gamma's and beta's, relative to the largest magnitude of the terms
+    each adds up)."""
+    stats = grads = 0.0
+    for (x, gamma, _, _, _, gy), got in zip(layers.items, out):
+        x64, gy64 = (to_cpu(a).astype(numpy.float64) for a in (x, gy))
+        g64 = to_cpu(gamma).astype(numpy.float64)[EXPANDER]
+        mean = x64.mean(axis=AXIS, keepdims=True)
+        inv_std = 1 / numpy.sqrt(x64.var(axis=AXIS, keepdims=True) + EPS)
+        x_hat = (x64 - mean) * inv_std
+        gbeta = gy64.sum(axis=AXIS, keepdims=True)
+        ggamma = (gy64 * x_hat).sum(axis=AXIS, keepdims=True)
+        gx = g64 * inv_std * (gy64 - (x_hat * ggamma + gbeta) / (x64.size // x64.shape[1]))
+        wants = (mean, inv_std, gx, ggamma, gbeta)
+        # the gradients' against the magnitude of what they add up (a layer of
+        # 1 x 1 at batch 2 has a zero input gradient in exact arithmetic)
+        scales = (numpy.abs(mean), inv_std, numpy.abs(g64 * inv_std * gy64),
+                  numpy.abs(gy64 * x_hat).sum(axis=AXIS), numpy.abs(gy64).sum(axis=AXIS))
+        errors = [float(numpy.abs(to_cpu(g).astype(numpy.float64).ravel() - w.ravel()).max()
+                        / v.max()) for g, w, v in zip(got, wants, scales)]
+        stats, grads = max([stats] + errors[:2]), max([grads] + errors[2:])
+    return stats, grads
 
 
 def main(argv=None):
@@ -163,7 +183,7 @@ def main(argv=None):
             rows.skip(name, '{}: {}'.format(type(e).__name__, e))
             del variants[name]
             continue
-        errors[name] = worst_error(layers, out, to_cpu)
+        errors[name] = worst_errors(layers, out, to_cpu)
     for w in range(windows):
         for name, (layers, run) in variants.items():
             sync()
@@ -181,15 +201,20 @@ def main(argv=None):
     config = {'model': 'ResNet-50', 'batch': batch, 'size': size, 'device': str(device),
               'layers': len(shapes), 'shapes': sorted(set(shapes)), 'windows': windows,
               'eps': EPS, 'decay': DECAY,
-              'worst_error_vs_float64': {n: float('{:.3g}'.format(e))
-                                         for n, e in errors.items()}}
-    notes = ['A pass: the training forward of all {} BatchNormalization layers of ResNet-50 '
-             'at batch {} and {} px, once each; ms per pass (median): {}.'.format(
+              'worst_error_vs_float64': {n: float('{:.3g}'.format(e[0]))
+                                         for n, e in errors.items()},
+              'worst_gradient_error_vs_float64': {n: float('{:.3g}'.format(e[1]))
+                                                  for n, e in errors.items()}}
+    notes = ['A pass: the training forward and backward of all {} BatchNormalization layers '
+             'of ResNet-50 at batch {} and {} px, once each; ms per pass (median): {}.'.format(
                  len(shapes), batch, size, ', '.join(
                      '{} {:.2f}'.format(n, 1e3 / rows.median(n)) for n in rows.windows)),
-             'Largest error of the batch mean and of 1/sqrt(var + eps) against float64, '
-             'relative to the largest value of each: {}.'.format(', '.join(
-                 '{} {:.2e}'.format(n, e) for n, e in errors.items()))]
+             'Largest error against float64 of the batch mean and 1/sqrt(var + eps), relative '
+             'to the largest value of each: {}; of the input gradient and gamma\'s and beta\'s, '
+             'relative to the largest magnitude of the terms each adds up (in the data\'s '
+             'dtype: float16 rows to float16\'s rounding): {}.'.format(
+                 ', '.join('{} {:.2e}'.format(n, e[0]) for n, e in errors.items()),
+                 ', '.join('{} {:.2e}'.format(n, e[1]) for n, e in errors.items()))]
     _common.write('bn_stats', args, config, rows, ratios, notes)
 
 

@@ -82,15 +82,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _common  # noqa: E402
 
-# run in this order: the fullest of fastchain's and the peer first after the
-# baseline (a run cut off at its limit keeps those); cudnn and fp16 then
-# split the static_graph variant's gain into its parts
-VARIANTS = ('baseline', 'static_graph', 'torch', 'cudnn', 'fp16', 'static_graph_bn')
-GPU_VARIANTS = ('cudnn', 'fp16', 'static_graph_bn')     # on a CPU the baseline's steps
+# run in this order: the fullest of fastchain's first after the baseline, then
+# its BatchNormalization alternatives (what the next GPU run decides on), and
+# the peer (a run cut off at its limit keeps those); cudnn and fp16 then split
+# the static_graph variant's gain into its parts
+VARIANTS = ('baseline', 'static_graph', 'static_graph_bn', 'static_graph_stats', 'torch',
+            'cudnn', 'fp16')
+GPU_VARIANTS = ('cudnn', 'fp16', 'static_graph_bn', 'static_graph_stats')  # CPU: baseline's
 # the ladder's rung of the same options; static_graph_bn: static_graph's with
-# BatchNormalization's cuDNN graphs turned on (FASTCHAIN_CUDNN_BN=1, off by default)
-RUNG = {'fp16': 'fp32_preprocessing', 'static_graph_bn': 'static_graph'}
-BN_ON = ('static_graph_bn',)
+# BatchNormalization's cuDNN graphs turned on (FASTCHAIN_CUDNN_BN=1, off by default);
+# static_graph_stats: with its two-level CuPy reductions instead (FASTCHAIN_CUDNN_BN=stats)
+RUNG = {'fp16': 'fp32_preprocessing', 'static_graph_bn': 'static_graph',
+        'static_graph_stats': 'static_graph'}
+BN_ON = {'static_graph_bn': '1', 'static_graph_stats': 'stats'}   # the variable's value
 BN_ENV = 'FASTCHAIN_CUDNN_BN'           # fastchain.cudnn._layers.BN_ENV
 STEP_ANNOTATION = 'fastchain.breakdown.step'
 CLASSES = 1000
@@ -254,7 +258,7 @@ def chainer_variant(name, device, batch, crop, width, timeline):
     options.update(autotune=False, loader_workers=0, prefetch_to_device=False,
                    timeline=timeline)
     if name in BN_ON:       # read by the layer at each call; the run loop puts it back
-        os.environ[BN_ENV] = '1'
+        os.environ[BN_ENV] = BN_ON[name]
     handle = fastchain.enable(**options)
     # the timeline is read in this process: its trace, chart and summary files
     # (written when the handle is disabled) are not wanted
@@ -438,7 +442,7 @@ def run(args):
             if name in GPU_VARIANTS and not gpu:
                 rows.skip(name, 'needs a GPU (on a CPU it would repeat the baseline\'s steps)')
                 continue
-            if name in ('cudnn',) + BN_ON and no_cudnn:
+            if (name == 'cudnn' or name in BN_ON) and no_cudnn:
                 rows.skip(name, "fastchain's cuDNN graphs cannot run here: " + no_cudnn)
                 continue
             if name == 'torch' and not torch_ok:
@@ -550,7 +554,8 @@ def report(args, device, rows, details, gpu, torch_ok, final):
               'variants': {k: v for k, v in details.items() if not k.startswith('_')}}
     ratios = {'{}/baseline'.format(v): rows.ratio(v, 'baseline') for v in VARIANTS[1:]}
     ratios['static_graph/torch'] = rows.ratio('static_graph', 'torch')
-    ratios['static_graph_bn/static_graph'] = rows.ratio('static_graph_bn', 'static_graph')
+    for name in BN_ON:
+        ratios[name + '/static_graph'] = rows.ratio(name, 'static_graph')
     notes = describe(details, gpu, torch_ok, args.traces)
     if not final:
         notes.append('Written after {}: the run had not finished.'.format(
@@ -579,6 +584,10 @@ def describe(details, gpu, torch_ok, traces=None):
     if 'static_graph_bn' in ran:
         how += (' static_graph_bn is static_graph with BatchNormalization\'s cuDNN graphs '
                 'turned on (FASTCHAIN_CUDNN_BN=1; off by default until proven on a GPU).')
+    if 'static_graph_stats' in ran:
+        how += (' static_graph_stats is static_graph with BatchNormalization\'s statistics and '
+                'backward sums reduced in two levels by CuPy, no cuDNN graph '
+                '(FASTCHAIN_CUDNN_BN=stats; off by default until proven on a GPU).')
     if not gpu:
         how += (' On a CPU: step times and host phases only (no device figures, no traces, '
                 'no cuDNN).')

@@ -269,6 +269,12 @@ def test_the_batchnorm_graphs_variant_turns_on_the_switch_the_layer_reads(monkey
     assert breakdown.BN_ENV == _layers.BN_ENV
     assert breakdown.RUNG['static_graph_bn'] == 'static_graph'
     assert 'static_graph_bn' in breakdown.GPU_VARIANTS
+    # the values the layer reads for each variant
+    assert breakdown.BN_ON == {'static_graph_bn': '1', 'static_graph_stats': 'stats'}
+    for name, value in breakdown.BN_ON.items():
+        assert name in breakdown.GPU_VARIANTS and breakdown.RUNG[name] == 'static_graph'
+        monkeypatch.setenv(_layers.BN_ENV, value)
+        assert _layers.bn_mode() == {'1': 'graphs', 'stats': 'stats'}[value]
     monkeypatch.setenv(_layers.BN_ENV, 'before')
     breakdown.set_env(_layers.BN_ENV, None)
     assert _layers.BN_ENV not in os.environ

@@ -14,7 +14,9 @@ contiguous run: the sums over H x W first (N x C outputs, each a contiguous
 row), then over N (C outputs of N values). The variance is the mean of
 squared deviations from the mean (two passes, as Chainer's), accumulated in
 float32 at least and returned in ``dtype`` (float32 under mixed16, as
-Chainer's). Not bitwise equal to
+Chainer's). The backward's two sums per channel (``gbeta = sum(gy)``,
+``ggamma = sum(gy * x_hat)``, Chainer's ``get_ggamma_and_gbeta``) are taken
+the same way, the product inside the reduction. Not bitwise equal to
 Chainer's (another order of additions); within the tolerances the GPU
 tests state. Not yet measured on a GPU: ``benchmarks/bn_stats.py`` times it
 against Chainer's reductions and cuDNN's graph.
@@ -25,6 +27,7 @@ import numpy
 import chainer
 
 _kernel = None
+_products = None
 
 
 def usable(x, axis):
@@ -66,3 +69,33 @@ def mean_and_var(x, dtype):
     var = squares.sum(axis=0)
     var /= count
     return mean.astype(dtype, copy=False), var.astype(dtype, copy=False)
+
+
+def _product_sums():
+    """The CuPy kernel summing gy * x_hat along the last axis, in x_hat's dtype."""
+    global _products
+    if _products is None:
+        import cupy
+        _products = cupy.ReductionKernel(
+            'T gy, U x_hat', 'U out', 'static_cast<U>(gy) * x_hat', 'a + b', 'out = a', '0',
+            'fastchain_bn_product_sums')
+    return _products
+
+
+def gbeta_and_ggamma(gy, x_hat, dtype):
+    """(sum of ``gy``, sum of ``gy * x_hat``) per channel (axis 1), in
+    ``dtype``, added up in float32 at least: Chainer's
+    ``get_ggamma_and_gbeta`` in two levels."""
+    xp = chainer.backend.get_array_module(gy)
+    dtype = numpy.dtype(dtype)
+    acc = numpy.promote_types(dtype, numpy.float32)
+    n, c = gy.shape[:2]
+    gy3 = xp.ascontiguousarray(gy).reshape(n, c, -1)
+    x3 = xp.ascontiguousarray(x_hat).reshape(n, c, -1)
+    gbeta = gy3.sum(axis=2, dtype=acc).sum(axis=0)
+    if xp is numpy:
+        products = (gy3.astype(acc) * x3.astype(acc)).sum(axis=2)
+    else:
+        products = _product_sums()(gy3, x3.astype(acc, copy=False), axis=2)
+    ggamma = products.sum(axis=0)
+    return gbeta.astype(dtype, copy=False), ggamma.astype(dtype, copy=False)

@@ -17,7 +17,8 @@ Chainer's.
 BatchNormalization (training): the node's ``_impl_selector`` returns
 :class:`GraphImpl` where Chainer would take its general (elementwise)
 implementation (a key cuDNN refuses then runs Chainer's with the batch
-statistics of :mod:`fastchain.cudnn._bn_stats`, path ``'statistics'``); its
+statistics and backward sums of :mod:`fastchain.cudnn._bn_stats`, path
+``'statistics'``); its
 forward updates the running statistics as Chainer does (``decay``, unbiased
 variance) and returns the batch mean and inverse standard deviation
 Chainer's backward and double backward use; its backward is a graph too.
@@ -25,7 +26,9 @@ Chainer's backward and double backward use; its backward is a graph too.
 says why); a layer on ``forward`` counts it. Statistics and gamma/beta stay
 in their dtype (float32 under ``mixed16``), as Chainer's cuDNN path did. Off unless
 ``FASTCHAIN_CUDNN_BN=1`` (``BN_OFF`` says why): every call then stays
-Chainer's with that reason.
+Chainer's with that reason. ``FASTCHAIN_CUDNN_BN=stats`` takes no graph and
+runs :class:`StatsOnlyImpl` for every call it qualifies for (both not yet
+run on a GPU; the next GPU run measures which, if either, to turn on).
 """
 
 import os
@@ -160,23 +163,52 @@ BN_OFF = ("BatchNormalization's cuDNN graphs are off until proven on a GPU (on a
           'on'.format(BN_ENV))
 
 
+BN_STATS = ('{}=stats: Chainer\'s implementation with the batch statistics and the '
+            "backward's sums reduced in two levels by CuPy (fastchain/cudnn/_bn_stats.py), "
+            'no cuDNN graph'.format(BN_ENV))
+
+
+def bn_mode():
+    """What ``FASTCHAIN_CUDNN_BN`` asks for: 'graphs' (1), 'stats', or None
+    (unset, 0, or a value ``fastchain doctor`` names as wrong)."""
+    return {'1': 'graphs', 'stats': 'stats'}.get(os.environ.get(BN_ENV))
+
+
 def _bn_refusal(x, gamma, axis, layouts, running):
     if _setting() == 'never':
         return "use_cudnn='never'"
-    if os.environ.get(BN_ENV) != '1':
+    if bn_mode() != 'graphs':
         return BN_OFF
     return _keys.bn_refusal(x, gamma, axis, layouts, running)
 
 
 class StatsImpl(_bn.GeneralBatchNormalizationImpl):
-    """Chainer's general implementation with the batch statistics reduced
-    in two levels (:mod:`fastchain.cudnn._bn_stats`): where cuDNN refuses a
-    key while BatchNormalization's graphs are on."""
+    """Chainer's general implementation with the batch statistics and the
+    backward's sums reduced in two levels (:mod:`fastchain.cudnn._bn_stats`):
+    where cuDNN refuses a key while BatchNormalization's graphs are on, and
+    for every call with ``FASTCHAIN_CUDNN_BN=stats``."""
 
     def get_mean_and_var(self, axis, gamma, x, xp, interm_dtype):
         if not _is_cupy(x) or not _bn_stats.usable(x, axis):
             return super().get_mean_and_var(axis, gamma, x, xp, interm_dtype)
         return _bn_stats.mean_and_var(x, interm_dtype)
+
+    def get_ggamma_and_gbeta(self, axis, gamma, gy, x_hat, xp):
+        if not _is_cupy(gy) or not _bn_stats.usable(gy, axis):
+            return super().get_ggamma_and_gbeta(axis, gamma, gy, x_hat, xp)
+        return _bn_stats.gbeta_and_ggamma(gy, x_hat, gamma.dtype)
+
+
+class StatsOnlyImpl(StatsImpl):
+    """:class:`StatsImpl` for every call (``FASTCHAIN_CUDNN_BN=stats``), counted."""
+
+    def forward(self, *args, **kwargs):     # (Chainer passes them by name)
+        _paths.record('batchnorm forward', 'statistics', BN_STATS)
+        return super().forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        _paths.record('batchnorm backward', 'statistics', BN_STATS)
+        return super().backward(*args, **kwargs)
 
 
 class GraphImpl(StatsImpl):
@@ -219,12 +251,13 @@ class GraphImpl(StatsImpl):
                     return gx, None, ggamma, gbeta
                 except _graphs.Unsupported as e:
                     reason = e.reason
-        _paths.record(op, 'chainer', reason)
+        _paths.record(op, 'statistics' if _bn_stats.usable(gy, axis) else 'chainer', reason)
         return super().backward(axis, gamma, gy, x, x_layout, xp, expander, mean, inv_std,
                                 eps, var, forward_data)
 
 
 _IMPL = GraphImpl()
+_STATS = StatsOnlyImpl()
 
 
 def _select(func, inputs, base=_bn._impl_selector):
@@ -234,6 +267,8 @@ def _select(func, inputs, base=_bn._impl_selector):
     x, gamma, _ = inputs
     if not _is_cupy(x):
         return impl
+    if bn_mode() == 'stats' and _setting() != 'never' and _bn_stats.usable(x, func.axis):
+        return _STATS
     reason = _bn_refusal(x, gamma, func.axis, getattr(func, 'input_layouts', None),
                          (func.running_mean, func.running_var))
     if reason is not None:

@@ -15,6 +15,15 @@ def _flag(name):
     return read
 
 
+def _bn_mode(value):
+    modes = {'0': "off: Chainer's BatchNormalization", '1': "cuDNN's BatchNormalization graphs",
+             'stats': "Chainer's BatchNormalization with two-level CuPy reductions"}
+    if value not in modes:
+        raise ValueError("FASTCHAIN_CUDNN_BN={!r}: 1 (cuDNN graphs), stats (two-level "
+                         'reductions) or 0 (off, as unset)'.format(value))
+    return modes[value]
+
+
 def _timeout(value):
     from fastchain.distributed._base import default_timeout
     return '{:g} s a collective'.format(default_timeout())
@@ -50,7 +59,7 @@ READERS = {
     'FASTCHAIN_CAPTURE': _capture,
     'FASTCHAIN_THREADS_PER_PROCESS': _threads,
     'FASTCHAIN_KEEP_MALLOC': _keep_malloc,
-    'FASTCHAIN_CUDNN_BN': _flag('FASTCHAIN_CUDNN_BN'),
+    'FASTCHAIN_CUDNN_BN': _bn_mode,
     'FASTCHAIN_NO_COMPAT': _flag('FASTCHAIN_NO_COMPAT'),
     'FASTCHAIN_NVTX_LOG': _tool('the file the NVTX injection recorder writes the ranges to'),
     'FASTCHAIN_DIFFERENTIAL_EXAMPLES': _tool("the differential suite's examples"),

@@ -112,3 +112,85 @@ def test_float16_statistics_are_added_up_in_float32():
     x64 = x.astype(numpy.float64)
     numpy.testing.assert_allclose(mean, x64.mean(axis=(0, 2, 3)), rtol=2 ** -10)
     numpy.testing.assert_allclose(var, x64.var(axis=(0, 2, 3)), rtol=2 ** -10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, dtype=st.sampled_from(['float32', 'float16']),
+       scale=st.floats(0.01, 20), seed=st.integers(0, 2 ** 16))
+def test_the_backwards_sums_equal_float64_and_chainers_within_tolerance(shape, dtype, scale,
+                                                                          seed):
+    """gbeta = sum(gy) and ggamma = sum(gy * x_hat) per channel, float16 gy
+    (mixed16) with float32 x_hat and sums, as Chainer's get_ggamma_and_gbeta."""
+    n, c, spatial = shape
+    rng = numpy.random.RandomState(seed)
+    full = (n, c) + tuple(spatial)
+    gy = rng.normal(0, scale, full).astype(dtype)
+    x_hat = rng.standard_normal(full).astype(numpy.float32)
+    axis = (0,) + tuple(range(2, gy.ndim))
+    gbeta, ggamma = _bn_stats.gbeta_and_ggamma(gy, x_hat, numpy.float32)
+    assert gbeta.dtype == ggamma.dtype == numpy.float32 and gbeta.shape == (c,)
+    gy64, x64 = gy.astype(numpy.float64), x_hat.astype(numpy.float64)
+    size = float(numpy.abs(gy64).max()) + 1e-30
+    count = gy.size // c
+    atol = 2.0 ** -22 * size * count        # float32 sums of `count` terms
+    numpy.testing.assert_allclose(gbeta, gy64.sum(axis=axis), rtol=0, atol=atol)
+    numpy.testing.assert_allclose(ggamma, (gy64 * x64).sum(axis=axis), rtol=0,
+                                  atol=atol * float(numpy.abs(x64).max()))
+    want_gbeta, want_ggamma = _bn.GeneralBatchNormalizationImpl().get_ggamma_and_gbeta(
+        axis, numpy.ones(c, numpy.float32), gy, x_hat, numpy)
+    numpy.testing.assert_allclose(gbeta, want_gbeta, rtol=0, atol=2 * atol)
+    numpy.testing.assert_allclose(ggamma, want_ggamma, rtol=0,
+                                  atol=2 * atol * float(numpy.abs(x64).max()))
+
+
+def _node(selector, mean, var):
+    node = _bn.BatchNormalization(eps=2e-5, mean=mean, var=var, decay=0.9)
+    if selector is not None:
+        node._impl_selector = selector
+    return node
+
+
+@pytest.mark.parametrize('mode, path', [('stats', 'statistics'), (None, 'chainer'),
+                                        ('0', 'chainer'), ('yes', 'chainer')])
+def test_stats_mode_takes_every_call_forward_and_backward(monkeypatch, mode, path):
+    """FASTCHAIN_CUDNN_BN=stats: no graph; Chainer's implementation with the
+    two-level statistics and sums, for the forward and the backward, counted
+    with the reason; the same training step as Chainer's within float32
+    rounding. Unset, 0 or a wrong value: Chainer's own."""
+    standin.install(monkeypatch)
+    if mode is None:
+        monkeypatch.delenv(_layers.BN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_layers.BN_ENV, mode)
+    monkeypatch.setattr(_layers, '_is_cupy', lambda x: True)
+    taken = []
+    for name in ('mean_and_var', 'gbeta_and_ggamma'):
+        real = getattr(_bn_stats, name)
+        monkeypatch.setattr(_bn_stats, name, lambda *a, real=real, name=name: (
+            taken.append(name), real(*a))[1])
+    rng = numpy.random.RandomState(2)
+    x = rng.normal(1, 2, (4, 6, 5, 5)).astype('f')
+    gamma, beta = rng.uniform(0.5, 1.5, 6).astype('f'), rng.uniform(-1, 1, 6).astype('f')
+    gy = rng.standard_normal(x.shape).astype('f')
+    results = []
+    for selector in (_layers._select, None):
+        stats = numpy.zeros(6, 'f'), numpy.ones(6, 'f')
+        xs = [chainer.Variable(a.copy()) for a in (x, gamma, beta)]
+        with chainer.using_config('use_cudnn', 'auto'):
+            (y,) = _node(selector, *stats).apply(xs)
+            y.grad = gy.copy()
+            y.backward()
+        results.append([y.array, *stats] + [v.grad for v in xs])
+    for got, want, name in zip(*results, ('y', 'running mean', 'running var', 'gx',
+                                          'ggamma', 'gbeta')):
+        numpy.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+    summary = _paths.summary()
+    if path == 'statistics':
+        assert taken == ['mean_and_var', 'gbeta_and_ggamma']
+        for op in ('batchnorm forward', 'batchnorm backward'):
+            assert summary[op]['paths'] == {'statistics': 1}, op
+            assert list(summary[op]['reasons']) == [_layers.BN_STATS]
+    else:
+        assert taken == []
+        assert summary['batchnorm forward']['paths'] == {'chainer': 1}
+        assert list(summary['batchnorm forward']['reasons']) == [_layers.BN_OFF]

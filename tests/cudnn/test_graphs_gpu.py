@@ -215,7 +215,8 @@ def test_batchnorm_graphs_match_chainer(graphs, case, monkeypatch):
                          ids=lambda c: 's{seed}'.format(**c))
 def test_two_level_statistics_match_float64_and_chainers(case):
     """fastchain/cudnn/_bn_stats.py's CuPy kernels, on NCHW arrays and on the
-    channels-last views Chainer's im2col convolution outputs."""
+    channels-last views Chainer's im2col convolution outputs: the statistics
+    and the forward, the backward's sums and the input gradient."""
     import cupy
     from chainer.functions.normalization import batch_normalization as _bn
     from fastchain.cudnn import _bn_stats, _layers
@@ -245,6 +246,25 @@ def test_two_level_statistics_match_float64_and_chainers(case):
         want = _bn.GeneralBatchNormalizationImpl().forward(*args, None, None)[0]
         _within('y', got, cupy.asnumpy(want), numpy.full(want.shape, max(
             1.0, float(abs(cupy.asnumpy(want)).max()))), BN_TOL[dtype], dtype)
+        # the backward's sums (FASTCHAIN_CUDNN_BN=stats), from Chainer's forward
+        gy = cupy.asarray(rng.standard_normal(x.shape).astype(dtype))
+        f = _bn.GeneralBatchNormalizationImpl().forward(*args, None, None)
+        grads = [impl.backward((0, 2, 3), gamma, gy, x, None, cupy,
+                               (None, Ellipsis, None, None), f[4], f[6], 2e-5, f[5], None)
+                 for impl in (_layers.StatsImpl(), _bn.GeneralBatchNormalizationImpl())]
+        gy64 = cupy.asnumpy(gy).astype(numpy.float64)
+        x_hat = (x64 - x64.mean(axis=(0, 2, 3), keepdims=True)) / numpy.sqrt(
+            x64.var(axis=(0, 2, 3), keepdims=True) + 2e-5)
+        sums = {'gbeta': abs(gy64).sum(axis=(0, 2, 3)),
+                'ggamma': abs(gy64 * x_hat).sum(axis=(0, 2, 3))}
+        for name, g, w in zip(('gx', None, 'ggamma', 'gbeta'), *grads):
+            if name is None:
+                continue
+            w = cupy.asnumpy(w)
+            scale = sums[name] if name in sums else numpy.full(w.shape, max(
+                1.0, float(abs(w).max())))
+            _within(name, g, w, scale, BN_TOL[dtype if name == 'gx' else 'float32'],
+                    str(w.dtype))
 
 
 def test_each_key_is_built_once(graphs):

@@ -88,14 +88,15 @@ def test_the_environment_variables_set_are_read_as_fastchain_reads_them(monkeypa
     monkeypatch.setenv('FASTCHAIN_COLLECTIVE_TIMEOUT', '900')
     monkeypatch.setenv('FASTCHAIN_CAPTURE', '120:100')
     monkeypatch.setenv('FASTCHAIN_COLECTIVE_TIMEOUT', '5')     # a typo
-    monkeypatch.setenv('FASTCHAIN_CUDNN_BN', 'yes')            # only 1 turns it on
+    monkeypatch.setenv('FASTCHAIN_CUDNN_BN', 'yes')            # 1, stats or 0
     monkeypatch.setenv('FASTCHAIN_KEEP_MALLOC', 'maybe')
     monkeypatch.setenv('FASTCHAIN_THREADS_PER_PROCESS', '2')
     found = {v['name']: v for v in variables()}
     assert found['FASTCHAIN_COLLECTIVE_TIMEOUT']['meaning'] == '900 s a collective'
     assert "expected FIRST:LAST" in found['FASTCHAIN_CAPTURE']['error']
     assert 'not a variable fastchain reads' in found['FASTCHAIN_COLECTIVE_TIMEOUT']['error']
-    assert "only 1 turns it on" in found['FASTCHAIN_CUDNN_BN']['error']
+    assert "1 (cuDNN graphs), stats (two-level reductions) or 0" in \
+        found['FASTCHAIN_CUDNN_BN']['error']
     assert 'set it to 1' in found['FASTCHAIN_KEEP_MALLOC']['error']
     assert found['FASTCHAIN_THREADS_PER_PROCESS']['meaning'].startswith('2 BLAS/OpenMP')
     assert [n for n, v in found.items() if v['ok']] == ['FASTCHAIN_COLLECTIVE_TIMEOUT',
@@ -114,7 +115,7 @@ def test_the_environment_variables_set_are_read_as_fastchain_reads_them(monkeypa
     assert 'FASTCHAIN_NVTX_LOG' in read             # the scan sees C and the tools
     assert read <= set(READERS), read - set(READERS)
     text = doctor()     # the CLI prints them (its environment is this one)
-    assert "\n  FASTCHAIN_CUDNN_BN=yes  WRONG: FASTCHAIN_CUDNN_BN='yes': only 1" in text
+    assert "\n  FASTCHAIN_CUDNN_BN=yes  WRONG: FASTCHAIN_CUDNN_BN='yes': 1 (cuDNN" in text
     assert '\n  FASTCHAIN_COLLECTIVE_TIMEOUT=900  900 s a collective' in text
 
 
