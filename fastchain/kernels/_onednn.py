@@ -187,6 +187,16 @@ def _deconvolution(node, inputs, padding):
                                   (node.dy, node.dx)).numpy(),
 
 
+def _positive(node, inputs):
+    """The convolution's output has rows and columns."""
+    from chainer.utils import conv
+    h, w = inputs[0].shape[2:]
+    kh, kw = inputs[1].shape[2:] if type(node).__name__ == 'Convolution2DFunction' else \
+        (node.kh, node.kw)
+    return (conv.get_conv_outsize(h, kh, node.sy, node.ph, False, node.dy) > 0
+            and conv.get_conv_outsize(w, kw, node.sx, node.pw, False, node.dx) > 0)
+
+
 def convolution_kernel(node, inputs):
     """A function () -> outputs computing this convolution call with oneDNN,
     or None where it does not apply (``onednn`` off, not float32, a
@@ -196,6 +206,8 @@ def convolution_kernel(node, inputs):
     if not enabled or not _float32(*inputs):
         return None
     name = type(node).__name__
+    if name in ('Convolution2DFunction', 'Convolution2DGradW') and not _positive(node, inputs):
+        return None     # a kernel larger than the padded input: Chainer's code raises
     if name == 'Convolution2DFunction':
         return lambda: _convolution(node, inputs)
     if name == 'Convolution2DGradW':

@@ -17,7 +17,8 @@ It replaces only ``update_core_cpu`` of the rule instances it is given, so
 Chainer's own ``UpdateRule.update`` still does the rest: hooks, the division
 by the loss scale, fp32 master weights, ``enabled``. Anything outside its
 fast path (a rule subclass with its own kernel, iDeep arrays, mixed dtypes,
-non-contiguous state) goes through Chainer's code unchanged. Chainer's GPU
+non-contiguous state, a learning rate or momentum that is an array) goes
+through Chainer's code unchanged. Chainer's GPU
 update (one elementwise CUDA kernel) is not touched (not run on a GPU).
 
 With ``autotune`` the fused kernel is used only for the rule kinds, dtypes
@@ -70,9 +71,13 @@ def fused_layer(rule, momentum, next_, param):
         return
     p = param.data
     v = rule.state['v'] if momentum else p
+    hp = rule.hyperparam
     if not (_plain_arrays(p, grad, v) and p.dtype == grad.dtype == v.dtype
             and p.shape == grad.shape == v.shape
-            and p.flags.c_contiguous and v.flags.c_contiguous):
+            and p.flags.c_contiguous and v.flags.c_contiguous
+            # an array of learning rates or momenta (a freeze mask, per row) is
+            # Chainer's: the blocks take one value for all (they raised, a trial)
+            and numpy.ndim(hp.lr) == 0 and (not momentum or numpy.ndim(hp.momentum) == 0)):
         return next_(param)
     if not _tuner.enabled:
         return _fused(rule, momentum, p, grad, v)

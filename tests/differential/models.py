@@ -30,8 +30,10 @@ def _deconv_out(size, k, s, p):
 
 @st.composite
 def model_specs(draw, max_layers=4, allow_bn=True, allow_dropout=True, allow_branch=True,
-                allow_lazy=True, allow_calls=False):
-    n = draw(st.integers(2, 4))
+                allow_lazy=True, allow_calls=False, min_batch=1):
+    # a batch of 1 too: NumPy multiplies Chainer's im2col matrix in another
+    # layout then (a view, not a copy), which cpu_conv got wrong (a trial)
+    n = draw(st.integers(min_batch, 4))
     c = draw(st.integers(1, 4))
     h, w = draw(st.integers(4, 11)), draw(st.integers(4, 11))
     spec_input = (n, c, h, w)

@@ -29,7 +29,7 @@ DP_ATOL = 1e-5
 
 CASE = st.fixed_dictionaries({
     'model': model_specs(max_layers=3, allow_bn=False, allow_dropout=False,
-                         allow_branch=False, allow_lazy=False),
+                         allow_branch=False, allow_lazy=False, min_batch=2),  # (halves)
     'optimizer': OPTIMIZERS, 'hooks': HOOKS, 'steps': st.integers(1, 3),
     'options': st.fixed_dictionaries({}, optional={
         'static_graph': st.booleans(), 'cpu_conv': st.booleans(),

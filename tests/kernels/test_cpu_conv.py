@@ -74,6 +74,51 @@ def test_define_by_run_is_bitwise_chainers(make, shape, dtype):
         numpy.testing.assert_array_equal(g1[name], g0[name], err_msg=name)
 
 
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32, numpy.float64])
+def test_a_batch_of_one_is_bitwise_chainers(dtype):
+    """For a batch of 1 NumPy's tensordot multiplies Chainer's im2col matrix
+    as a transposed view, not a copy, and BLAS rounds differently on it: the
+    kernels multiply the same layout (before, 116 of 384 such convolutions
+    gave other bits, forward, weight and input gradients; a trial)."""
+    rng = numpy.random.RandomState(4)
+    cases = [(1, 5, 1, 3, 1, 0), (3, 5, 1, 3, 1, 1), (16, 8, 8, 3, 2, 1), (3, 8, 8, 1, 1, 0),
+             (1, 7, 4, 3, 2, 1), (16, 8, 8, 3, 1, 0)]
+    for c, hw, o, k, s, p in cases:
+        x = rng.randn(1, c, hw, hw).astype(dtype)
+        W = rng.randn(o, c, k, k).astype(dtype)
+        results = []
+        for on in (False, True):
+            xv, Wv = chainer.Variable(x.copy()), chainer.Variable(W.copy())
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore', FastchainWarning)
+                with fastchain.enable(loader_workers=0, autotune=False, cpu_conv=on):
+                    y = F.convolution_2d(xv, Wv, stride=s, pad=p)
+                    F.sum(y * y).backward()
+            results.append((y.array, Wv.grad, xv.grad))
+        for name, a, b in zip(('y', 'gW', 'gx'), *results):
+            numpy.testing.assert_array_equal(b, a, err_msg='{} {}'.format(name, (c, hw, o, k)))
+
+
+@pytest.mark.parametrize('options', [dict(autotune=False), dict(autotune=True),
+                                     dict(onednn=True)])
+def test_a_kernel_larger_than_the_padded_input_raises_chainers_error(options):
+    """Chainer refuses an output without rows; the kernels had made an empty
+    (2, 4, 0, 0) output, which a sum-pooled head then trained on silently."""
+    if options.get('onednn'):
+        pytest.importorskip('torch', reason="the onednn option needs PyTorch's CPU build")
+    x, W = numpy.ones((2, 3, 4, 4), 'f'), numpy.ones((4, 3, 5, 5), 'f')
+    with pytest.raises(AssertionError) as plain:
+        F.convolution_2d(x, W)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FastchainWarning)
+        with fastchain.enable(loader_workers=0, **options):
+            for pad in (0, 1):      # 4 + 2 < 7 as well
+                k = 5 + 2 * pad
+                with pytest.raises(AssertionError) as got:
+                    F.convolution_2d(x, numpy.ones((4, 3, k, k), 'f'), pad=pad)
+                assert str(got.value) == str(plain.value)
+
+
 def cores():
     return [cls._forward_cpu_core for cls, _ in _conv.functions()]
 

@@ -113,6 +113,34 @@ def test_unsupported_rules_and_arrays_keep_chainers_kernel():
     numpy.testing.assert_allclose(w.array, before - 0.1, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize('name, value', [
+    ('lr', lambda p: numpy.where(numpy.arange(p.size).reshape(p.shape) % 2, 0.05, 0.0)),
+    ('lr', lambda p: numpy.full(p.shape[:1] + (1,) * (p.ndim - 1), 0.05)),    # per row
+    ('lr', lambda p: numpy.array([0.05])),
+    ('momentum', lambda p: numpy.full(p.shape, 0.9))])
+def test_array_hyperparameters_take_chainers_kernel(name, value):
+    """A learning rate or momentum per element or row, which Chainer's
+    update broadcasts: the blocks take one value for all and had raised."""
+    def train(fused):
+        numpy.random.seed(0)
+        model = Net()
+        opt = optimizers.MomentumSGD(0.05, momentum=0.9).setup(model)
+        for param in model.params():
+            rule = param.update_rule
+            rule.hyperparam = type(rule.hyperparam)(rule.hyperparam)   # its own
+            setattr(rule.hyperparam, name, value(param.array))
+        if fused:
+            _update.fuse(opt)
+        rng = numpy.random.RandomState(1)
+        for _ in range(3):
+            opt.update(model, rng.randn(8, 600).astype('f'),
+                       rng.randint(0, 10, 8).astype(numpy.int32))
+        return {n: p.array.copy() for n, p in model.namedparams()}
+    expected, got = train(False), train(True)
+    for key in expected:
+        numpy.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
 def test_undo_restores_chainers_kernel():
     opt = optimizers.MomentumSGD().setup(Net())
     undo, n = _update.fuse(opt)
