@@ -67,6 +67,9 @@ class Option:
     def normalize(self, value):
         if value is None:
             return None
+        import numpy
+        if isinstance(value, numpy.bool_):
+            value = bool(value)     # numpy.True_ from a config file or an array's test
         for alias, target in self.aliases.items():
             # `True == 1` in Python; compare types too so 1 is not True.
             if type(value) is type(alias) and value == alias:

@@ -242,6 +242,15 @@ def test_bad_value_is_a_value_error(kwargs):
     assert not fastchain.active_handles()
 
 
+def test_numpys_booleans_are_taken_as_booleans():
+    import numpy
+    with fastchain.enable(fused_update=numpy.False_, autotune=numpy.True_,
+                          loader_workers=0) as h:
+        assert h.options['fused_update'] is False and h.options['autotune'] is True
+    with pytest.raises(ValueError):
+        fastchain.enable(fused_update=numpy.int64(1))    # 1 is not True here either
+
+
 def test_a_loss_scaler_argument_that_does_not_exist_lists_those_that_do():
     with pytest.raises(ValueError, match=r"DynamicLossScaler has no argument 'scale'; its "
                        r"arguments are init_scale, growth_factor, backoff_factor, "
