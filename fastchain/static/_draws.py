@@ -119,6 +119,23 @@ _saved = []     # (namespace, name, original) while the wrappers are in place
 waited = []     # [label]: another thread's draw that waited HOLD and went on (tests)
 
 
+def _after_fork_in_child():
+    """A process forked while a call was verified (a pool's worker started
+    from another thread) has no verified call: NumPy's functions as they
+    were, nothing held (its draws would each have waited HOLD seconds)."""
+    global _gate
+    _gate = threading.Condition()       # (another thread may have held the old one)
+    for namespace, name, function in _saved:
+        if getattr(getattr(namespace, name, None), 'fastchain_holds', None) is function:
+            setattr(namespace, name, function)
+    del _saved[:]
+    _owners.clear()
+
+
+if hasattr(os, 'register_at_fork'):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _global_functions():
     """(name, function) of ``numpy.random``'s functions that use its global
     ``RandomState``: its bound methods, and those that reach it in C."""

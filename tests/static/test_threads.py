@@ -155,3 +155,33 @@ def test_a_function_replaced_while_held_is_left_as_replaced():
         assert numpy.random.randn.__self__ is numpy.random.mtrand._rand
     finally:
         numpy.random.rand = original
+
+
+@pytest.mark.skipif(not hasattr(__import__('os'), 'fork'), reason='no fork here')
+def test_a_process_forked_while_a_call_is_verified_draws_without_waiting(monkeypatch):
+    """A pool's worker forked from another thread meanwhile (a
+    MultiprocessIterator's pool replacing a worker) has no verified call:
+    its draws must not wait for one."""
+    import multiprocessing
+    monkeypatch.setattr(_draws, 'HOLD', 5.0)
+    ctx = multiprocessing.get_context('fork')
+    result = ctx.Queue()
+
+    def child():
+        start = time.monotonic()
+        numpy.random.rand()
+        held = hasattr(numpy.random.rand, 'fastchain_holds')
+        result.put((time.monotonic() - start, held))
+
+    def fork_from_another_thread(out):
+        p = ctx.Process(target=child)
+        p.start()
+        out.append(result.get(timeout=20))
+        p.join(20)
+    out = []
+    with _draws.holding_numpy():
+        helper = threading.Thread(target=fork_from_another_thread, args=(out,))
+        helper.start()
+        helper.join(30)
+    (took, held), = out
+    assert took < 1.0 and not held
