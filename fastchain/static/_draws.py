@@ -17,9 +17,10 @@ back around a verified call by :class:`fastchain.static._state.PythonState`:
   alarm, and the put-back then rewound that thread's draws). Left alone
   where a profiler is already set (``cProfile``): then not seen.
 - NumPy's ``RandomState`` and ``Generator`` objects, whose draws run no
-  Python frame a profile function sees: those the modules of the chain's
-  link classes hold as globals, by their state (:func:`global_generators`;
-  a thread drawing from the same one meanwhile counts as the forward).
+  Python frame a profile function sees: those the model's classes reach
+  (their modules' globals, class attributes, their functions' closure cells
+  and default arguments), by their state (:func:`global_generators`; a
+  thread drawing from the same one meanwhile counts as the forward).
 
 NumPy's global state is the verification's own (:mod:`_verify`): compared
 and put back around a verified call. While one runs (:func:`holding_numpy`),
@@ -47,15 +48,48 @@ LIBRARIES = ('chainer', 'fastchain', 'numpy', 'cupy', 'builtins', 'cupyx', 'coll
 
 
 def global_generators(chain):
-    """(label, generator) of the NumPy generators the modules of ``chain``'s
-    link classes hold as globals (NumPy's global state left out)."""
+    """(label, generator) of the NumPy generators the model's classes reach
+    outside its links' objects: globals of the modules of ``chain``'s link
+    classes, the classes' attributes, and the closure cells and default
+    arguments of their functions (NumPy's global state left out: it is the
+    verification's own). Stochastic depth drawn from a class attribute's or a
+    closure's ``RandomState`` trained differently from plain Chainer without a
+    word in 2 of 6 seeds before these were looked at."""
     found, seen = [], {id(numpy.random.mtrand._rand)}
+
+    def add(label, value):
+        if isinstance(value, _NUMPY) and id(value) not in seen:
+            seen.add(id(value))
+            found.append((label, value))
     for name, namespace in _namespaces(chain):
         for attr, value in sorted(namespace.items()):
-            if isinstance(value, _NUMPY) and id(value) not in seen:
-                seen.add(id(value))
-                found.append(('{}.{}'.format(name, attr), value))
+            add('{}.{}'.format(name, attr), value)
+    for cls in _classes(chain):
+        for attr, value in sorted(vars(cls).items()):
+            where = '{}.{}'.format(cls.__qualname__, attr)
+            add(where + ' (a class attribute)', value)
+            function = getattr(value, '__func__', value)    # staticmethod, classmethod
+            for cell in getattr(function, '__closure__', None) or ():
+                try:
+                    add('a closure of ' + where, cell.cell_contents)
+                except ValueError:          # an empty cell
+                    pass
+            defaults = tuple(getattr(function, '__defaults__', None) or ()) + tuple(
+                (getattr(function, '__kwdefaults__', None) or {}).values())
+            for value in defaults:
+                add('a default argument of ' + where, value)
     return found
+
+
+def _classes(chain):
+    """The classes of ``chain``'s links and their bases that are not a
+    library's, each once."""
+    found = {}
+    for link in chain.links():
+        for cls in type(link).__mro__:
+            if (cls.__module__ or '').split('.')[0] not in LIBRARIES:
+                found.setdefault(cls, None)
+    return list(found)
 
 
 def _namespaces(chain):
@@ -63,14 +97,11 @@ def _namespaces(chain):
     not a library's were defined: their functions' globals (a script loaded
     from a file need not be in ``sys.modules``)."""
     found = {}
-    for link in chain.links():
-        for cls in type(link).__mro__:
-            if (cls.__module__ or '').split('.')[0] in LIBRARIES:
-                continue
-            for value in vars(cls).values():
-                namespace = getattr(value, '__globals__', None)
-                if isinstance(namespace, dict) and id(namespace) not in found:
-                    found[id(namespace)] = (namespace.get('__name__', cls.__module__), namespace)
+    for cls in _classes(chain):
+        for value in vars(cls).values():
+            namespace = getattr(value, '__globals__', None)
+            if isinstance(namespace, dict) and id(namespace) not in found:
+                found[id(namespace)] = (namespace.get('__name__', cls.__module__), namespace)
     return sorted(found.values(), key=lambda item: item[0])
 
 

@@ -25,8 +25,8 @@ NumPy's ``RandomState`` and ``Generator`` and ``random.Random`` by their
 state. Anything else (a module, a function, another link, an object of a
 library such as ``itertools.count``) by identity. Random generators outside
 the links are looked at by their state too (:mod:`fastchain.static._draws`).
-Other state outside the links (a module's other globals, a closure) is not
-seen; what is not seen is advanced by both the recording and the reference
+Other state outside the links (a module's other globals, a closure's other
+values) is not seen; what is not seen is advanced by both the recording and the reference
 run on a verified call (as before).
 """
 
