@@ -79,7 +79,7 @@ def compile_schedule(schedule):
             p.data = ua[u]
         for p, u in grad_post:
             _attach(p, ua[u])
-        return tuple(None if y is None or y.data is None else y.data.copy()
+        return tuple(None if y is None or y.data is None else y.data.copy(order="K")
                      for y in out_vars)
 
     forward.fastchain_flat = compiled

@@ -110,3 +110,52 @@ def test_chainers_debug_verbosity_keeps_chainers_replay(capsys):
         F.sum(model(x)).backward()
     assert all('forward' not in vars(s) for s in schedules(model))
     assert capsys.readouterr().out        # Chainer's debug prints, as asked
+
+
+class FullyConvolutional(chainer.Chain):
+    """Ends with a convolution: Chainer's CPU convolution outputs a
+    channels-last view (tensordot, then rollaxis)."""
+
+    def __init__(self, k, s, p, c):
+        super().__init__()
+        with self.init_scope():
+            self.c1 = L.Convolution2D(3, c, k, stride=s, pad=p)
+            self.c2 = L.Convolution2D(c, 2, 3, pad=1)
+
+    def forward(self, x):
+        return self.c2(F.relu(self.c1(x)))
+
+
+@pytest.mark.parametrize('cpu_conv', [True, False])
+@pytest.mark.parametrize('k, s, p, c, n, loss', [
+    (3, 2, 1, 4, 2, 'square'), (1, 1, 0, 5, 1, 'square'), (3, 1, 1, 3, 3, 'mse'),
+    (5, 2, 2, 4, 1, 'mse')])
+def test_a_chain_ending_in_a_convolution_returns_chainers_layout(cpu_conv, k, s, p, c, n,
+                                                                   loss):
+    """The replay's outputs are copied in their memory order: a C-ordered
+    copy of the channels-last output gave a loss like sum(y * y) another
+    layout of gradient, and the convolution's weight and bias gradients
+    summed it in another order (not bitwise, silently: a review)."""
+    from fastchain.kernels import _bind
+    plain, cached = copies(lambda: FullyConvolutional(k, s, p, c))
+    cache_static_graph(cached)
+    opts = [chainer.optimizers.SGD(0.05).setup(m) for m in (plain, cached)]
+    rng = numpy.random.RandomState(k * 10 + n)
+    _bind.enabled = cpu_conv        # read when a schedule is built (reset by the fixture)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', StaticGraphFallback)
+        for step in range(4):
+            x = rng.randn(n, 3, 9, 9).astype(numpy.float32)
+            outs = []
+            for model, opt in zip((plain, cached), opts):
+                def lossfun():
+                    y = model(x)
+                    outs.append(y.array)
+                    return F.sum(y * y) if loss == 'square' else \
+                        F.mean_squared_error(y, numpy.zeros_like(y.array))
+                opt.update(lossfun)
+            assert outs[0].strides == outs[1].strides
+            for (name, a), (_, b) in zip(sorted(plain.namedparams()),
+                                         sorted(cached.namedparams())):
+                numpy.testing.assert_array_equal(b.array, a.array,
+                                                 err_msg='{} step {}'.format(name, step))
