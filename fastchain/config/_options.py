@@ -68,8 +68,10 @@ class Option:
         if value is None:
             return None
         import numpy
-        if isinstance(value, numpy.bool_):
-            value = bool(value)     # numpy.True_ from a config file or an array's test
+        if isinstance(value, numpy.generic):
+            # numpy.True_, numpy.str_('auto'), numpy.int64(2) (from a config file,
+            # an array's test or element): as Python's, each refused or taken as that
+            value = value.item()
         for alias, target in self.aliases.items():
             # `True == 1` in Python; compare types too so 1 is not True.
             if type(value) is type(alias) and value == alias:

@@ -83,6 +83,11 @@ class CudnnGroup(Group):
             from fastchain.cudnn import _layers
             for owner, name, layer in _layers.functions():
                 plan.wrap(owner, name, 'cudnn', layer)
+        elif values['cudnn'] != 'never' and stats_only():
+            # FASTCHAIN_CUDNN_BN=stats needs no cuDNN: CuPy's reductions only
+            from fastchain.cudnn import _layers
+            for owner, name, layer in _layers.bn_functions():
+                plan.wrap(owner, name, 'cudnn', layer)
         if values['tensor_cores'] is not None:
             plan.config('use_cudnn_tensor_core', values['tensor_cores'])
         if values['tensor_cores'] == 'always' and cuda.available():
@@ -140,6 +145,15 @@ def graph_status():
     from fastchain.cudnn import _frontend
     available, version, why, fix = _frontend.status()
     return Status(available, version=version, why=why, fix=fix)
+
+
+def stats_only():
+    """``FASTCHAIN_CUDNN_BN=stats`` on a GPU whose CuPy has no cuDNN, where
+    the graphs are not usable (no frontend or cuDNN 9): BatchNormalization's
+    two-level reductions run all the same."""
+    from fastchain.cudnn import _layers
+    return _layers.bn_mode() == 'stats' and cuda.available() and \
+        not cuda.cudnn_status().available
 
 
 def graphs_in_force():

@@ -62,7 +62,25 @@ def _product():
             warnings.simplefilter('always')
             numpy.dot(numpy.array([[numpy.inf]]), numpy.array([[0.0]]))
         _dot_warns = bool(caught)
-    return numpy.matmul if _dot_warns else _quiet_matmul
+    matmul = numpy.matmul if _dot_warns else _quiet_matmul
+
+    def product(a, b):
+        if _blasable(a) and _blasable(b):
+            return matmul(a, b)
+        # What BLAS cannot take as it is (a broadcast output gradient, F.sum(y)'s:
+        # zero strides): numpy.dot copies it for BLAS, numpy.matmul runs its own
+        # loop, which rounds otherwise. Chainer's call, then.
+        return numpy.dot(a, b)
+    return product
+
+
+def _blasable(a):
+    """A 2-d array BLAS takes in place: one unit stride, the other at least
+    a row or column long (NumPy's own test, for positive strides)."""
+    item = a.itemsize
+    (rows, cols), (s0, s1) = a.shape, a.strides
+    return (s1 == item and s0 >= max(cols, 1) * item) or \
+        (s0 == item and s1 >= max(rows, 1) * item)
 
 
 # Whether schedules built from now on are bound (enable(cpu_conv=False) clears it).
@@ -199,6 +217,8 @@ def _columns(node, x, kh, kw, buffers):
     oh = conv.get_conv_outsize(h, kh, sy, ph, False, dy)
     ow = conv.get_conv_outsize(w, kw, sx, pw, False, dx)
     shape = (n, oh, ow, c, kh, kw)
+    if oh <= 0 or ow <= 0:
+        return None, (oh, ow)       # (the planners leave it to Chainer's code, which raises)
 
     def view(a):
         s0, s1, s2, s3 = a.strides

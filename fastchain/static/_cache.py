@@ -111,7 +111,7 @@ class _Cache:
         self.turns = _tuner.Turns(void_limit=VOIDED_LIMIT)  # autotune: a step a turn
         self.structures = {}        # autotune: key -> the choice's key
         self.lazy = {}              # key -> the parameters unmade before its define-by-run step
-        self.waited_from = 0        # _draws.waited before the verified call now running
+        self.waited = []            # the verified call's other threads' draws that waited HOLD
         self.watch = _watch.Watch(chain)    # the state of the links' attributes: in the key
         self.turn_form = None       # autotune: (optimizer updates seen, the step's form)
         self.unverifiable = {}      # key -> verified calls whose outputs reached no backward
@@ -194,8 +194,8 @@ class _Cache:
             self.watch.replayed = True      # none of the forward's Python ran
             return out
         self.turns.reset()
-        with _draws.holding_numpy():    # another thread's draws wait: see _draws
-            self.waited_from = len(_draws.waited)
+        with _draws.holding_numpy() as waited:     # another thread's draws wait: _draws
+            self.waited = waited
             return self._verified(chain, plain, key, args, building)
 
     def _tuned(self, key):
@@ -307,7 +307,7 @@ class _Cache:
         if calls != recorded:
             return _reasons.sequence_reason(calls, recorded)
         if not after.same_random_state(reached):
-            return _reasons.random_reason(_draws.waited[self.waited_from:])
+            return _reasons.random_reason(self.waited)
         pairs = [('output #{}'.format(i + 1), y, e) for i, (y, e) in
                  enumerate(zip(_verify.flatten(out), reference.outputs))]
         found = _verify.first_difference(pairs) or after.compare_persistents(reached)

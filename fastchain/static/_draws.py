@@ -27,16 +27,24 @@ and put back around a verified call. While one runs (:func:`holding_numpy`),
 another thread's draw from it through ``numpy.random``'s functions waits
 until the call is done, so that a data thread's augmentation is neither
 taken for the forward's draw nor rewound by the put-back (a false fallback
-in 3 of 3 runs, and 20% of that thread's draws repeated, before).
+in 3 of 3 runs, and 20% of that thread's draws repeated, before). A review
+found arrays drawn meanwhile still taken (19 of 20 runs): a draw that had
+begun, or had looked the function up, just before the check fills its array
+without the GIL. The check now waits for draws running through the
+wrappers, gives a thread holding the unwrapped function two GIL switch
+intervals to call it, and waits on the generator's lock for its fill (0 of
+40 runs). A thread waits at most :data:`HOLD` once a check (a forward that
+waits on a thread of its own which draws would otherwise hang); the
+wrappers answer for the functions (``__self__``, name, pickling).
 """
 
 import contextlib
-import functools
 import os
 import random
 import sys
 import threading
 import time
+import weakref
 
 import numpy
 
@@ -58,7 +66,8 @@ def global_generators(chain):
     found, seen = [], {id(numpy.random.mtrand._rand)}
 
     def add(label, value):
-        if isinstance(value, _NUMPY) and id(value) not in seen:
+        if issubclass(type(value), _NUMPY) and id(value) not in seen:   # (a dead proxy raises
+            # on isinstance)
             seen.add(id(value))
             found.append((label, value))
     for name, namespace in _namespaces(chain):
@@ -68,6 +77,8 @@ def global_generators(chain):
         for attr, value in sorted(vars(cls).items()):
             where = '{}.{}'.format(cls.__qualname__, attr)
             add(where + ' (a class attribute)', value)
+            if type(value) in weakref.ProxyTypes:
+                continue                    # (a dead one raises on every attribute)
             function = getattr(value, '__func__', value)    # staticmethod, classmethod
             for cell in getattr(function, '__closure__', None) or ():
                 try:
@@ -99,6 +110,8 @@ def _namespaces(chain):
     found = {}
     for cls in _classes(chain):
         for value in vars(cls).values():
+            if type(value) in weakref.ProxyTypes:
+                continue
             namespace = getattr(value, '__globals__', None)
             if isinstance(namespace, dict) and id(namespace) not in found:
                 found[id(namespace)] = (namespace.get('__name__', cls.__module__), namespace)
@@ -143,28 +156,73 @@ class Draws:
 
 # NumPy's global state held while a verified call runs ------------------------
 
-HOLD = 30.0     # seconds another thread's draw waits at most (then it draws)
+HOLD = 30.0     # seconds another thread waits at most, once a hold (then it draws)
 _gate = threading.Condition()
 _owners = {}    # thread id -> depth: the threads inside holding_numpy
+_inflight = {}  # thread id -> its numpy.random calls running through a wrapper
+_released = set()   # threads that waited HOLD: not held again until the hold ends
+_windows = []   # each open hold's list of the functions that waited HOLD
 _saved = []     # (namespace, name, original) while the wrappers are in place
-waited = []     # [label]: another thread's draw that waited HOLD and went on (tests)
 
 
-def _after_fork_in_child():
-    """A process forked while a call was verified (a pool's worker started
-    from another thread) has no verified call: NumPy's functions as they
-    were, nothing held (its draws would each have waited HOLD seconds)."""
-    global _gate
-    _gate = threading.Condition()       # (another thread may have held the old one)
-    for namespace, name, function in _saved:
-        if getattr(getattr(namespace, name, None), 'fastchain_holds', None) is function:
-            setattr(namespace, name, function)
-    del _saved[:]
-    _owners.clear()
+class _Held:
+    """``numpy.random``'s function while a call is verified: another thread's
+    call waits for the check to end; everything else about it is the
+    function's (``__self__``, which Chainer's ``ShuffleOrderSampler`` reads,
+    its name and documentation, pickling as the original)."""
+
+    __slots__ = ('fastchain_holds', 'name')
+
+    def __init__(self, name, function):
+        self.fastchain_holds, self.name = function, name
+
+    def __call__(self, *args, **kwargs):
+        _enter(self.name)
+        try:
+            return self.fastchain_holds(*args, **kwargs)
+        finally:
+            _leave()
+
+    def __getattr__(self, attr):
+        return getattr(self.fastchain_holds, attr)
+
+    @property
+    def __doc__(self):
+        return self.fastchain_holds.__doc__
+
+    def __reduce_ex__(self, protocol):
+        return self.fastchain_holds.__reduce_ex__(protocol)
+
+    def __repr__(self):
+        return repr(self.fastchain_holds)
 
 
-if hasattr(os, 'register_at_fork'):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+def _enter(name):
+    me = threading.get_ident()
+    with _gate:
+        if _owners and me not in _owners and me not in _released:
+            deadline = time.monotonic() + HOLD
+            while _owners and me not in _owners:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    # (a forward waiting on this thread: go on rather than hang,
+                    # and without waiting again until this hold ends)
+                    _released.add(me)
+                    for window in _windows:
+                        window.append('numpy.random.' + name)
+                    break
+                _gate.wait(left)
+        _inflight[me] = _inflight.get(me, 0) + 1
+
+
+def _leave():
+    me = threading.get_ident()
+    with _gate:
+        left = _inflight.pop(me, 1) - 1
+        if left:
+            _inflight[me] = left
+        else:
+            _gate.notify_all()
 
 
 def _global_functions():
@@ -180,55 +238,72 @@ def _global_functions():
     return sorted(found.items())
 
 
-def _wait_turn(name):
-    me = threading.get_ident()
-    if not _owners or me in _owners:
-        return
-    with _gate:
-        deadline = time.monotonic() + HOLD
-        while _owners and me not in _owners:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                # (a forward waiting on this thread: go on rather than hang)
-                waited.append('numpy.random.' + name)
-                return
-            _gate.wait(left)
+def _after_fork_in_child():
+    """A process forked while a call was verified (a pool's worker started
+    from another thread) has no verified call: NumPy's functions as they
+    were, nothing held (its draws would each have waited HOLD seconds)."""
+    global _gate
+    _gate = threading.Condition()       # (another thread may have held the old one)
+    _restore()
+    _owners.clear()
+    _inflight.clear()
+    _released.clear()
+    del _windows[:]
 
 
-def _waiting(name, function):
-    @functools.wraps(function)
-    def draw(*args, **kwargs):
-        _wait_turn(name)
-        return function(*args, **kwargs)
-    draw.fastchain_holds = function
-    return draw
+if hasattr(os, 'register_at_fork'):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _restore():
+    for namespace, name, function in _saved:
+        if getattr(getattr(namespace, name, None), 'fastchain_holds', None) is function:
+            setattr(namespace, name, function)      # (not if someone replaced it since)
+    del _saved[:]
 
 
 @contextlib.contextmanager
 def holding_numpy():
     """NumPy's global random state to this thread while inside: the
     ``numpy.random`` functions another thread calls wait until it is out
-    (at most :data:`HOLD` seconds; this thread's own draws go on)."""
+    (each thread at most :data:`HOLD` seconds a hold; this thread's own
+    draws go on). Draws already running when it starts are waited for. The
+    list yielded gets the functions of threads that waited HOLD and drew."""
     me = threading.get_ident()
+    window = []
     with _gate:
-        if not _owners:
+        installing = not _owners
+        if installing:
+            functions = _global_functions()
             for namespace in (numpy.random, numpy.random.mtrand):
-                for name, function in _global_functions():
+                for name, function in functions:
                     if getattr(namespace, name, None) is function:
                         _saved.append((namespace, name, function))
-                        setattr(namespace, name, _waiting(name, function))
+                        setattr(namespace, name, _Held(name, function))
         _owners[me] = _owners.get(me, 0) + 1
+        _windows.append(window)
+        # another thread's call that passed its wrapper before this hold began
+        deadline = time.monotonic() + HOLD
+        while any(t not in _owners for t in _inflight) and time.monotonic() < deadline:
+            _gate.wait(max(0.0, deadline - time.monotonic()))
+    if installing:
+        # a thread that had looked the function up just before it was replaced
+        # calls it now: let it (two switch intervals of the GIL), then wait for
+        # its fill, which runs without the GIL holding the generator's lock
+        time.sleep(2 * sys.getswitchinterval())
+    lock = getattr(getattr(numpy.random.mtrand._rand, '_bit_generator', None), 'lock', None)
+    if lock is not None:
+        with lock:
+            pass
     try:
-        yield
+        yield window
     finally:
         with _gate:
+            _windows.remove(window)
             _owners[me] -= 1
             if not _owners[me]:
                 del _owners[me]
             if not _owners:
-                for namespace, name, function in _saved:
-                    if getattr(getattr(namespace, name, None), 'fastchain_holds',
-                               None) is function:     # (not if someone replaced it since)
-                        setattr(namespace, name, function)
-                del _saved[:]
+                _restore()
+                _released.clear()
                 _gate.notify_all()

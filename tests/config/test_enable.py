@@ -242,11 +242,12 @@ def test_bad_value_is_a_value_error(kwargs):
     assert not fastchain.active_handles()
 
 
-def test_numpys_booleans_are_taken_as_booleans():
+def test_numpys_scalars_are_taken_as_pythons():
     import numpy
     with fastchain.enable(fused_update=numpy.False_, autotune=numpy.True_,
-                          loader_workers=0) as h:
+                          loader_workers=numpy.int64(0), cudnn=numpy.str_('never')) as h:
         assert h.options['fused_update'] is False and h.options['autotune'] is True
+        assert type(h.options['loader_workers']) is int and h.options['cudnn'] == 'never'
     with pytest.raises(ValueError):
         fastchain.enable(fused_update=numpy.int64(1))    # 1 is not True here either
 

@@ -194,3 +194,44 @@ def test_stats_mode_takes_every_call_forward_and_backward(monkeypatch, mode, pat
         assert taken == []
         assert summary['batchnorm forward']['paths'] == {'chainer': 1}
         assert list(summary['batchnorm forward']['reasons']) == [_layers.BN_OFF]
+
+
+class _Plan:
+    def __init__(self):
+        self.wrapped = []
+
+    def wrap(self, owner, name, layer, fn):
+        self.wrapped.append((owner.__name__, name))
+
+    def config(self, *args):
+        pass
+
+    def value(self, *args):
+        pass
+
+
+@pytest.mark.parametrize('mode, wrapped', [
+    ('stats', [('BatchNormalization', 'forward'), ('FixedBatchNormalization', 'forward')]),
+    ('1', []), (None, [])])
+def test_stats_mode_needs_no_cudnn_graphs(monkeypatch, mode, wrapped):
+    """On a GPU whose CuPy has no cuDNN and no frontend (no graphs), the
+    two-level reductions are CuPy's alone: FASTCHAIN_CUDNN_BN=stats still
+    puts BatchNormalization's layers on (it did nothing there, silently)."""
+    from fastchain.backends import cuda
+    from fastchain.backends._status import Status
+    from fastchain.cudnn import _group
+    monkeypatch.setattr(_group, 'graph_status', lambda: Status(False, why='no frontend'))
+    monkeypatch.setattr(cuda, 'available', lambda: True)
+    monkeypatch.setattr(cuda, 'cudnn_status', lambda: Status(False, why='CuPy 14'))
+    if mode is None:
+        monkeypatch.delenv(_layers.BN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_layers.BN_ENV, mode)
+    plan = _Plan()
+    _group.GROUP.plan({'cudnn': 'auto', 'tensor_cores': None, 'workspace_size': None},
+                      set(), plan)
+    assert plan.wrapped == wrapped
+    plan = _Plan()
+    _group.GROUP.plan({'cudnn': 'never', 'tensor_cores': None, 'workspace_size': None},
+                      set(), plan)
+    assert plan.wrapped == []

@@ -99,6 +99,36 @@ def test_a_batch_of_one_is_bitwise_chainers(dtype):
             numpy.testing.assert_array_equal(b, a, err_msg='{} {}'.format(name, (c, hw, o, k)))
 
 
+@pytest.mark.parametrize('n', [1, 2])
+@pytest.mark.parametrize('reduce', [F.sum, F.mean])
+def test_a_broadcast_output_gradient_is_multiplied_as_chainer_does(n, reduce):
+    """F.sum(y) hands the convolution a broadcast (zero-strided) gradient;
+    numpy.matmul runs its own loop on it where Chainer's numpy.dot copies it
+    for BLAS (a 1-channel 1x1 convolution's gradients were not bitwise: a
+    review)."""
+    rng = numpy.random.RandomState(n)
+    x = rng.randn(n, 1, 12, 13).astype('f')
+    W = rng.randn(69, 1, 1, 1).astype('f')
+    results = []
+    for on in (False, True):
+        xv, Wv = chainer.Variable(x.copy()), chainer.Variable(W.copy())
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', FastchainWarning)
+            with fastchain.enable(loader_workers=0, autotune=False, cpu_conv=on):
+                y = F.convolution_2d(xv, Wv)
+                reduce(y).backward()
+        results.append((y.array, Wv.grad, xv.grad))
+    for name, a, b in zip(('y', 'gW', 'gx'), *results):
+        numpy.testing.assert_array_equal(b, a, err_msg=name)
+
+
+def test_what_blas_takes_in_place():
+    a = numpy.zeros((4, 6), 'f')
+    assert _bind._blasable(a) and _bind._blasable(a.T) and _bind._blasable(a[:, :3])
+    assert not _bind._blasable(numpy.broadcast_to(numpy.float32(1), (4, 6)))
+    assert not _bind._blasable(a[:, ::2])
+
+
 @pytest.mark.parametrize('options', [dict(autotune=False), dict(autotune=True),
                                      dict(onednn=True)])
 def test_a_kernel_larger_than_the_padded_input_raises_chainers_error(options):
@@ -112,8 +142,8 @@ def test_a_kernel_larger_than_the_padded_input_raises_chainers_error(options):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', FastchainWarning)
         with fastchain.enable(loader_workers=0, **options):
-            for pad in (0, 1):      # 4 + 2 < 7 as well
-                k = 5 + 2 * pad
+            for pad, extra in ((0, 0), (1, 0), (1, 4)):     # 4 + 2 < 7; and < 11
+                k = 5 + 2 * pad + extra
                 with pytest.raises(AssertionError) as got:
                     F.convolution_2d(x, numpy.ones((4, 3, k, k), 'f'), pad=pad)
                 assert str(got.value) == str(plain.value)
