@@ -299,10 +299,11 @@ def holding_numpy():
         yield window
     finally:
         with _gate:
-            _windows.remove(window)
-            _owners[me] -= 1
-            if not _owners[me]:
-                del _owners[me]
+            if window in _windows:          # (not after a fork inside: reset there)
+                _windows.remove(window)
+            depth = _owners.pop(me, 1) - 1
+            if depth:
+                _owners[me] = depth
             if not _owners:
                 _restore()
                 _released.clear()
