@@ -35,7 +35,10 @@ wrappers, gives a thread holding the unwrapped function two GIL switch
 intervals to call it, and waits on the generator's lock for its fill (0 of
 40 runs). A thread waits at most :data:`HOLD` once a check (a forward that
 waits on a thread of its own which draws would otherwise hang); the
-wrappers answer for the functions (``__self__``, name, pickling).
+wrappers answer for the functions (``__self__``, name, pickling). Chainer's
+``ShuffleOrderSampler`` draws from the RandomState object itself: a layer on
+its ``__call__`` holds it the same way (a SerialIterator's next order, drawn
+by a prefetch thread at an epoch's end).
 """
 
 import contextlib
@@ -177,7 +180,7 @@ class _Held:
         self.fastchain_holds, self.name = function, name
 
     def __call__(self, *args, **kwargs):
-        _enter(self.name)
+        _enter('numpy.random.' + self.name)
         try:
             return self.fastchain_holds(*args, **kwargs)
         finally:
@@ -209,7 +212,7 @@ def _enter(name):
                     # and without waiting again until this hold ends)
                     _released.add(me)
                     for window in _windows:
-                        window.append('numpy.random.' + name)
+                        window.append(name)
                     break
                 _gate.wait(left)
         _inflight[me] = _inflight.get(me, 0) + 1
@@ -223,6 +226,24 @@ def _leave():
             _inflight[me] = left
         else:
             _gate.notify_all()
+
+
+def _sampler_layer(next_, sampler, *args, **kwargs):
+    """Chainer's ``ShuffleOrderSampler``, which draws from the global
+    RandomState object itself (a SerialIterator's next epoch's order, drawn
+    by a prefetch thread): held as ``numpy.random``'s functions are."""
+    if getattr(sampler, '_random', None) is not numpy.random.mtrand._rand:
+        return next_(sampler, *args, **kwargs)
+    _enter("Chainer's ShuffleOrderSampler")
+    try:
+        return next_(sampler, *args, **kwargs)
+    finally:
+        _leave()
+
+
+def _sampler():
+    from chainer.iterators.order_samplers import ShuffleOrderSampler
+    return ShuffleOrderSampler
 
 
 def _global_functions():
@@ -244,7 +265,7 @@ def _after_fork_in_child():
     were, nothing held (its draws would each have waited HOLD seconds)."""
     global _gate
     _gate = threading.Condition()       # (another thread may have held the old one)
-    _restore()
+    _restore(layers=False)      # (the sampler's layer passes through with no hold)
     _owners.clear()
     _inflight.clear()
     _released.clear()
@@ -255,10 +276,13 @@ if hasattr(os, 'register_at_fork'):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _restore():
+def _restore(layers=True):
     for namespace, name, function in _saved:
         if getattr(getattr(namespace, name, None), 'fastchain_holds', None) is function:
             setattr(namespace, name, function)      # (not if someone replaced it since)
+    if _saved and layers:
+        from fastchain.config import _patches
+        _patches.unwrap(_sampler(), '__call__', 'static_graph')
     del _saved[:]
 
 
@@ -280,6 +304,8 @@ def holding_numpy():
                     if getattr(namespace, name, None) is function:
                         _saved.append((namespace, name, function))
                         setattr(namespace, name, _Held(name, function))
+            from fastchain.config import _patches
+            _patches.wrap(_sampler(), '__call__', 'static_graph', _sampler_layer)
         _owners[me] = _owners.get(me, 0) + 1
         _windows.append(window)
         # another thread's call that passed its wrapper before this hold began

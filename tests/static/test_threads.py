@@ -166,14 +166,15 @@ def test_numpys_functions_stay_themselves_for_other_threads_while_held():
     got = []
     with _draws.holding_numpy():
         taken = numpy.random.normal
+        # (made, not drawn from: this thread waits for it, and its draw for this one)
         helper = threading.Thread(target=lambda: got.append(
-            chainer.iterators.SerialIterator(list(range(10)), 2).next()))
+            chainer.iterators.ShuffleOrderSampler()._random))
         helper.start()
         helper.join()
         assert numpy.random.random.__self__ is numpy.random.mtrand._rand
         assert hasattr(numpy.random.mtrand.rand, 'fastchain_holds')       # both held
         assert hasattr(numpy.random.rand, 'fastchain_holds')
-    assert len(got) == 1 and len(got[0]) == 2
+    assert got == [numpy.random.mtrand._rand]
     assert pickle.dumps(taken) == pickle.dumps(numpy.random.normal)     # as NumPy's
     assert taken.__name__ == 'normal' and 'Draw random samples' in taken.__doc__
 
@@ -222,3 +223,22 @@ def test_a_process_forked_while_a_call_is_verified_draws_without_waiting(monkeyp
         helper.join(30)
     (took, held), = out
     assert took < 1.0 and not held
+
+
+def test_chainers_shuffle_order_sampler_in_another_thread_is_held_too():
+    """A SerialIterator's next order, drawn by another thread (a prefetch
+    thread at an epoch's end) from the global RandomState object itself."""
+    iterator = chainer.iterators.SerialIterator(list(range(20)), 20)    # an epoch a batch
+    orders = []
+    pairs = [copies(Deep) for _ in range(3)]     # (copies seeds NumPy's global state)
+
+    def draw():
+        batch = iterator.next()
+        orders.append(tuple(batch))
+        return batch[0]
+    with Drawing(draw):
+        for ordinary, cached in pairs:
+            cache_static_graph(cached)
+            assert _train((ordinary, cached), 4) == []
+    assert len(orders) > 20
+    assert len(set(orders)) == len(orders)      # none rewound and drawn again

@@ -73,7 +73,8 @@ point                                      layers
 ``StaticScheduleFunction.backward``,
 ``static_graph.print``
 ``Variable.array``, ``Variable.data``      static_graph (while a key is recorded)
-(getters)
+(getters), ``chainer.report``
+``ShuffleOrderSampler.__call__``           static_graph (while a call is verified)
 optimizer instance: ``update``,            nvtx, distributed, fp16
 ``reallocate_cleared_grads``,
 ``check_nan_in_grads``, ``call_hooks``,
