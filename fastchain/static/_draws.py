@@ -312,7 +312,7 @@ def holding_numpy():
         deadline = time.monotonic() + HOLD
         while any(t not in _owners for t in _inflight) and time.monotonic() < deadline:
             _gate.wait(max(0.0, deadline - time.monotonic()))
-    if installing:
+    if installing and threading.active_count() > 1:
         # a thread that had looked the function up just before it was replaced
         # calls it now: let it (two switch intervals of the GIL), then wait for
         # its fill, which runs without the GIL holding the generator's lock
