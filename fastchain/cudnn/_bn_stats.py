@@ -49,15 +49,21 @@ def _squared_deviations():
     return _kernel
 
 
+def _levels(dtype, *arrays):
+    """(array module, the accumulation dtype: ``dtype`` or float32 if wider,
+    each (N, C, ...) array as a C-contiguous (N, C, rest))."""
+    xp = chainer.backend.get_array_module(arrays[0])
+    acc = numpy.promote_types(dtype, numpy.float32)
+    return xp, acc, [xp.ascontiguousarray(a).reshape(a.shape[0], a.shape[1], -1)
+                     for a in arrays]
+
+
 def mean_and_var(x, dtype):
     """(mean, biased variance) per channel (axis 1) of ``x``, in ``dtype``;
     added up in float32 at least (a float16 ``dtype`` would overflow the
     count and the sums of a large layer: 32 x 112 x 112 values > 65504)."""
-    xp = chainer.backend.get_array_module(x)
-    dtype = numpy.dtype(dtype)
-    acc = numpy.promote_types(dtype, numpy.float32)
-    n, c = x.shape[:2]
-    x3 = xp.ascontiguousarray(x).reshape(n, c, -1)
+    xp, acc, (x3,) = _levels(dtype, x)
+    n, c = x3.shape[:2]
     count = float(n * x3.shape[2])
     mean = x3.sum(axis=2, dtype=acc).sum(axis=0)
     mean /= count
@@ -86,12 +92,7 @@ def gbeta_and_ggamma(gy, x_hat, dtype):
     """(sum of ``gy``, sum of ``gy * x_hat``) per channel (axis 1), in
     ``dtype``, added up in float32 at least: Chainer's
     ``get_ggamma_and_gbeta`` in two levels."""
-    xp = chainer.backend.get_array_module(gy)
-    dtype = numpy.dtype(dtype)
-    acc = numpy.promote_types(dtype, numpy.float32)
-    n, c = gy.shape[:2]
-    gy3 = xp.ascontiguousarray(gy).reshape(n, c, -1)
-    x3 = xp.ascontiguousarray(x_hat).reshape(n, c, -1)
+    xp, acc, (gy3, x3) = _levels(dtype, gy, x_hat)
     gbeta = gy3.sum(axis=2, dtype=acc).sum(axis=0)
     if xp is numpy:
         products = (gy3.astype(acc) * x3.astype(acc)).sum(axis=2)

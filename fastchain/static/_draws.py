@@ -66,32 +66,36 @@ def global_generators(chain):
     verification's own). Stochastic depth drawn from a class attribute's or a
     closure's ``RandomState`` trained differently from plain Chainer without a
     word in 2 of 6 seeds before these were looked at."""
-    found, seen = [], {id(numpy.random.mtrand._rand)}
-
-    def add(label, value):
-        if issubclass(type(value), _NUMPY) and id(value) not in seen:   # (a dead proxy raises
-            # on isinstance)
-            seen.add(id(value))
-            found.append((label, value))
-    for name, namespace in _namespaces(chain):
-        for attr, value in sorted(namespace.items()):
-            add('{}.{}'.format(name, attr), value)
+    reached, namespaces = [], {}
     for cls in _classes(chain):
         for attr, value in sorted(vars(cls).items()):
             where = '{}.{}'.format(cls.__qualname__, attr)
-            add(where + ' (a class attribute)', value)
+            reached.append((where + ' (a class attribute)', value))
             if type(value) in weakref.ProxyTypes:
                 continue                    # (a dead one raises on every attribute)
+            # the module's globals: a script loaded from a file need not be in sys.modules
+            namespace = getattr(value, '__globals__', None)
+            if isinstance(namespace, dict):
+                namespaces.setdefault(id(namespace), (
+                    namespace.get('__name__', cls.__module__), namespace))
             function = getattr(value, '__func__', value)    # staticmethod, classmethod
             for cell in getattr(function, '__closure__', None) or ():
                 try:
-                    add('a closure of ' + where, cell.cell_contents)
+                    reached.append(('a closure of ' + where, cell.cell_contents))
                 except ValueError:          # an empty cell
                     pass
             defaults = tuple(getattr(function, '__defaults__', None) or ()) + tuple(
                 (getattr(function, '__kwdefaults__', None) or {}).values())
-            for value in defaults:
-                add('a default argument of ' + where, value)
+            reached += [('a default argument of ' + where, value) for value in defaults]
+    globals_ = [('{}.{}'.format(name, attr), value)
+                for name, namespace in sorted(namespaces.values(), key=lambda item: item[0])
+                for attr, value in sorted(namespace.items())]
+    found, seen = [], {id(numpy.random.mtrand._rand)}
+    for label, value in globals_ + reached:     # (a module global keeps that label)
+        # (by type: isinstance asks a dead weakref proxy, which raises)
+        if issubclass(type(value), _NUMPY) and id(value) not in seen:
+            seen.add(id(value))
+            found.append((label, value))
     return found
 
 
@@ -104,21 +108,6 @@ def _classes(chain):
             if (cls.__module__ or '').split('.')[0] not in LIBRARIES:
                 found.setdefault(cls, None)
     return list(found)
-
-
-def _namespaces(chain):
-    """(module name, globals) where the link classes of ``chain`` that are
-    not a library's were defined: their functions' globals (a script loaded
-    from a file need not be in ``sys.modules``)."""
-    found = {}
-    for cls in _classes(chain):
-        for value in vars(cls).values():
-            if type(value) in weakref.ProxyTypes:
-                continue
-            namespace = getattr(value, '__globals__', None)
-            if isinstance(namespace, dict) and id(namespace) not in found:
-                found[id(namespace)] = (namespace.get('__name__', cls.__module__), namespace)
-    return sorted(found.values(), key=lambda item: item[0])
 
 
 class Draws:
@@ -180,11 +169,8 @@ class _Held:
         self.fastchain_holds, self.name = function, name
 
     def __call__(self, *args, **kwargs):
-        _enter('numpy.random.' + self.name)
-        try:
+        with _turn('numpy.random.' + self.name):
             return self.fastchain_holds(*args, **kwargs)
-        finally:
-            _leave()
 
     def __getattr__(self, attr):
         return getattr(self.fastchain_holds, attr)
@@ -200,7 +186,10 @@ class _Held:
         return repr(self.fastchain_holds)
 
 
-def _enter(name):
+@contextlib.contextmanager
+def _turn(name):
+    """Inside: a draw of this thread's (``name``, for the fallback's message),
+    after waiting for another thread's check to end."""
     me = threading.get_ident()
     with _gate:
         if _owners and me not in _owners and me not in _released:
@@ -216,16 +205,15 @@ def _enter(name):
                     break
                 _gate.wait(left)
         _inflight[me] = _inflight.get(me, 0) + 1
-
-
-def _leave():
-    me = threading.get_ident()
-    with _gate:
-        left = _inflight.pop(me, 1) - 1
-        if left:
-            _inflight[me] = left
-        else:
-            _gate.notify_all()
+    try:
+        yield
+    finally:
+        with _gate:
+            left = _inflight.pop(me, 1) - 1
+            if left:
+                _inflight[me] = left
+            else:
+                _gate.notify_all()
 
 
 def _sampler_layer(next_, sampler, *args, **kwargs):
@@ -234,11 +222,8 @@ def _sampler_layer(next_, sampler, *args, **kwargs):
     by a prefetch thread): held as ``numpy.random``'s functions are."""
     if getattr(sampler, '_random', None) is not numpy.random.mtrand._rand:
         return next_(sampler, *args, **kwargs)
-    _enter("Chainer's ShuffleOrderSampler")
-    try:
+    with _turn("Chainer's ShuffleOrderSampler"):
         return next_(sampler, *args, **kwargs)
-    finally:
-        _leave()
 
 
 def _sampler():

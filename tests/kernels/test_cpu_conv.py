@@ -86,17 +86,22 @@ def test_a_batch_of_one_is_bitwise_chainers(dtype):
     for c, hw, o, k, s, p in cases:
         x = rng.randn(1, c, hw, hw).astype(dtype)
         W = rng.randn(o, c, k, k).astype(dtype)
-        results = []
-        for on in (False, True):
-            xv, Wv = chainer.Variable(x.copy()), chainer.Variable(W.copy())
-            with warnings.catch_warnings():
-                warnings.simplefilter('ignore', FastchainWarning)
-                with fastchain.enable(loader_workers=0, autotune=False, cpu_conv=on):
-                    y = F.convolution_2d(xv, Wv, stride=s, pad=p)
-                    F.sum(y * y).backward()
-            results.append((y.array, Wv.grad, xv.grad))
-        for name, a, b in zip(('y', 'gW', 'gx'), *results):
-            numpy.testing.assert_array_equal(b, a, err_msg='{} {}'.format(name, (c, hw, o, k)))
+        _assert_bitwise_both_ways(x, W, lambda y: F.sum(y * y), (c, hw, o, k), stride=s, pad=p)
+
+
+def _assert_bitwise_both_ways(x, W, loss, where, **conv):
+    """y, gW and gx of one convolution, cpu_conv off and on: the same bits."""
+    results = []
+    for on in (False, True):
+        xv, Wv = chainer.Variable(x.copy()), chainer.Variable(W.copy())
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', FastchainWarning)
+            with fastchain.enable(loader_workers=0, autotune=False, cpu_conv=on):
+                y = F.convolution_2d(xv, Wv, **conv)
+                loss(y).backward()
+        results.append((y.array, Wv.grad, xv.grad))
+    for name, a, b in zip(('y', 'gW', 'gx'), *results):
+        numpy.testing.assert_array_equal(b, a, err_msg='{} {}'.format(name, where))
 
 
 @pytest.mark.parametrize('n', [1, 2])
@@ -109,17 +114,7 @@ def test_a_broadcast_output_gradient_is_multiplied_as_chainer_does(n, reduce):
     rng = numpy.random.RandomState(n)
     x = rng.randn(n, 1, 12, 13).astype('f')
     W = rng.randn(69, 1, 1, 1).astype('f')
-    results = []
-    for on in (False, True):
-        xv, Wv = chainer.Variable(x.copy()), chainer.Variable(W.copy())
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore', FastchainWarning)
-            with fastchain.enable(loader_workers=0, autotune=False, cpu_conv=on):
-                y = F.convolution_2d(xv, Wv)
-                reduce(y).backward()
-        results.append((y.array, Wv.grad, xv.grad))
-    for name, a, b in zip(('y', 'gW', 'gx'), *results):
-        numpy.testing.assert_array_equal(b, a, err_msg=name)
+    _assert_bitwise_both_ways(x, W, reduce, (n, reduce.__name__))
 
 
 def test_what_blas_takes_in_place():
