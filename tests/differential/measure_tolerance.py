@@ -26,12 +26,14 @@ from hypothesis import HealthCheck, assume, given, seed, settings, strategies as
 
 from tests.differential import harness
 from tests.differential.models import HOOKS, SGD_FAMILY, model_specs
-from tests.differential.test_differential import draw_loop, draw_onednn, layouts, run_onednn
+from tests.differential.test_differential import (draw_loop, draw_onednn, layouts, run_onednn,
+                                                  run_onednn_twin)
 
 
-def record(expected, got, steps, draws, out, records):
+def record(expected, got, steps, draws, out, records, twin=None):
     """Append the deviation of ``got`` from ``expected`` (and the draws) to
-    ``records`` and as a JSON line to ``out``."""
+    ``records`` and as a JSON line to ``out``; with a ``twin`` trace, each
+    step's deviation of both and the factor ``got`` needs over the twin."""
     try:
         ratio, where = harness.deviation(expected, got)
         first = harness.deviation(expected[:1], got[:1])[0]
@@ -40,10 +42,28 @@ def record(expected, got, steps, draws, out, records):
     entry = {'deviation': ratio, 'where': where, 'steps': steps, 'first_step': first,
              'compared': harness.comparable_steps(expected, got),
              'loss': [float(s['loss']) for s in expected], 'draws': draws}
+    if twin is not None:
+        entry.update(twin_factor(expected, got, twin))
     records.append(entry)
     if out:
         with open(out, 'a') as f:
             f.write(json.dumps(entry, default=repr) + '\n')
+
+
+def twin_factor(expected, got, twin):
+    """Each step's deviation of ``got`` and of ``twin`` from ``expected``, and
+    the smallest ``harness.TWIN_FACTOR`` with which ``got`` would pass
+    ``twin_tolerance`` alone (the fixed tolerance zero)."""
+    steps = min(harness.comparable_steps(expected, got),
+                harness.comparable_steps(expected, twin))
+    got_steps = [harness._step_deviation(e, g)[0] for e, g in zip(expected[:steps], got)]
+    twin_steps = [harness._step_deviation(e, t)[0] for e, t in zip(expected[:steps], twin)]
+    factor, moved = 0.0, 0.0
+    for mine, theirs in zip(got_steps, twin_steps):
+        moved = max(moved, theirs)
+        if mine:
+            factor = max(factor, mine / moved if moved else float('inf'))
+    return {'got_steps': got_steps, 'twin_steps': twin_steps, 'twin_factor': factor}
 
 
 def _explore(body, examples, seed_):
@@ -54,8 +74,9 @@ def _explore(body, examples, seed_):
         given(data=st.data())(body)))()
 
 
-def measure_onednn(examples, seed_, out):
-    """Every run of ``examples`` onednn draws (float32)."""
+def measure_onednn(examples, seed_, out, twin=False):
+    """Every run of ``examples`` onednn draws (float32); with ``twin``, the
+    twin run's too (``harness.compare_or_twin``)."""
     records = []
 
     def draw(data):
@@ -64,7 +85,8 @@ def measure_onednn(examples, seed_, out):
         expected, got = run_onednn(*draws)
         record(expected, got, steps,
                {'model': spec, 'layout': layout, 'hooks': hooks, 'optimizer': optimizer,
-                'resume_at': resume_at, 'loop': loop}, out, records)
+                'resume_at': resume_at, 'loop': loop}, out, records,
+               run_onednn_twin(*draws) if twin else None)
 
     _explore(draw, examples, seed_)
     return records
@@ -113,12 +135,14 @@ def main(argv=None):
     kind.add_argument('--fp16', action='store_true', help='fp16 tied runs (default float32)')
     kind.add_argument('--onednn', action='store_true',
                       help="onednn's runs (float32) instead of the tied ones")
+    parser.add_argument('--twin', action='store_true',
+                        help='with --onednn: also the twin run (harness.compare_or_twin)')
     parser.add_argument('--examples', type=int, default=600)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--out', help='append a JSON line per measured run to this file')
     args = parser.parse_args(argv)
     if args.onednn:
-        records = measure_onednn(args.examples, args.seed, args.out)
+        records = measure_onednn(args.examples, args.seed, args.out, args.twin)
         what, tolerance = 'onednn, float32', harness.ONEDNN_TOLERANCE
     else:
         records = measure(args.fp16, args.examples, args.seed, args.out)
@@ -139,7 +163,29 @@ def main(argv=None):
     for r in sorted(records, key=lambda r: -r['deviation'])[:5]:
         print('  {:.3g} at {}; losses {}'.format(
             r['deviation'], r['where'], ' '.join('{:.3g}'.format(v) for v in r['loss'])))
+    if args.twin:
+        print_twin(records, tolerance)
     return 0
+
+
+def print_twin(records, tolerance):
+    """The factors over the twin that the runs needed: at every step, and at
+    the steps that come within a tenth of the fixed tolerance (where the
+    twin's can decide)."""
+    every, near = [], []
+    for r in records:
+        moved = 0.0
+        for step, (mine, theirs) in enumerate(zip(r['got_steps'], r['twin_steps'])):
+            moved = max(moved, theirs)
+            factor = mine / moved if moved else (float('inf') if mine else 0.0)
+            every.append(factor)
+            if mine > 0.1 * harness._per_step(tolerance, step + 1)[step]:
+                near.append((factor, mine, r['where']))
+    every.sort()
+    print('twin: factor needed over {} steps: p50 {:.3g}, p99 {:.3g}, max {:.3g}'.format(
+        len(every), every[len(every) // 2], every[int(0.99 * (len(every) - 1))], every[-1]))
+    print('  {} steps within a tenth of the fixed tolerance; their factors: {}'.format(
+        len(near), ', '.join('{:.3g} ({:.3g})'.format(f, m) for f, m, _ in sorted(near)[-10:])))
 
 
 if __name__ == '__main__':
