@@ -21,6 +21,9 @@ NUMPY_SPEC ?=
 # 1: keep setuptools<82 (which still ships pkg_resources) after building Chainer.
 OLD_SETUPTOOLS ?= 0
 PYTEST_ARGS ?=
+# Hypothesis' seed for `make test`: fixed, so that CI and a run here draw the same
+# examples (a failure repeats); `make test-differential` draws a new one each run.
+HYPOTHESIS_SEED ?= 0
 # The cuDNN frontend's Python module (11.6 MiB, without the CUTLASS DSL and TVM FFI
 # it asks for, which fastchain's graphs do not use): the tests describe every cuDNN
 # graph fastchain builds through its real API. Empty: not installed.
@@ -62,7 +65,7 @@ $(STAMP): pyproject.toml Makefile $(SETUP_ARGS_FILE)
 	@touch $(STAMP)
 
 test: setup
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest --hypothesis-seed=$(HYPOTHESIS_SEED) $(PYTEST_ARGS)
 
 # A working Python 3.12 (pyenv's shim may exist without the version selected).
 PY312 := $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do \
