@@ -229,7 +229,7 @@ def quiet(said):
 
 
 def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
-        loop='update', growth_interval=10 ** 9, scales=None, said=None, twin=False):
+        loop='update', growth_interval=10 ** 9, scales=None, said=None, twin=None):
     """Train ``steps`` steps; returns the list of states after each.
 
     ``loop``: ``'update'`` (``optimizer.update(lossfun, ...)``), ``'own'``
@@ -248,9 +248,11 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
     ``said``: a list that gets the static cache's StaticGraphOrder warnings
     (a model's gradients summed in another order).
 
-    ``twin``: every initial weight moved one unit in the last place, up or
-    down at random (``compare_or_twin``).
+    ``twin`` (float32 only): a seed; every nonzero weight made with the model
+    moved one unit in the last place, up or down as that seed draws
+    (``compare_or_twin``). A resumed run's snapshot overwrites the move.
     """
+    assert twin is None or not fp16, 'a twin moves float32 weights; fp16 units are 2**13 larger'
     scale = FP16_HOOKS_SCALE if (fp16 and hooks) else FP16_SCALE
     dtype = numpy.float16 if fp16 else numpy.float32
     data = batches(spec, steps, seed=7, dtype=dtype)
@@ -263,8 +265,8 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
     def make(seed):
         numpy.random.seed(seed)
         model = build(spec)
-        if twin:
-            nudge(model)
+        if twin is not None:
+            nudge(model, twin)
         optimizer, hook_objects = make_optimizer(opt_spec, hooks)
         optimizer.setup(model)
         for hook in hook_objects:
@@ -322,10 +324,11 @@ def run(spec, opt_spec, hooks, steps, layout=None, fp16=False, resume_at=None,
     return trace
 
 
-def nudge(model):
+def nudge(model, seed):
     """Move each of ``model``'s made, nonzero weights one unit in the last
-    place, up or down (its own generator: NumPy's global one is untouched)."""
-    signs = numpy.random.RandomState(TWIN_SEED)
+    place, up or down as ``seed`` draws (its own generator: NumPy's global
+    one is untouched)."""
+    signs = numpy.random.RandomState(seed)
     for param in model.params():
         a = param.array
         if a is not None:
@@ -436,20 +439,27 @@ def _comparable(expected, got):
     return steps
 
 
-def compare(expected, got, atol_scale=None):
+class OutsideTolerance(AssertionError):
+    """``compare``: a value outside its tolerance (not a key missing, an
+    exact value that differs, or a training that diverged alone)."""
+
+
+def compare(expected, got, atol_scale=None, allowance=None):
     """Assert the two traces agree: exactly, or within ``atol_scale`` times
     the largest magnitude of the same kind of value (weights, gradients,
     statistics, optimizer state, loss) in the reference's step (``_largest``)
     up to where a training diverged (``_comparable``). ``atol_scale`` may be
-    a pair: (the first step's, the later steps'), or a list: each step's."""
+    a pair: (the first step's, the later steps'). ``allowance``: for each
+    step, {key: an absolute tolerance} that widens ``atol_scale``'s for that
+    value (``twin_allowance``)."""
     assert len(expected) == len(got)
     steps = len(expected) if atol_scale is None else _comparable(expected, got)
-    scales = _per_step(atol_scale, len(expected))
+    first, later = atol_scale if isinstance(atol_scale, tuple) else (atol_scale, atol_scale)
     for step, (e, g) in enumerate(zip(expected, got)):
         assert sorted(e) == sorted(g), (step, sorted(set(e) ^ set(g)))
         if step >= steps:
             continue
-        atol_scale = scales[step]
+        atol_scale = first if step == 0 else later
         largest = _largest(e)
         for key in sorted(e):
             a, b = e[key], g[key]
@@ -459,59 +469,75 @@ def compare(expected, got, atol_scale=None):
             elif atol_scale is None or not isinstance(a, numpy.ndarray):
                 numpy.testing.assert_array_equal(b, a, err_msg=where)
             else:
-                numpy.testing.assert_allclose(
-                    numpy.asarray(b, numpy.float64), numpy.asarray(a, numpy.float64),
-                    rtol=0, atol=atol_scale * largest.get(_kind(key), 0.0), err_msg=where)
+                atol = atol_scale * largest.get(_kind(key), 0.0)
+                if allowance is not None:
+                    atol = max(atol, allowance[step].get(key, 0.0))
+                try:
+                    numpy.testing.assert_allclose(
+                        numpy.asarray(b, numpy.float64), numpy.asarray(a, numpy.float64),
+                        rtol=0, atol=atol, err_msg=where)
+                except AssertionError as e:
+                    raise OutsideTolerance(str(e)) from None
 
 
-def _per_step(atol_scale, steps):
-    """``compare``'s ``atol_scale`` as a list of each step's."""
-    if isinstance(atol_scale, list):
-        assert len(atol_scale) == steps, (len(atol_scale), steps)
-        return atol_scale
-    first, later = atol_scale if isinstance(atol_scale, tuple) else (atol_scale, atol_scale)
-    return [first] + [later] * (steps - 1)
+# A run held to a tolerance that a model magnifies past it (an L.LSTM
+# saturated by inputs of 170: test_harness.SATURATED_ONEDNN) is held instead,
+# value by value, to TWIN_FACTOR times the most that plain Chainer's own
+# training moves that value when its initial weights move one unit in the
+# last place, over TWINS such runs, their moves' signs drawn from different
+# seeds (``run(..., twin=seed)``, ``compare_or_twin``). One twin alone varies
+# thirtyfold with its seed, and a training with two outcomes (a saturated gate
+# that flips) sends one twin in five, and the onednn run, to the other: the
+# median would miss it. Measured (DEVELOPERS.md, "oneDNN kernels"): the factor
+# needed at most 3.4 over 160 such models, 1.9 where the fixed tolerance fails.
+TWIN_FACTOR = 5
+TWINS = 5
 
 
-# A run held to a tolerance may also stay within TWIN_FACTOR times what plain
-# Chainer's own training moves when its initial weights move one unit in the
-# last place (``run(..., twin=True)``, ``compare_or_twin``): a training that
-# magnifies rounding magnifies every kernel's. Measured (``python -m
-# tests.differential.measure_tolerance --onednn --twin``): the factor a run
-# needed over its twin at most 6.3 (at deviations near 1e-6), near 1 where
-# deviations are large (DEVELOPERS.md, "oneDNN kernels").
-TWIN_FACTOR = 10
-TWIN_SEED = 5
+def _difference(a, b):
+    """The largest absolute difference of two arrays (NaN equal to NaN)."""
+    a, b = numpy.asarray(a, numpy.float64), numpy.asarray(b, numpy.float64)
+    same = (a == b) | (numpy.isnan(a) & numpy.isnan(b))
+    return float(numpy.where(same, 0.0, numpy.abs(b - a)).max())
 
 
-def twin_tolerance(atol_scale, expected, twin):
-    """Each step's tolerance: ``atol_scale``'s, or TWIN_FACTOR times the
-    largest deviation of the ``twin`` trace from ``expected`` up to that step,
-    whichever is larger."""
-    scales = _per_step(atol_scale, len(expected))
-    steps = comparable_steps(expected, twin)
-    moved = 0.0
-    for step in range(len(expected)):
-        if step < steps:
-            moved = max(moved, _step_deviation(expected[step], twin[step])[0])
-        scales[step] = max(scales[step], TWIN_FACTOR * moved)
-    return scales
+def twin_allowance(expected, twins):
+    """For each step of ``expected``, {key: TWIN_FACTOR times the largest
+    difference of that value from ``expected``'s in any of the ``twins``
+    traces}. A twin that is not comparable at a step (its loss or
+    weights no longer finite), or whose difference is not finite, counts as
+    having moved nothing there."""
+    assert all(len(twin) == len(expected) for twin in twins)
+    comparable = [comparable_steps(expected, twin) for twin in twins]
+    allowance = []
+    for step, e in enumerate(expected):
+        widths = {}
+        for key, a in e.items():
+            if not (isinstance(a, numpy.ndarray) and a.size and a.dtype.kind == 'f'):
+                continue
+            moved = [_difference(a, twin[step][key]) if step < n else 0.0
+                     for twin, n in zip(twins, comparable)]
+            widths[key] = TWIN_FACTOR * max(m if numpy.isfinite(m) else 0.0 for m in moved)
+        allowance.append(widths)
+    return allowance
 
 
 def compare_or_twin(expected, got, atol_scale, twin):
-    """``compare(expected, got, atol_scale)``, or, where that fails, the same
-    within ``twin_tolerance``: ``twin()`` gives plain Chainer's trace with its
-    initial weights moved one unit in the last place (``run(..., twin=True)``),
-    run only then."""
+    """``compare(expected, got, atol_scale)``, or, where a value is outside
+    that tolerance, the same with ``twin_allowance``: ``twin(seed)`` gives
+    plain Chainer's trace with its initial weights moved one unit in the last
+    place (``run(..., twin=seed)``), asked for TWINS seeds only then."""
     try:
         compare(expected, got, atol_scale)
-    except AssertionError as fixed:
-        scales = twin_tolerance(list(_per_step(atol_scale, len(expected))), expected, twin())
+    except OutsideTolerance as fixed:
+        allowance = twin_allowance(expected, [twin(seed) for seed in range(TWINS)])
         try:
-            compare(expected, got, scales)
-        except AssertionError as e:
-            raise AssertionError('{}\nnor within {} times the twin run (each step: {})'.format(
-                fixed, TWIN_FACTOR, ', '.join('{:.3g}'.format(v) for v in scales))) from e
+            compare(expected, got, atol_scale, allowance)
+        except OutsideTolerance as e:
+            raise OutsideTolerance(
+                '{}\nnor within {} times the most {} twin runs moved it (plain Chainer, '
+                'its initial weights one unit in the last place apart): {}'.format(
+                    fixed, TWIN_FACTOR, TWINS, e)) from None
 
 
 def _step_deviation(e, g):
@@ -523,9 +549,7 @@ def _step_deviation(e, g):
         a, b = e[key], g[key]
         if not (isinstance(a, numpy.ndarray) and a.size):
             continue
-        a, b = numpy.asarray(a, numpy.float64), numpy.asarray(b, numpy.float64)
-        same = (a == b) | (numpy.isnan(a) & numpy.isnan(b))
-        difference = float(numpy.where(same, 0.0, numpy.abs(b - a)).max())
+        difference = _difference(a, b)
         scale = largest.get(_kind(key), 0.0)
         ratio = difference / scale if scale else (float('inf') if difference else 0.0)
         if ratio > worst[0]:

@@ -30,10 +30,10 @@ from tests.differential.test_differential import (draw_loop, draw_onednn, layout
                                                   run_onednn_twin)
 
 
-def record(expected, got, steps, draws, out, records, twin=None):
+def record(expected, got, steps, draws, out, records, twins=None):
     """Append the deviation of ``got`` from ``expected`` (and the draws) to
-    ``records`` and as a JSON line to ``out``; with a ``twin`` trace, each
-    step's deviation of both and the factor ``got`` needs over the twin."""
+    ``records`` and as a JSON line to ``out``; with ``twins`` (traces), the
+    factors ``got`` needs over them (``twin_factor``)."""
     try:
         ratio, where = harness.deviation(expected, got)
         first = harness.deviation(expected[:1], got[:1])[0]
@@ -42,28 +42,38 @@ def record(expected, got, steps, draws, out, records, twin=None):
     entry = {'deviation': ratio, 'where': where, 'steps': steps, 'first_step': first,
              'compared': harness.comparable_steps(expected, got),
              'loss': [float(s['loss']) for s in expected], 'draws': draws}
-    if twin is not None:
-        entry.update(twin_factor(expected, got, twin))
+    if twins is not None:
+        entry.update(twin_factor(expected, got, twins, harness.ONEDNN_TOLERANCE))
     records.append(entry)
     if out:
         with open(out, 'a') as f:
             f.write(json.dumps(entry, default=repr) + '\n')
 
 
-def twin_factor(expected, got, twin):
-    """Each step's deviation of ``got`` and of ``twin`` from ``expected``, and
-    the smallest ``harness.TWIN_FACTOR`` with which ``got`` would pass
-    ``twin_tolerance`` alone (the fixed tolerance zero)."""
-    steps = min(harness.comparable_steps(expected, got),
-                harness.comparable_steps(expected, twin))
-    got_steps = [harness._step_deviation(e, g)[0] for e, g in zip(expected[:steps], got)]
-    twin_steps = [harness._step_deviation(e, t)[0] for e, t in zip(expected[:steps], twin)]
-    factor, moved = 0.0, 0.0
-    for mine, theirs in zip(got_steps, twin_steps):
-        moved = max(moved, theirs)
-        if mine:
-            factor = max(factor, mine / moved if moved else float('inf'))
-    return {'got_steps': got_steps, 'twin_steps': twin_steps, 'twin_factor': factor}
+def twin_factor(expected, got, twins, tolerance):
+    """The factors over the most the ``twins`` moved each value that the
+    values of ``got`` need (``harness.twin_allowance`` with a factor of 1): the largest over
+    the run, and the largest where a value comes within a tenth of the fixed
+    ``tolerance`` (where the twins can decide), with its difference in the
+    fixed tolerance's units."""
+    steps = harness.comparable_steps(expected, got)
+    factor = harness.TWIN_FACTOR
+    allowance = harness.twin_allowance(expected, twins)
+    first, later = tolerance
+    worst, near = 0.0, None
+    for step in range(steps):
+        largest = harness._largest(expected[step])
+        for key, moved in allowance[step].items():
+            difference = harness._difference(expected[step][key], got[step][key])
+            if not difference:
+                continue
+            need = difference * factor / moved if moved else float('inf')
+            worst = max(worst, need)
+            scale = largest.get(harness._kind(key), 0.0) * (first if step == 0 else later)
+            ratio = difference / scale if scale else float('inf')
+            if ratio > 0.1 and (near is None or need > near[0]):
+                near = (need, ratio, 'step {} {}'.format(step, key))
+    return {'twin_factor': worst, 'twin_factor_near': near}
 
 
 def _explore(body, examples, seed_):
@@ -74,19 +84,22 @@ def _explore(body, examples, seed_):
         given(data=st.data())(body)))()
 
 
-def measure_onednn(examples, seed_, out, twin=False):
+def measure_onednn(examples, seed_, out, twin=False, recurrent=False):
     """Every run of ``examples`` onednn draws (float32); with ``twin``, the
-    twin run's too (``harness.compare_or_twin``)."""
+    factors each needs over harness.TWINS twin runs (``twin_factor``); with
+    ``recurrent``, only models with an L.LSTM (those that magnify rounding most)."""
     records = []
 
     def draw(data):
         draws = draw_onednn(data)
         spec, hooks, optimizer, steps, layout, resume_at, loop = draws
+        assume(spec['recurrent'] or not recurrent)
         expected, got = run_onednn(*draws)
         record(expected, got, steps,
                {'model': spec, 'layout': layout, 'hooks': hooks, 'optimizer': optimizer,
                 'resume_at': resume_at, 'loop': loop}, out, records,
-               run_onednn_twin(*draws) if twin else None)
+               [run_onednn_twin(*draws, seed=seed) for seed in range(harness.TWINS)]
+               if twin else None)
 
     _explore(draw, examples, seed_)
     return records
@@ -136,13 +149,16 @@ def main(argv=None):
     kind.add_argument('--onednn', action='store_true',
                       help="onednn's runs (float32) instead of the tied ones")
     parser.add_argument('--twin', action='store_true',
-                        help='with --onednn: also the twin run (harness.compare_or_twin)')
+                        help='with --onednn: also the twin runs (harness.compare_or_twin)')
+    parser.add_argument('--recurrent', action='store_true',
+                        help='with --onednn: only models with an L.LSTM')
     parser.add_argument('--examples', type=int, default=600)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--out', help='append a JSON line per measured run to this file')
     args = parser.parse_args(argv)
     if args.onednn:
-        records = measure_onednn(args.examples, args.seed, args.out, args.twin)
+        records = measure_onednn(args.examples, args.seed, args.out, args.twin,
+                                 args.recurrent)
         what, tolerance = 'onednn, float32', harness.ONEDNN_TOLERANCE
     else:
         records = measure(args.fp16, args.examples, args.seed, args.out)
@@ -169,23 +185,20 @@ def main(argv=None):
 
 
 def print_twin(records, tolerance):
-    """The factors over the twin that the runs needed: at every step, and at
-    the steps that come within a tenth of the fixed tolerance (where the
-    twin's can decide)."""
-    every, near = [], []
-    for r in records:
-        moved = 0.0
-        for step, (mine, theirs) in enumerate(zip(r['got_steps'], r['twin_steps'])):
-            moved = max(moved, theirs)
-            factor = mine / moved if moved else (float('inf') if mine else 0.0)
-            every.append(factor)
-            if mine > 0.1 * harness._per_step(tolerance, step + 1)[step]:
-                near.append((factor, mine, r['where']))
-    every.sort()
-    print('twin: factor needed over {} steps: p50 {:.3g}, p99 {:.3g}, max {:.3g}'.format(
-        len(every), every[len(every) // 2], every[int(0.99 * (len(every) - 1))], every[-1]))
-    print('  {} steps within a tenth of the fixed tolerance; their factors: {}'.format(
-        len(near), ', '.join('{:.3g} ({:.3g})'.format(f, m) for f, m, _ in sorted(near)[-10:])))
+    """The factors over the twins' largest move that the runs needed: anywhere, and
+    where a value came within a tenth of the fixed tolerance (where the
+    twins can decide)."""
+    every = sorted(r['twin_factor'] for r in records)
+    near = sorted(tuple(r['twin_factor_near']) for r in records if r['twin_factor_near'])
+    print('twins ({} each): the factor a run needs over their largest move: p50 {:.3g}, '
+          'p90 {:.3g}, '
+          'max {:.3g} (harness.TWIN_FACTOR {})'.format(
+              harness.TWINS, every[len(every) // 2], every[int(0.9 * (len(every) - 1))],
+              every[-1], harness.TWIN_FACTOR))
+    print('  {} runs came within a tenth of the fixed tolerance {}; the factors they needed '
+          'there (their difference in its units, where):'.format(len(near), tolerance))
+    for need, ratio, where in near[-10:]:
+        print('    {:.3g} ({:.3g}, {})'.format(need, ratio, where))
 
 
 if __name__ == '__main__':

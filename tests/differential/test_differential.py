@@ -198,8 +198,9 @@ def test_a_plain_script_with_the_loader_trains_as_plain_chainer(data):
 def test_onednn_trains_within_its_stated_tolerance_of_plain_chainer(data):
     """enable(onednn=True) allows kernels that are not bitwise equal: the
     run stays within harness.ONEDNN_TOLERANCE of plain Chainer's (or, for a
-    model that magnifies rounding, within ten times what plain Chainer's own
-    run moves when its initial weights move one unit: compare_or_twin), whatever
+    model that magnifies rounding past it, each value within five times the
+    most plain Chainer's own run moves it when its initial weights move one
+    unit in the last place: compare_or_twin), whatever
     else is on, whichever alternatives autotune takes for the calls oneDNN
     leaves (measuring, or forced to either side), with onednn in either handle
     (the second one disabled at a random step)."""
@@ -207,7 +208,7 @@ def test_onednn_trains_within_its_stated_tolerance_of_plain_chainer(data):
     draws = draw_onednn(data)
     expected, got = run_onednn(*draws)
     harness.compare_or_twin(expected, got, harness.ONEDNN_TOLERANCE,
-                            lambda: run_onednn_twin(*draws))
+                            lambda seed: run_onednn_twin(*draws, seed=seed))
 
 
 def run_onednn(spec, hooks, optimizer, steps, layout, resume_at, loop):
@@ -222,10 +223,10 @@ def run_onednn(spec, hooks, optimizer, steps, layout, resume_at, loop):
     return harness.run(spec, optimizer, hooks, steps, loop=loop), got
 
 
-def run_onednn_twin(spec, hooks, optimizer, steps, layout, resume_at, loop):
+def run_onednn_twin(spec, hooks, optimizer, steps, layout, resume_at, loop, seed):
     """Plain Chainer's trace of ``draw_onednn``'s draws, its initial weights
-    moved one unit in the last place (``harness.compare_or_twin``)."""
-    return harness.run(spec, optimizer, hooks, steps, loop=loop, twin=True)
+    moved one unit in the last place as ``seed`` draws (``harness.compare_or_twin``)."""
+    return harness.run(spec, optimizer, hooks, steps, loop=loop, twin=seed)
 
 
 def draw_onednn(data):

@@ -72,10 +72,9 @@ def test_measure_tolerance_measures_every_onednn_run(tmp_path):
         first, later = harness.ONEDNN_TOLERANCE
         assert 0 <= record['first_step'] <= first, record
         assert 0 <= record['deviation'] <= later, record
-        # the twin moves from the first step: its weights start one unit apart
-        assert record['twin_steps'][0] > 0, record
-        assert len(record['got_steps']) == len(record['twin_steps']) == record['compared']
         assert record['twin_factor'] >= 0
+        near = record['twin_factor_near']
+        assert near is None or near[1] > 0.1, record
 
 
 def _diverge(trace, step):
@@ -220,10 +219,12 @@ def test_the_worst_measured_onednn_first_step_is_within_the_tolerance(monkeypatc
 
 
 def _twin_traces(case, monkeypatch):
-    """(plain Chainer's trace, the onednn run's, the twin's) of a pinned case."""
+    """(plain Chainer's trace, the onednn run's, the twins') of a pinned case."""
     expected, got = _onednn_traces(case, monkeypatch)
     spec, layout, hooks, optimizer, steps = case
-    return expected, got, harness.run(spec, optimizer, hooks, steps, twin=True)
+    twins = [harness.run(spec, optimizer, hooks, steps, twin=seed)
+             for seed in range(harness.TWINS)]
+    return expected, got, twins
 
 
 # A training that magnifies rounding without diverging: deconvolutions and
@@ -231,8 +232,7 @@ def _twin_traces(case, monkeypatch):
 # of 170 at the third step, saturating its gates; every gradient there is
 # about 1e-3 of the largest apart between any two kernels that round
 # differently. Found by CI (2026-11-30): onednn 2.9e-3 off at step 2, over the
-# fixed 2e-3; plain Chainer with its initial weights moved one unit in the
-# last place is 5.9e-3 off there.
+# fixed 2e-3.
 SATURATED_ONEDNN = ({'input': (3, 3, 5, 6), 'layers': (
     ('deconv', 3, 1, 2, 0, 1, 3, False), ('deconv', 9, 1, 1, 1, 1, 3, True)) + (
     ('conv', 9, 3, 1, 1, 1, 1, True), ('conv', 9, 3, 1, 0, 1, 1, False),
@@ -242,43 +242,105 @@ SATURATED_ONEDNN = ({'input': (3, 3, 5, 6), 'layers': (
     ({'onednn': True, '_tuning': 'measure'}, {}, None), [], ('SGD', 0.01), 3)
 
 
-def test_a_training_that_magnifies_rounding_is_held_to_its_twin(monkeypatch):
-    expected, got, twin = _twin_traces(SATURATED_ONEDNN, monkeypatch)
-    # the fixed tolerance does not hold: the case is real
-    with pytest.raises(AssertionError, match='step 2'):
+@pytest.fixture(scope='module')
+def saturated():
+    """SATURATED_ONEDNN's traces (plain, onednn, the twins)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _twin_traces(SATURATED_ONEDNN, monkeypatch)
+
+
+def test_a_training_that_magnifies_rounding_is_held_to_its_twins(saturated):
+    expected, got, twins = saturated
+    asked = []
+    harness.compare_or_twin(expected, got, harness.ONEDNN_TOLERANCE,
+                            lambda seed: asked.append(seed) or twins[seed])
+    try:
         harness.compare(expected, got, harness.ONEDNN_TOLERANCE)
-    # plain Chainer moves as far from itself
-    assert harness.deviation(expected, twin)[0] > harness.ONEDNN_TOLERANCE[1]
-    harness.compare_or_twin(expected, got, harness.ONEDNN_TOLERANCE, lambda: twin)
+    except harness.OutsideTolerance:
+        assert asked == list(range(harness.TWINS))
+    else:
+        pytest.skip("this CPU's kernels round the case within the fixed tolerance: the twins "
+                    'were not reached (measured 2.9e-3 against 2e-3 on an AMD EPYC)')
 
 
-def test_the_twin_does_not_excuse_a_wrong_kernel(monkeypatch):
-    expected, got, twin = _twin_traces(SATURATED_ONEDNN, monkeypatch)
-    # a gradient 1% off at the first step, where the twin is 2e-6 apart
-    wrong = [dict(state) for state in got]
+def _mutated(trace, step, key, value):
+    out = [dict(state) for state in trace]
+    out[step][key] = value
+    return out
+
+
+def test_the_twins_do_not_excuse_a_wrong_gradient_or_a_lost_update(saturated):
+    expected, got, twins = saturated
+    tolerance = harness.ONEDNN_TOLERANCE
+
+    def fails(trace, where):
+        with pytest.raises(harness.OutsideTolerance, match=where) as e:
+            harness.compare_or_twin(expected, trace, tolerance, lambda seed: twins[seed])
+        assert 'nor within {} times the most {} twin runs moved it'.format(
+            harness.TWIN_FACTOR, harness.TWINS) in str(e.value)
+
+    # a gradient 1% off at the first step
     key = 'backward grad/l4/W'
-    wrong[0][key] = got[0][key] * numpy.float32(1.01)
-    with pytest.raises(AssertionError, match='step 0 {}'.format(key)) as e:
-        harness.compare_or_twin(expected, wrong, harness.ONEDNN_TOLERANCE, lambda: twin)
-    assert 'nor within {} times the twin run'.format(harness.TWIN_FACTOR) in str(e.value)
+    fails(_mutated(got, 0, key, got[0][key] * numpy.float32(1.01)), 'step 0 ' + key)
+    # 5% off at the third, where the largest gradients are 2.9e-3 apart (3%
+    # fails too on an AMD EPYC)
+    key = 'backward grad/rec/upward/W'
+    fails(_mutated(got, 2, key, got[2][key] * numpy.float32(1.05)), 'step 2 ' + key)
+    # a parameter's update lost at the third step: each that moves more than
+    # the fixed tolerance allows
+    largest = harness._largest(expected[2])['W']
+    moved = [key for key in expected[2] if key.startswith('W/') and harness._difference(
+        expected[2][key], expected[1][key]) > tolerance[1] * largest]
+    assert len(moved) > 5
+    for key in moved:
+        fails(_mutated(got, 2, key, got[1][key]), 'step 2 ' + key)
 
 
-def test_the_twin_is_asked_for_only_where_the_fixed_tolerance_fails():
+def test_the_twins_are_asked_for_only_where_a_value_is_outside_the_tolerance():
     expected = _trace(numpy.random.default_rng(4))
     asked = []
-    harness.compare_or_twin(expected, expected, (1e-4, 2e-3), lambda: asked.append(1))
+    harness.compare_or_twin(expected, expected, (1e-4, 2e-3), asked.append)
+    # a key missing, an exact value that differs: not rounding
+    for bad in (_mutated(expected, 1, 'optimizer.t', 7), [
+            {k: v for k, v in state.items() if k != 'loss'} for state in expected]):
+        with pytest.raises(AssertionError) as e:
+            harness.compare_or_twin(expected, bad, (1e-4, 2e-3), asked.append)
+        assert not isinstance(e.value, harness.OutsideTolerance)
     assert not asked
 
 
-def test_twin_tolerance_grows_with_what_the_twin_moved_by_each_step():
+def test_twin_allowance_is_the_factor_times_the_most_a_twin_moved_each_value():
     expected = _trace(numpy.random.default_rng(5))
-    twin = [dict(state) for state in expected]
-    largest = harness._largest(expected[1])['W']
-    twin[1]['W/l0/W'] = expected[1]['W/l0/W'] + numpy.float32(1e-2 * largest)
-    scales = harness.twin_tolerance((1e-4, 2e-3), expected, twin)
-    assert scales[0] == 1e-4        # the twin equal there: the fixed one
-    moved = harness.deviation(expected[:2], twin[:2])[0]
-    assert scales[1] == scales[2] == harness.TWIN_FACTOR * moved > 2e-3
+    key, other = 'W/l0/W', 'backward grad/l0/W'
+    twins = []
+    for moved in (1e-3, 4e-3, 2e-3, numpy.inf, 5e-3):
+        twin = [dict(state) for state in expected]
+        twin[1][key] = expected[1][key] + numpy.float32(moved)
+        twins.append(twin)
+    allowance = harness.twin_allowance(expected, twins)
+    assert len(allowance) == len(expected)
+    # the infinite move counts as none: the largest of 1, 4, 2, 0, 5 (e-3)
+    assert allowance[1][key] == pytest.approx(harness.TWIN_FACTOR * 5e-3, rel=1e-3)
+    assert allowance[1][other] == allowance[0][key] == allowance[2][key] == 0.0
+    # it widens only that value, at that step
+    got = _mutated(expected, 1, key, expected[1][key] + numpy.float32(
+        0.9 * harness.TWIN_FACTOR * 5e-3))
+    harness.compare(expected, got, 0.0, allowance)
+    for step, name in ((1, other), (2, key)):
+        wrong = _mutated(expected, step, name, expected[step][name] + numpy.float32(1e-3))
+        with pytest.raises(harness.OutsideTolerance, match='step {} {}'.format(step, name)):
+            harness.compare(expected, wrong, 0.0, allowance)
+
+
+def test_a_twin_that_diverged_widens_nothing_where_it_did():
+    expected = _trace(numpy.random.default_rng(6))
+    twins = [_diverge(expected, 1)] * harness.TWINS
+    assert all(not any(widths.values()) for widths in harness.twin_allowance(expected, twins))
+
+
+def test_a_twin_moves_float32_weights_only():
+    with pytest.raises(AssertionError, match='float32'):
+        harness.run(SATURATED_ONEDNN[0], ('SGD', 0.01), [], 1, fp16=True, twin=0)
 
 
 def test_the_twin_starts_one_unit_in_the_last_place_apart():
@@ -288,7 +350,7 @@ def test_the_twin_starts_one_unit_in_the_last_place_apart():
     numpy.random.seed(0)
     nudged = harness.build(spec)
     rng = numpy.random.get_state()
-    harness.nudge(nudged)
+    harness.nudge(nudged, 0)
     assert numpy.random.get_state()[2] == rng[2]
     assert (numpy.random.get_state()[1] == rng[1]).all()      # the global generator untouched
     ups = 0
@@ -302,3 +364,7 @@ def test_the_twin_starts_one_unit_in_the_last_place_apart():
         ups += int((b > a).sum())
     total = sum(int((p.array != 0).sum()) for p in model.params())
     assert 0.4 * total < ups < 0.6 * total        # up or down at random
+    numpy.random.seed(0)
+    again = harness.build(spec)
+    harness.nudge(again, 1)         # another seed, other signs
+    assert any((p.array != q.array).any() for p, q in zip(nudged.params(), again.params()))
