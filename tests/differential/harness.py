@@ -481,10 +481,8 @@ def compare(expected, got, atol_scale=None, allowance=None, exact_only=False):
 def _within(a, b, atol, where):
     """Raise OutsideTolerance unless ``b`` is within ``atol`` (a number or an
     array of ``a``'s shape) of ``a`` element by element, NaN equal to NaN."""
-    a, b = numpy.asarray(a, numpy.float64), numpy.asarray(b, numpy.float64)
-    with numpy.errstate(invalid='ignore'):
-        difference = numpy.abs(b - a)
-    bad = ~((a == b) | (numpy.isnan(a) & numpy.isnan(b)) | (difference <= atol))
+    difference = _apart(a, b)
+    bad = ~(difference <= atol)         # NaN against a number is outside
     if bad.any():
         atol = numpy.broadcast_to(atol, a.shape)
         with numpy.errstate(divide='ignore', invalid='ignore'):
@@ -513,11 +511,18 @@ TWIN_FLOOR = 0.1
 TWINS = 5
 
 
-def _difference(a, b):
-    """The largest absolute difference of two arrays (NaN equal to NaN)."""
+def _apart(a, b):
+    """|b - a| element by element in float64, 0 where they are equal or both
+    NaN (inf against inf is 0, NaN against a number NaN)."""
     a, b = numpy.asarray(a, numpy.float64), numpy.asarray(b, numpy.float64)
     same = (a == b) | (numpy.isnan(a) & numpy.isnan(b))
-    return float(numpy.where(same, 0.0, numpy.abs(b - a)).max())
+    with numpy.errstate(invalid='ignore'):
+        return numpy.where(same, 0.0, numpy.abs(b - a))
+
+
+def _difference(a, b):
+    """The largest absolute difference of two arrays (NaN equal to NaN)."""
+    return float(_apart(a, b).max())
 
 
 def twin_allowance(expected, twins):
@@ -549,9 +554,7 @@ def twin_allowance(expected, twins):
 
 def _moved(a, b):
     """|b - a| element by element, 0 where both are NaN or it is not finite."""
-    a, b = numpy.asarray(a, numpy.float64), numpy.asarray(b, numpy.float64)
-    with numpy.errstate(invalid='ignore'):
-        difference = numpy.abs(b - a)
+    difference = _apart(a, b)
     return numpy.where(numpy.isfinite(difference), difference, 0.0)
 
 
