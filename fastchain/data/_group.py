@@ -205,14 +205,15 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     updater keeps them after the handle is disabled (they hold its
     position)."""
     from chainer.iterators import SerialIterator, ShuffleOrderSampler
-    from fastchain.data._follow import follow, target_of
+    from fastchain.data._follow import follow, live_target
     workers, prefetch, asked = setting
     chosen = workers is None        # the default: this process's share of the cores
     workers = default_workers() if chosen else workers
     next_(updater, *args, **kwargs)
     main = updater._iterators['main']
-    if target_of(main) is not None:     # taken by an earlier updater: the same one
-        updater._iterators['main'] = target_of(main)
+    taken = live_target(main)
+    if taken is not None:       # taken by an earlier updater: the same one
+        updater._iterators['main'] = taken
         return
     if type(main) is not SerialIterator or not isinstance(
             main.order_sampler, (type(None), ShuffleOrderSampler)):

@@ -5,7 +5,7 @@ import numpy
 import chainer
 from chainer.dataset import iterator as iterator_module
 
-from fastchain.data import _workers
+from fastchain.data import _follow, _workers
 from fastchain.data._draws import KeptGenerators, say_draws
 from fastchain.data._generators import find as find_generators, seed_example
 from fastchain.data._errors import DataLoadError, _whole, check_args, chainer_names
@@ -296,6 +296,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         """Stop the workers and free the shared memory (idempotent)."""
         if self._pool is not None:
             self._pool.close()
+        _follow.release(self)
 
     def __del__(self):
         self.finalize()

@@ -24,6 +24,7 @@ import chainer
 from chainer.dataset import convert
 from chainer.dataset import iterator as iterator_module
 
+from fastchain.data import _follow
 from fastchain.data._transforms import Normalize
 
 _END = object()
@@ -282,6 +283,7 @@ class DevicePrefetcher(iterator_module.Iterator):
             self._stop_thread()
         if hasattr(self, 'iterator'):
             self.iterator.finalize()
+        _follow.release(self)
 
 
 def _skipped_of(it):

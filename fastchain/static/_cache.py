@@ -230,21 +230,33 @@ class _Cache:
         statistics = _fixes.building_statistics(chain, _keys.array_inputs(args)) if building else \
             contextlib.nullcontext()
         watch = _reads.watching() if building else contextlib.nullcontext(_reads.Found())
+        found = None
         try:
             with statistics, recorder, watch as reads, before.python.draws.watching(), \
                     _fixes.verbosity(self.verbosity > 0):
                 out = self._replay(chain, key, args, building)
-        except Exception as e:      # the caching machinery could not handle it
+        except BaseException as e:  # the call's own error, or one of the cache's
             drew = before.random_moved()
             changed = before.python.changes(made=building)
             before.restore()
+            self._drop(key)     # its half-made schedule: the key records anew
+            if not isinstance(e, Exception):
+                raise           # Ctrl-C, an exit: the call ends, the cache stays
             refused = _functions.refusal(recorder.names) if building else None
             if refused is not None:
-                return self._redo(plain, args, 'refused', refused)
-            if changed:     # the likelier cause (a generator's draw made a constant)
-                return self._redo(plain, args, *_reasons.python_reason(changed))
-            return self._redo(plain, args, *_reasons.machinery_reason(
-                getattr(recorder, 'last', None) if building else False, e, drew))
+                found = 'refused', refused
+            elif changed:       # the likelier cause (a generator's draw made a constant)
+                found = _reasons.python_reason(changed)
+            else:
+                found = _reasons.machinery_reason(
+                    getattr(recorder, 'last', None) if building else False, e, drew)
+        if found is not None:
+            # Define-by-run decides whose error it was: one it raises as well
+            # is the call's own (a malformed batch), raised as plain Chainer
+            # raises it, the cache kept; else a limit of the cache.
+            out = plain(*args)
+            self.fall_back(*found)
+            return out
         kept = before.kept_variables()
         if kept:
             before.restore()
@@ -343,6 +355,16 @@ class _Cache:
     def _redo(self, plain, args, cause, reason):
         self.fall_back(cause, reason)
         return plain(*args)
+
+    def _drop(self, key):
+        """Forget what the cache holds for ``key`` (a call of it raised)."""
+        chain = self.ref()
+        managers = None if chain is None else chain.__dict__.get('schedule_manager')
+        if getattr(managers, 'owner', None) is self.token:
+            managers.by_key.pop(key, None)
+        for table in (self.state['sequences'], self.state['verified'], self.state['names'],
+                      self.structures, self.unverifiable):
+            table.pop(key, None)
 
     def forget(self):
         """Drop the schedules: Chainer's attributes on the chain, if they are ours."""

@@ -458,3 +458,52 @@ def test_the_scripts_own_iterator_follows_the_loaders(prefetch):
         numpy.testing.assert_array_equal(got[1][key], plain[1][key], err_msg=key)
     assert got[2]           # still a SerialIterator to the script
     numpy.testing.assert_array_equal(got[3], plain[3])
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
+def test_the_scripts_own_iterator_outlives_the_run_and_copies_as_its_class(prefetch):
+    """In plain Chainer a SerialIterator outlives ``trainer.run()`` (its
+    finalize does nothing): a second trainer goes on with it. Under the
+    loader that raised 'this DevicePrefetcher was finalized', and a pickle
+    or deep copy of the script's object failed (a new-user trial). Both as
+    plain Chainer: the same batches, weights and positions, bit for bit."""
+    import copy
+    import pickle
+
+    def run(options):
+        numpy.random.seed(0)
+        model = L.Classifier(L.Linear(3, N))
+        opt = chainer.optimizers.SGD(0.1).setup(model)
+        handle = None if options is None else fastchain.enable(**options)
+        try:
+            it = chainer.iterators.SerialIterator(Indexed(), 5)
+            copies = []
+
+            def keep(made):
+                assert type(made) is chainer.iterators.SerialIterator
+                state = {}
+                serializers.DictionarySerializer(state).save(made)
+                copies.append(state)
+
+            def copy_it(trainer):       # during a run: the script's object follows
+                keep(pickle.loads(pickle.dumps(it)))
+                keep(copy.deepcopy(it))
+            for iterations in (2, 6):       # across two epochs
+                trainer = chainer.training.Trainer(
+                    chainer.training.StandardUpdater(it, opt), (iterations, 'iteration'))
+                trainer.extend(copy_it, trigger=(1, 'iteration'))
+                trainer.run()
+                keep(it)
+            copies.append({'batch': [int(t) for _, t in it.next()]})    # a loop of its own
+            return copies, [p.array.copy() for p in model.params()]
+        finally:
+            if handle is not None:
+                handle.disable()
+    plain = run(None)
+    got = run(dict(loader_workers=1, prefetch_to_device=prefetch))
+    assert len(got[0]) == len(plain[0]) == 2 * (2 + 6) + 3
+    for mine, theirs in zip(got[0], plain[0]):
+        for key in theirs:
+            numpy.testing.assert_array_equal(mine[key], theirs[key], err_msg=key)
+    for mine, theirs in zip(got[1], plain[1]):
+        numpy.testing.assert_array_equal(mine, theirs)
