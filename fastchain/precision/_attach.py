@@ -9,6 +9,7 @@ owning handle's :class:`~fastchain.config._patches.Changes`, so disabling
 that handle takes exactly them off again.
 """
 
+import copy
 import threading
 import warnings
 import weakref
@@ -22,6 +23,7 @@ from fastchain.precision._scaler import FP16_SAFE_SCALE
 SERIAL_KEY = 'fastchain_loss_scaler'
 SERIAL_MASTERS = 'fastchain_fp32_masters'
 SCALER = 'loss_scaler'              # attachment key: the optimizer's scaler
+CARRIED = '_fastchain_loss_scaler'  # a copy's attribute: the scaler it takes up (take_up)
 ALL_RANKS_ANY = 'all_ranks_any'     # attachment key: data-parallel agreement
 
 
@@ -41,13 +43,23 @@ def attach(optimizer, scaler, changes, fp32_update=True):
     if scaler is None:
         return
     changes.attach(optimizer, SCALER, scaler)
+    own_scale = vars(optimizer).get('_loss_scale')
     _set_loss_scale(optimizer, scaler, changes)
     ref = weakref.ref(optimizer)
+    # A copy (deepcopy, pickle) is a plain optimizer that carries a copy of
+    # the scaler, taken up at its first update while fp16 is in force
+    # (take_up); until then its loss scale is the one before this.
+    _patches.carry_into_copies(optimizer, lambda: {CARRIED: copy.copy(scaler),
+                                                   '_loss_scale': own_scale})
+    changes.call('copies carry the scaler', lambda: ref() is not None and
+                 _patches.carry_into_copies(ref(), None))
 
-    step = {'fp16_grads': [], 'warned': False, 'stats_warned': False}
+    step = {'fp16_grads': [], 'warned': False, 'stats_warned': False, 'own_warned': False}
 
     def check_nan_in_grads(next_):
         opt = ref()
+        if not step['own_warned']:
+            step['own_warned'] = _warn_own_scaling(opt, scaler)
         params = [p for p in opt.target.params() if p.grad is not None]
         # Unscale here, before the optimizer's hooks (GradientClipping,
         # WeightDecay, ...) see the gradients, with the arithmetic Chainer's
@@ -106,6 +118,37 @@ def attach(optimizer, scaler, changes, fp32_update=True):
                      ('update_loss_scale', update_loss_scale),
                      ('serialize', serialize)):
         changes.wrap(optimizer, name, 'fp16', fn)
+
+
+def take_up(next_, optimizer, *args, changes, **kwargs):
+    """The fp16 layer of ``GradientMethod.update``: a copy of an fp16
+    optimizer (``copy.deepcopy``, pickle) takes up the scaler it carries,
+    and its first update is an fp16 one (it was a plain optimizer with a
+    fixed scale: an overflow reached its weights)."""
+    carried = optimizer.__dict__.pop(CARRIED, None)
+    if carried is None or scaler_of(optimizer) is not None:
+        return next_(optimizer, *args, **kwargs)
+    attach(optimizer, carried, changes)
+    return optimizer.update(*args, **kwargs)        # through its own layers now
+
+
+def _warn_own_scaling(optimizer, scaler):
+    """The script set Chainer's own loss scaling on an optimizer the scaler
+    scales (``loss_scaling()``, ``set_loss_scale()``, ``_loss_scale = ...``):
+    the scaler's goes on from the next step. Says so; returns whether it did."""
+    dynamic = optimizer.__dict__.get('_loss_scaling_is_dynamic', False)
+    if not dynamic and optimizer._loss_scale == scaler.scale:
+        return False
+    warnings.warn(
+        "fastchain: fp16's DynamicLossScaler scales this {}'s loss; the script's own loss "
+        'scaling ({}) is replaced by its scale ({:g}) from the next step. Choose the scaling '
+        "with fastchain.enable(fp16=True, loss_scale={{'init_scale': ..., "
+        "'growth_interval': ...}}) (a fixed scale S: init_scale, min_scale and max_scale S), "
+        "or leave it to Chainer with loss_scale=False (fp32 masters only)".format(
+            type(optimizer).__name__, 'optimizer.loss_scaling()' if dynamic else
+            'a loss scale of {!r}'.format(optimizer._loss_scale), scaler.scale),
+        FastchainWarning, stacklevel=_patches.user_stacklevel())
+    return True
 
 
 def _warn_nonfinite_statistics(target):
@@ -240,14 +283,24 @@ def _serialize_masters(optimizer, serializer):
     absent = False
     for name, param in optimizer.target.namedparams():
         rule = getattr(param, 'update_rule', None)
-        if rule is None or not rule._use_fp32_update or param.array is None \
-                or param.dtype != numpy.float16:
+        if rule is None or not rule._use_fp32_update:
+            continue
+        made = param.array is not None
+        if made and param.dtype != numpy.float16 or not made and not loading:
             continue
         key = name.lstrip('/').replace('/', '.')
         if loading:
-            master = serializer(key, None)
+            # A parameter not made yet (L.Linear(None, n): StandardUpdater
+            # loads the optimizer before the model) takes a master the
+            # snapshot has for it: its first update starts from it.
+            try:
+                master = serializer(key, None)
+            except KeyError:
+                if made:
+                    raise
+                continue        # (saved before it was made: none to take)
             if master is None:
-                absent = True       # keep this rule's master as it is
+                absent = absent or made     # keep this rule's master as it is
                 continue
             master = param.device.send(master)
             if master.dtype != numpy.float32:
@@ -311,14 +364,29 @@ def check_model_dtype(link):
     if dtypes and numpy.dtype(numpy.float16) not in dtypes:
         # (it said the model 'trains in float32'; the batches are cast to
         # float16 all the same, and the first step failed: a new-user trial)
+        import chainer
+        hidden = chainer.config.dtype is not chainer.mixed16
         warnings.warn(
-            'fastchain: fp16 is enabled but {} has no float16 parameters (it was built before '
-            'fastchain.enable(fp16=True)): its weights stay {}, while the batches are cast '
-            "to float16, so the first step fails with Chainer's 'float32 != float16' type "
-            'error unless the model casts its inputs itself. Build the model after '
-            'fastchain.enable(fp16=True).'
-            .format(type(link).__name__, ', '.join(sorted(d.name for d in dtypes))),
+            'fastchain: fp16 is enabled but {} has no float16 parameters ({}): its weights '
+            "stay {}, while the batches are cast to float16, so the first step fails with "
+            "Chainer's 'float32 != float16' type error unless the model casts its inputs "
+            'itself. {}.'.format(
+                type(link).__name__, hidden_dtype() if hidden else
+                'it was built before fastchain.enable(fp16=True)',
+                ', '.join(sorted(d.name for d in dtypes)),
+                'Build the model where chainer.get_dtype() is mixed16' if hidden else
+                'Build the model after fastchain.enable(fp16=True)'),
             FastchainWarning, stacklevel=_patches.user_stacklevel())
+
+
+def hidden_dtype():
+    """Why this thread's ``chainer.config.dtype`` is not fp16's mixed16."""
+    import chainer
+    return ('chainer.config.dtype is {} in this thread (chainer.config.dtype = ..., or a '
+            "using_config('dtype', ...)), which hides the chainer.global_config.dtype = "
+            'mixed16 that enable(fp16=True) set: del chainer.config.dtype, or leave that '
+            'using_config'.format(getattr(chainer.config.dtype, '__name__',
+                                          chainer.config.dtype)))
 
 
 def _report(values, observer):

@@ -64,6 +64,8 @@ class Fp16Group(Group):
         changes = plan.changes('fp16', 'fp16')
         plan.wrap(GradientMethod, 'setup', 'fp16', functools.partial(
             _setup_layer, loss_scale=values['loss_scale'], changes=changes))
+        plan.wrap(GradientMethod, 'update', 'fp16', functools.partial(
+            _attach.take_up, changes=changes))
         plan.wrap(convert, '_call_converter', 'fp16', _cast_layer)
         plan.wrap(convert._ArbitraryCallableConverter, '__call__', 'fp16', _direct_cast_layer)
         plan.wrap(chainer.Variable, 'backward', 'fp16', _attach.record_backward_scale)
@@ -94,6 +96,9 @@ class Fp16Group(Group):
         if chainer.global_config.dtype is not chainer.mixed16:
             state.why = ('chainer.config.dtype was changed to {} after enable(fp16=True)'
                          .format(chainer.global_config.dtype))
+            return [state]
+        if chainer.config.dtype is not chainer.mixed16:
+            state.why = _attach.hidden_dtype()
             return [state]
         state.active = True
         if not cuda.available():

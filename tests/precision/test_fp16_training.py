@@ -237,6 +237,49 @@ def test_disable_detaches_an_optimizer_set_up_while_enabled():
     assert not any(p.update_rule._use_fp32_update for p in model.params())
 
 
+@pytest.mark.parametrize('how', ['deepcopy', 'pickle', 'copy'])
+def test_a_copy_of_an_fp16_optimizer_trains_on_as_the_original_would(how):
+    """A copy (deepcopy, pickle) was a plain optimizer with the scale frozen:
+    an overflowing step put NaN in its weights where the original skipped
+    it (a new-user trial). It carries the scaler, taken up at its first
+    update: the two go on bit for bit. A shallow copy gets a scaler of its
+    own (sharing one, each would step it)."""
+    import copy
+    import pickle
+    with fp16_enable(loss_scale={'init_scale': 2.0 ** 15, 'growth_interval': 2}):
+        numpy.random.seed(0)
+        model = L.Classifier(L.Linear(4, 3))
+        opt = chainer.optimizers.Adam().setup(model)
+        rng = numpy.random.RandomState(1)
+        x, t = rng.randn(8, 4).astype(numpy.float16), rng.randint(0, 3, 8).astype(numpy.int32)
+        big = numpy.full((8, 4), 3000, numpy.float16)  # its gradients overflow float16 scaled
+        opt.update(model, x, t)
+        if how == 'deepcopy':
+            copied = copy.deepcopy((model, opt))
+        elif how == 'pickle':
+            copied = pickle.loads(pickle.dumps((model, opt)))
+        else:
+            copied = copy.deepcopy(model), copy.copy(opt)
+            copied[1].target = copied[0]        # (a shallow copy shares the target)
+        pairs = [(model, opt), copied]
+        for batch in (x, big, x, x, x):
+            for m, o in pairs:
+                o.update(m, batch, t)
+        scalers = [scaler_of(o) for _, o in pairs]
+    assert scalers[1] is not scalers[0]
+    assert scalers[1].state_dict() == scalers[0].state_dict()
+    assert scalers[0].skipped_steps == 1 and scalers[0].steps == 5
+    (mine, o1), (theirs, o2) = pairs
+    for (name, p), (_, q) in zip(sorted(mine.namedparams()), sorted(theirs.namedparams())):
+        numpy.testing.assert_array_equal(q.array, p.array, err_msg=name)
+        numpy.testing.assert_array_equal(q.update_rule._fp32_param.array,
+                                         p.update_rule._fp32_param.array, err_msg=name)
+        for key in p.update_rule.state:
+            numpy.testing.assert_array_equal(q.update_rule.state[key],
+                                             p.update_rule.state[key], err_msg=name + key)
+    assert o1.t == o2.t
+
+
 def test_fp32_masters_only_when_loss_scale_is_false():
     with fp16_enable(loss_scale=False):
         model = L.Classifier(CNN())
@@ -250,6 +293,33 @@ def test_model_built_before_enable_warns():
     with fp16_enable():
         with pytest.warns(UserWarning, match='Build the model after'):
             chainer.optimizers.SGD().setup(model)
+
+
+def test_a_dtype_this_thread_set_is_named_as_what_hides_fp16():
+    """A script's own ``chainer.config.dtype = float32`` (thread-local) hides
+    the mixed16 enable() sets in the global config: the report said fp16 was
+    active and the warning blamed a model built before enable() (a new-user
+    trial)."""
+    chainer.config.dtype = numpy.float32
+    try:
+        with pytest.warns(FastchainWarning, match='fp16 is not in force: chainer.config.dtype '
+                          'is float32 in this thread'):
+            handle = fastchain.enable(fp16=True, loader_workers=0)
+        try:
+            state = handle.report()['fp16']
+            assert not state['active'] and 'del chainer.config.dtype' in state['why']
+            model = L.Classifier(CNN())
+            with pytest.warns(FastchainWarning, match=r'no float16 parameters \(chainer.config'
+                              r'.dtype is float32 in this thread') as caught:
+                chainer.optimizers.SGD().setup(model)
+            assert not any('built before' in str(w.message) for w in caught)
+            del chainer.config.dtype
+            assert handle.report()['fp16']['active']
+        finally:
+            handle.disable()
+    finally:
+        if 'dtype' in vars(chainer.config._local):
+            del chainer.config.dtype
 
 
 class _LazyWithBN(chainer.Chain):

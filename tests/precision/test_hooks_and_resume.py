@@ -37,7 +37,7 @@ def batches(n, seed=0):
 
 
 def step(model, optimizer, x, t):
-    dtype = model.fc.W.dtype
+    dtype = model.conv.W.dtype
     optimizer.update(lambda: F.softmax_cross_entropy(model(x.astype(dtype)), t))
 
 
@@ -132,10 +132,27 @@ def test_without_hooks_the_update_is_bitwise_chainers_own_unscaling():
                                              err_msg=name + ' (master)')
 
 
-def test_a_resumed_fp16_run_continues_bit_for_bit(tmp_path):
+class LazyCNN(CNN):
+    """Its fully connected layer is made on its first call (``L.Linear(None, n)``)."""
+
+    def __init__(self):
+        chainer.Chain.__init__(self)
+        with self.init_scope():
+            self.conv = chainer.links.Convolution2D(1, 8, 3, pad=1)
+            self.bn = chainer.links.BatchNormalization(8)
+            self.fc = chainer.links.Linear(None, 3)
+
+
+@pytest.mark.parametrize('make, optimizer_first', [
+    (CNN, False), (LazyCNN, False), (LazyCNN, True)],
+    ids=['sized', 'lazy, the model loaded first', 'lazy, the optimizer loaded first'])
+def test_a_resumed_fp16_run_continues_bit_for_bit(tmp_path, make, optimizer_first):
+    """The optimizer loaded first, as StandardUpdater.serialize does, meets
+    the lazy layer's parameters not made yet: their masters in the snapshot
+    were left unread, and made anew from the fp16 weights (a new-user trial)."""
     def fresh():
         numpy.random.seed(0)
-        model = CNN()
+        model = make()
         return model, chainer.optimizers.MomentumSGD(0.1).setup(model)
 
     data = list(batches(8, seed=3))
@@ -154,11 +171,12 @@ def test_a_resumed_fp16_run_continues_bit_for_bit(tmp_path):
         serializers.save_npz(str(tmp_path / 'opt.npz'), opt)
 
         model, opt = fresh()
-        serializers.load_npz(str(tmp_path / 'model.npz'), model)
-        serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
+        for target, name in sorted([(model, 'model.npz'), (opt, 'opt.npz')],
+                                   key=lambda pair: (pair[1] == 'model.npz') == optimizer_first):
+            serializers.load_npz(str(tmp_path / name), target)
         for x, t in data[4:]:
             step(model, opt, x, t)
-    assert masters, 'fp16 parameters should have fp32 masters'
+    assert 'fc/W' in ''.join(masters), 'fp16 parameters should have fp32 masters'
     for name, p in model.namedparams():
         numpy.testing.assert_array_equal(p.array, straight[name], err_msg=name)
         if name in masters:
@@ -337,3 +355,28 @@ def test_a_fixed_scale_is_shown_as_the_dict_that_gives_it():
     with pytest.raises(ValueError, match=r"a fixed scale is the dict \{'init_scale': 128.0, "
                                          r"'min_scale': 128.0, 'max_scale': 128.0\}"):
         fastchain.enable(fp16=True, loss_scale=128.0)
+
+
+@pytest.mark.parametrize('own', ['loss_scaling()', 'set_loss_scale(128)', '_loss_scale = 128'])
+def test_the_scripts_own_loss_scaling_is_replaced_and_said_once(own):
+    """Chainer's own loss scaling set on an optimizer the scaler scales was
+    replaced without a word (a new-user trial)."""
+    with fp16_enable():
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        data = list(batches(4))
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', FastchainWarning)
+            step(model, opt, *data[0])          # the scaler's own: nothing said
+        if own == 'loss_scaling()':
+            opt.loss_scaling()
+        elif own == 'set_loss_scale(128)':
+            opt.set_loss_scale(128)
+        else:
+            opt._loss_scale = 128
+        with pytest.warns(FastchainWarning, match='replaced by its scale') as caught:
+            for x, t in data[1:]:
+                step(model, opt, x, t)
+        assert opt._loss_scale == scaler_of(opt).scale and scaler_of(opt).steps == 4
+    assert sum('replaced by its scale' in str(w.message) for w in caught) == 1

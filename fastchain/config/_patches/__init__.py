@@ -94,7 +94,9 @@ not (the call was already bound).
 A copy of an object with a point on it (``copy.copy``, ``copy.deepcopy``,
 ``Link.copy``, pickle) is a plain object: its state leaves the dispatchers
 out (they are bound to the original), through an ``__reduce_ex__`` of the
-object's own that fastchain keeps there while a point is installed.
+object's own that fastchain keeps there while a point is installed; an
+owner may give copies attributes to be taken up by (``carry_into_copies``:
+an fp16 optimizer's copy carries its scaler).
 
 Objects are held weakly: points on objects, attachments (``attached()``, the
 explicit lookups that replace marker attributes) and the :class:`Changes`
@@ -103,13 +105,13 @@ a handle keeps all let their objects be collected.
 
 from fastchain.config._patches._common import MISSING, lock, user_stacklevel
 from fastchain.config._patches._objects import Changes, attach, attached, detach
-from fastchain.config._patches._copies import is_ours, leave_out_of_copies
+from fastchain.config._patches._copies import carry_into_copies, is_ours, leave_out_of_copies
 from fastchain.config._patches._points import (ORDER, Point, in_force, layers, points, sweep,
                                                unwrap, wrap)
 from fastchain.config._patches._values import (clear_value, original_value, set_value,
                                                value_labels)
 
-__all__ = ['Changes', 'MISSING', 'ORDER', 'Point', 'attach', 'attached', 'clear_value',
-           'detach', 'in_force', 'is_ours', 'layers', 'leave_out_of_copies', 'lock',
-           'original_value', 'points', 'set_value', 'sweep', 'unwrap', 'user_stacklevel',
-           'value_labels', 'wrap']
+__all__ = ['Changes', 'MISSING', 'ORDER', 'Point', 'attach', 'attached', 'carry_into_copies',
+           'clear_value', 'detach', 'in_force', 'is_ours', 'layers', 'leave_out_of_copies',
+           'lock', 'original_value', 'points', 'set_value', 'sweep', 'unwrap',
+           'user_stacklevel', 'value_labels', 'wrap']

@@ -8,6 +8,7 @@ MISSING = object()      # an attribute or value that was not there
 lock = threading.RLock()
 object_points = weakref.WeakKeyDictionary()     # obj -> {name: Point} (_points)
 left_out = weakref.WeakKeyDictionary()          # obj -> attribute names its copies leave out
+carried = weakref.WeakKeyDictionary()           # obj -> {name: value} its copies carry
 
 
 def user_stacklevel():

@@ -6,8 +6,8 @@ to that object; these guards keep it (and what an owner asks) out of copies.
 
 import weakref
 
-from fastchain.config._patches._common import left_out as _left_out, lock as _lock, \
-    object_points as _object_points
+from fastchain.config._patches._common import carried as _carried, left_out as _left_out, \
+    lock as _lock, object_points as _object_points
 
 
 class _CopyGuard:
@@ -21,7 +21,7 @@ class _CopyGuard:
     parameters, silently; a deep copy raised on what Chainer's static graph
     keeps). The copy's state leaves out the dispatchers, this guard and the
     names given to :func:`leave_out_of_copies`: a copy is a plain object,
-    without fastchain's layers.
+    without fastchain's layers, with what :func:`carry_into_copies` gives it.
     """
 
     __slots__ = ('_ref', '__weakref__')
@@ -52,6 +52,9 @@ class _CopyGuard:
             if isinstance(v, dict) and any(id(x) in ours for x in v.values()):
                 # a __getstate__ that nests the __dict__ (MultiprocessIterator's)
                 state[k] = {a: b for a, b in v.items() if id(b) not in ours and a not in names}
+        carried = _carried.get(obj)
+        if carried is not None:
+            state.update(carried())
         if slots is not None:
             state = (state, slots)
         return reduced[:2] + (state,) + reduced[3:]
@@ -92,7 +95,7 @@ def _guard(obj):
 
 def _unguard(obj):
     """Take the guard away once nothing of fastchain's is left on ``obj``."""
-    if _left_out.get(obj):
+    if _left_out.get(obj) or _carried.get(obj):
         return
     if any(point.installed() for point in (_object_points.get(obj) or {}).values()):
         return
@@ -124,4 +127,18 @@ def leave_out_of_copies(obj, names):
             _guard(obj)
         else:
             _left_out.pop(obj, None)
+            _unguard(obj)
+
+
+def carry_into_copies(obj, values):
+    """Copies of ``obj`` (see :class:`_CopyGuard`) get the attributes
+    ``values()`` returns at each copy ({name: value}; copied as the rest of
+    the state is, so a shallow copy shares them: make them anew there): what
+    a copy needs to be taken up again as ``obj`` was; None ends it."""
+    with _lock:
+        if values is not None:
+            _carried[obj] = values
+            _guard(obj)
+        else:
+            _carried.pop(obj, None)
             _unguard(obj)
