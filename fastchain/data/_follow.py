@@ -11,13 +11,16 @@ becomes a subclass of its own whose attribute reads, writes and ``next()``
 go to the iterator the updater uses (an attribute only the old one has is
 still read from it).
 
-A ``SerialIterator`` outlives a run in plain Chainer (its ``finalize`` does
-nothing): a second trainer, or a loop of the script's, goes on with it. The
-loader's ``finalize`` (at the end of ``trainer.run()``) stops its workers;
-from then on the script's object is its own class again, at the position
-the training left it (:func:`live_target`), and an updater built on it gets
-a new loader from there. A copy or pickle of the script's object is a
-plain object of its class at the training's position.
+A ``SerialIterator`` outlives its ``finalize`` in plain Chainer (it does
+nothing): a second trainer, the same updater again, or a loop of the
+script's goes on with it. The loader's ``finalize`` (at the end of
+``trainer.run()``, or the script's) stops its workers, and hands back
+(:func:`release`): the script's object is its own class again, at the
+position the training left it, and every updater the loader served has it
+back (and its own converter), so it goes on serially; an updater built on
+it later gets a new loader from there. A copy or pickle of the script's
+object is a plain object of its class at the training's position, read
+without moving the loader (a copy may be made from another thread).
 """
 
 import copyreg
@@ -25,14 +28,17 @@ import copyreg
 import weakref
 
 import numpy
+from chainer.serializers import DictionarySerializer, NpzDeserializer
 
 _classes = {}
-_followers = weakref.WeakKeyDictionary()    # loader -> the script's objects following it
+_followers = weakref.WeakKeyDictionary()    # loader -> the script's object following it
+_served = weakref.WeakKeyDictionary()       # loader -> [(updater, its own converter)]
 TARGET = '_fastchain_follows'
 
 
-def follow(original, replacement):
-    """Make ``original`` (the script's iterator) act as ``replacement``."""
+def follow(original, replacement, updater, converter):
+    """Make ``original`` (the script's iterator) act as ``replacement``, the
+    loader ``updater`` now uses (:func:`serve`)."""
     cls = type(original)
     sub = _classes.get(cls)
     if sub is None:
@@ -42,25 +48,48 @@ def follow(original, replacement):
             '__reduce_ex__': _reduce_ex,
             '__iter__': lambda self: self,
             # Chainer's Iterator.__del__ finalizes: the script dropping its
-            # object must not stop the updater's iterator (finalize() called
-            # by the script still does, as it would in plain Chainer)
+            # object must not stop the updater's iterator
             '__del__': lambda self: None,
             '__module__': cls.__module__,
             '__doc__': '{} following the iterator fastchain\'s loader put in the '
                        'updater\'s place ({}).'.format(cls.__name__, __name__)})
     object.__setattr__(original, TARGET, replacement)
     original.__class__ = sub
-    _followers.setdefault(replacement, weakref.WeakSet()).add(original)
+    _followers[replacement] = weakref.ref(original)
+    serve(replacement, updater, converter)
+
+
+def serve(loader, updater, converter):
+    """``updater`` uses ``loader`` in the script's iterator's place (and
+    ``converter`` is its own, replaced by the loader's, or None)."""
+    _served.setdefault(loader, []).append((weakref.ref(updater), converter))
 
 
 def release(target):
-    """``target`` is finalized: the objects following it become their own."""
+    """``target`` (a loader) is finalized: the script's object following it
+    is its own again, and the updaters it served have it back."""
     try:
-        following = list(_followers.pop(target, ()))
+        ref = _followers.pop(target, None)
+        served = _served.pop(target, ())
     except Exception:       # at the interpreter's exit (from a __del__)
         return
-    for iterator in following:
-        live_target(iterator)
+    original = None if ref is None else ref()
+    if original is None:
+        return
+    if target_of(original) is target:
+        own = object.__getattribute__(original, '__dict__')
+        cls = type(original).__mro__[1]
+        del own[TARGET]
+        saved = DictionarySerializer()
+        target.serialize(saved)         # (finalized: nothing moves meanwhile)
+        _load(own, cls, saved.target)
+        object.__setattr__(original, '__class__', cls)
+    for updater_ref, converter in served:
+        updater = updater_ref()
+        if updater is not None and updater._iterators.get('main') is target:
+            updater._iterators['main'] = original
+            if converter is not None and updater.converter is target.converter:
+                updater.converter = converter
 
 
 def target_of(iterator):
@@ -73,16 +102,11 @@ def target_of(iterator):
 
 def live_target(iterator):
     """The iterator ``iterator`` follows, or None: none once that one is
-    finalized, when ``iterator`` becomes its own again, where it left off."""
+    finalized (:func:`release`)."""
     target = target_of(iterator)
     if target is None or not _finalized(target):
         return target
-    _followers.pop(target, None)
-    own = object.__getattribute__(iterator, '__dict__')
-    cls = type(iterator).__mro__[1]
-    del own[TARGET]
-    _take_position(own, target, cls)
-    object.__setattr__(iterator, '__class__', cls)
+    release(target)
     return None
 
 
@@ -93,19 +117,31 @@ def _finalized(iterator):
     return pool is not None and pool.closed
 
 
-def _take_position(own, target, cls):
-    """Load into ``own`` (the ``__dict__`` of the script's object, of class
-    ``cls``, without ``TARGET``) the position of ``target``, through their
-    ``serialize`` (the loader writes SerialIterator's keys)."""
-    from chainer.serializers import DictionarySerializer, NpzDeserializer
-    saved = DictionarySerializer()
-    target.serialize(saved)
+def _position(target):
+    """SerialIterator's keys for where ``target`` stands, read without moving
+    it (its ``serialize`` gives back the batches fetched ahead, stopping the
+    prefetch thread); None where the order of its epoch is no longer kept."""
+    before = target.previous_epoch_detail
+    saved = {'current_position': target.current_position, 'epoch': target.epoch,
+             'is_new_epoch': target.is_new_epoch,
+             'previous_epoch_detail': -1.0 if before is None else before}
+    schedule = getattr(target, 'iterator', target)._schedule
+    if schedule.shuffle:
+        saved['order'] = schedule.order(saved['epoch'])
+        if saved['order'] is None:
+            return None
+    return {key: numpy.array(value) for key, value in saved.items()}
+
+
+def _load(own, cls, saved):
+    """Load ``saved`` (SerialIterator's keys) into ``own``, the ``__dict__``
+    of the script's object of class ``cls``, through its ``serialize``."""
     plain = object.__new__(cls)
     plain.__dict__.update(own)
     state = own.get('_state')       # SerialIterator's; its order is loaded in place
     if isinstance(getattr(state, 'order', None), numpy.ndarray):
         plain._state = state._replace(order=state.order.copy())
-    plain.serialize(NpzDeserializer(saved.target))
+    plain.serialize(NpzDeserializer(saved))
     own.update(vars(plain))
 
 
@@ -121,7 +157,12 @@ def _reduce_ex(self, protocol):
     cls = type(self).__mro__[1]
     own = dict(object.__getattribute__(self, '__dict__'))
     del own[TARGET]
-    _take_position(own, target, cls)
+    saved = _position(target)
+    if saved is None:
+        saved = DictionarySerializer()
+        target.serialize(saved)
+        saved = saved.target
+    _load(own, cls, saved)
     # (not __newobj__, which pickle allows for the object's own class only)
     return copyreg._reconstructor, (cls, object, None), own
 

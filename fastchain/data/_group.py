@@ -205,7 +205,7 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     updater keeps them after the handle is disabled (they hold its
     position)."""
     from chainer.iterators import SerialIterator, ShuffleOrderSampler
-    from fastchain.data._follow import follow, live_target
+    from fastchain.data._follow import follow, live_target, serve
     workers, prefetch, asked = setting
     chosen = workers is None        # the default: this process's share of the cores
     workers = default_workers() if chosen else workers
@@ -213,6 +213,10 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     main = updater._iterators['main']
     taken = live_target(main)
     if taken is not None:       # taken by an earlier updater: the same one
+        own = None
+        if isinstance(taken, DevicePrefetcher):     # its batches come converted
+            own, updater.converter = updater.converter, taken.converter
+        serve(taken, updater, own)
         updater._iterators['main'] = taken
         return
     if type(main) is not SerialIterator or not isinstance(
@@ -253,10 +257,11 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     if chosen:
         main.tune_workers()     # with autotune: how many of them load
     _DONE[updater] = ('loading', main)
+    own = None
     if prefetch:
         main = DevicePrefetcher(main, updater.converter, updater.input_device)
-        updater.converter = main.converter
-    follow(updater._iterators['main'], main)     # the script's object follows it
+        own, updater.converter = updater.converter, main.converter
+    follow(updater._iterators['main'], main, updater, own)   # the script's object follows it
     updater._iterators['main'] = main
 
 

@@ -1,7 +1,6 @@
 """A multiprocess prefetching iterator with exact, resumable order."""
 
 import numpy
-
 import chainer
 from chainer.dataset import iterator as iterator_module
 
@@ -293,7 +292,7 @@ class MultiprocessIterator(iterator_module.Iterator):
                 self._restart_loading()
 
     def finalize(self):
-        """Stop the workers and free the shared memory (idempotent)."""
+        """Stop the workers, free the shared memory, hand back (``_follow``); idempotent."""
         if self._pool is not None:
             self._pool.close()
         _follow.release(self)

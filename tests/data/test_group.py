@@ -507,3 +507,63 @@ def test_the_scripts_own_iterator_outlives_the_run_and_copies_as_its_class(prefe
             numpy.testing.assert_array_equal(mine[key], theirs[key], err_msg=key)
     for mine, theirs in zip(got[1], plain[1]):
         numpy.testing.assert_array_equal(mine, theirs)
+
+
+def _same_updater_second_trainer(it, opt):
+    updater = chainer.training.StandardUpdater(it, opt)
+    for iterations in (2, 5):       # a run extended: the stop counts the updater's iterations
+        chainer.training.Trainer(updater, (iterations, 'iteration')).run()
+
+
+def _updates_by_hand_after_the_run(it, opt):
+    updater = chainer.training.StandardUpdater(it, opt)
+    chainer.training.Trainer(updater, (2, 'iteration')).run()
+    for _ in range(3):
+        updater.update()
+
+
+def _the_script_finalizes_its_iterator(it, opt):
+    updater = chainer.training.StandardUpdater(it, opt)
+    updater.update()
+    it.finalize()                   # (a SerialIterator's does nothing)
+    for _ in range(3):
+        updater.update()
+
+
+def _two_updaters_share_it(it, opt):
+    first = chainer.training.StandardUpdater(it, opt)
+    second = chainer.training.StandardUpdater(it, opt)
+    chainer.training.Trainer(first, (2, 'iteration')).run()
+    for _ in range(3):
+        second.update()
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
+@pytest.mark.parametrize('case', [_same_updater_second_trainer, _updates_by_hand_after_the_run,
+                                  _the_script_finalizes_its_iterator, _two_updaters_share_it],
+                         ids=lambda case: case.__name__.strip('_'))
+def test_an_updater_goes_on_after_its_loader_is_finalized(case, prefetch):
+    """Each raised 'this MultiprocessIterator (DevicePrefetcher) was
+    finalized' (a review): the updaters the loader served have the script's
+    iterator back, where the training left it, and go on as plain Chainer's."""
+    def run(options):
+        numpy.random.seed(0)
+        model = L.Classifier(L.Linear(3, N))
+        opt = chainer.optimizers.SGD(0.1).setup(model)
+        handle = None if options is None else fastchain.enable(**options)
+        try:
+            it = chainer.iterators.SerialIterator(Indexed(), 5)
+            case(it, opt)
+            state = {}
+            serializers.DictionarySerializer(state).save(it)
+            return state, [p.array.copy() for p in model.params()], numpy.random.rand()
+        finally:
+            if handle is not None:
+                handle.disable()
+    plain = run(None)
+    got = run(dict(loader_workers=1, prefetch_to_device=prefetch))
+    for key in plain[0]:
+        numpy.testing.assert_array_equal(got[0][key], plain[0][key], err_msg=key)
+    for mine, theirs in zip(got[1], plain[1]):
+        numpy.testing.assert_array_equal(mine, theirs)
+    assert got[2] == plain[2]       # NumPy's global random state

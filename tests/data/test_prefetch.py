@@ -151,8 +151,10 @@ def test_enable_upgrades_a_plain_scripts_serial_iterator(images, tmp_path):
         trainer = training.Trainer(updater, (6, 'iteration'), out=str(out))
         log = training.extensions.LogReport(trigger=(2, 'iteration'))
         trainer.extend(log)
+        used = []
+        trainer.extend(lambda t: used.append(updater.get_iterator('main')))
         trainer.run()
-        return updater, log.log
+        return updater, log.log, used[0], it
 
     with warnings.catch_warnings():
         warnings.simplefilter('error')
@@ -161,15 +163,17 @@ def test_enable_upgrades_a_plain_scripts_serial_iterator(images, tmp_path):
                                 "draw random numbers from numpy.random")
         with fastchain.enable(loader_workers=2) as h:
             assert h.states['loader'].active and h.states['prefetch_to_device'].active
-            updater, log = script(tmp_path / 'on')
-    main = updater.get_iterator('main')
+            updater, log, main, it = script(tmp_path / 'on')
     assert isinstance(main, data.DevicePrefetcher)
     assert main.iterator.n_workers == 2
     assert len(log) == 3 and numpy.isfinite(log[-1]['main/loss'])
     assert not main.iterator._pool.workers[0].is_alive()     # finalized by the trainer
+    # and the script's iterator handed back, where the run left it (_follow)
+    assert updater.get_iterator('main') is it and type(it) is chainer.iterators.SerialIterator
+    assert it.epoch_detail == 6 * 4 / len(images)
 
-    updater, _ = script(tmp_path / 'off')
-    assert type(updater.get_iterator('main')) is chainer.iterators.SerialIterator
+    updater, _, main, _ = script(tmp_path / 'off')
+    assert type(main) is chainer.iterators.SerialIterator
 
 
 @pytest.mark.gpu
