@@ -9,7 +9,7 @@ owning handle's :class:`~fastchain.config._patches.Changes`, so disabling
 that handle takes exactly them off again.
 """
 
-import copy
+import functools
 import threading
 import warnings
 import weakref
@@ -43,14 +43,13 @@ def attach(optimizer, scaler, changes, fp32_update=True):
     if scaler is None:
         return
     changes.attach(optimizer, SCALER, scaler)
-    own_scale = vars(optimizer).get('_loss_scale')
     _set_loss_scale(optimizer, scaler, changes)
     ref = weakref.ref(optimizer)
-    # A copy (deepcopy, pickle) is a plain optimizer that carries a copy of
-    # the scaler, taken up at its first update while fp16 is in force
-    # (take_up); until then its loss scale is the one before this.
-    _patches.carry_into_copies(optimizer, lambda: {CARRIED: copy.copy(scaler),
-                                                   '_loss_scale': own_scale})
+    # A copy (deepcopy, pickle) is a plain optimizer with the scale of the
+    # moment (a script's own backward seeds with it) that carries the
+    # scaler's settings and state (Python numbers: a pickle loads without
+    # fastchain), taken up at its first update while fp16 is in force.
+    _patches.carry_into_copies(optimizer, lambda: {CARRIED: _carried(scaler)})
     changes.call('copies carry the scaler', lambda: ref() is not None and
                  _patches.carry_into_copies(ref(), None))
 
@@ -120,16 +119,32 @@ def attach(optimizer, scaler, changes, fp32_update=True):
         changes.wrap(optimizer, name, 'fp16', fn)
 
 
-def take_up(next_, optimizer, *args, changes, **kwargs):
+def take_up(next_, optimizer, *args, loss_scale, changes, **kwargs):
     """The fp16 layer of ``GradientMethod.update``: a copy of an fp16
-    optimizer (``copy.deepcopy``, pickle) takes up the scaler it carries,
-    and its first update is an fp16 one (it was a plain optimizer with a
-    fixed scale: an overflow reached its weights)."""
+    optimizer (``copy.deepcopy``, pickle) takes up the scaler it carries
+    (with ``loss_scale=False`` in force, fp32 masters only), and its first
+    update is an fp16 one (it was a plain optimizer with a fixed scale: an
+    overflow reached its weights)."""
     carried = optimizer.__dict__.pop(CARRIED, None)
     if carried is None or scaler_of(optimizer) is not None:
         return next_(optimizer, *args, **kwargs)
-    attach(optimizer, carried, changes)
-    return optimizer.update(*args, **kwargs)        # through its own layers now
+    if loss_scale is False:
+        attach(optimizer, None, changes)
+        optimizer._loss_scale = None
+    else:
+        from fastchain.precision._scaler import DynamicLossScaler
+        scaler = DynamicLossScaler(**carried['settings'])
+        scaler.load_state_dict(carried['state'])
+        attach(optimizer, scaler, changes)
+    # (its own update layer, _name_dtype_errors, applies from its next update)
+    return _name_dtype_errors(functools.partial(next_, optimizer), *args, **kwargs)
+
+
+def _carried(scaler):
+    """What a copy of an optimizer carries of its scaler (see take_up)."""
+    return {'settings': {name: getattr(scaler, name) for name in (
+                'growth_factor', 'backoff_factor', 'growth_interval', 'min_scale', 'max_scale')},
+            'state': scaler.state_dict()}
 
 
 def _warn_own_scaling(optimizer, scaler):

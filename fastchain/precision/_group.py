@@ -65,7 +65,7 @@ class Fp16Group(Group):
         plan.wrap(GradientMethod, 'setup', 'fp16', functools.partial(
             _setup_layer, loss_scale=values['loss_scale'], changes=changes))
         plan.wrap(GradientMethod, 'update', 'fp16', functools.partial(
-            _attach.take_up, changes=changes))
+            _attach.take_up, loss_scale=values['loss_scale'], changes=changes))
         plan.wrap(convert, '_call_converter', 'fp16', _cast_layer)
         plan.wrap(convert._ArbitraryCallableConverter, '__call__', 'fp16', _direct_cast_layer)
         plan.wrap(chainer.Variable, 'backward', 'fp16', _attach.record_backward_scale)

@@ -157,11 +157,6 @@ class DynamicLossScaler:
         for name in ('good_steps', 'steps', 'skipped_steps'):
             setattr(self, name, int(state[name]))
 
-    def __getstate__(self):
-        # A copy (deepcopy, pickle) has the state, not this process's
-        # agreement over ranks nor a step's device array.
-        return dict(vars(self), _reduce=None, _found_inf=None)
-
     def __repr__(self):
         return ('DynamicLossScaler(scale={:g}, steps={}, skipped_steps={}, '
                 'good_steps={}/{})'.format(self.scale, self.steps, self.skipped_steps,

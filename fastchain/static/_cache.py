@@ -253,7 +253,8 @@ class _Cache:
         if found is not None:
             # Define-by-run decides whose error it was: one it raises as well
             # is the call's own (a malformed batch), raised as plain Chainer
-            # raises it, the cache kept; else a limit of the cache.
+            # raises it, the cache kept; else a limit of the cache (an error
+            # of the script's that came once, too: its step is then taken).
             out = plain(*args)
             self.fall_back(*found)
             return out

@@ -237,13 +237,16 @@ def test_disable_detaches_an_optimizer_set_up_while_enabled():
     assert not any(p.update_rule._use_fp32_update for p in model.params())
 
 
-@pytest.mark.parametrize('how', ['deepcopy', 'pickle', 'copy'])
-def test_a_copy_of_an_fp16_optimizer_trains_on_as_the_original_would(how):
+@pytest.mark.parametrize('how, loop', [('deepcopy', 'update'), ('pickle', 'update'),
+                                       ('copy', 'update'), ('deepcopy', 'own')])
+def test_a_copy_of_an_fp16_optimizer_trains_on_as_the_original_would(how, loop):
     """A copy (deepcopy, pickle) was a plain optimizer with the scale frozen:
     an overflowing step put NaN in its weights where the original skipped
     it (a new-user trial). It carries the scaler, taken up at its first
-    update: the two go on bit for bit. A shallow copy gets a scaler of its
-    own (sharing one, each would step it)."""
+    update: the two go on bit for bit, in ``optimizer.update(lossfun)`` and
+    in a script's own loop (``backward(loss_scale=optimizer._loss_scale)``,
+    then ``update()``: the copy seeds with the scale of the moment). A
+    shallow copy gets a scaler of its own (sharing one, each would step it)."""
     import copy
     import pickle
     with fp16_enable(loss_scale={'init_scale': 2.0 ** 15, 'growth_interval': 2}):
@@ -264,7 +267,12 @@ def test_a_copy_of_an_fp16_optimizer_trains_on_as_the_original_would(how):
         pairs = [(model, opt), copied]
         for batch in (x, big, x, x, x):
             for m, o in pairs:
-                o.update(m, batch, t)
+                if loop == 'update':
+                    o.update(m, batch, t)
+                else:
+                    m.cleargrads()
+                    m(batch, t).backward(loss_scale=o._loss_scale)
+                    o.update()
         scalers = [scaler_of(o) for _, o in pairs]
     assert scalers[1] is not scalers[0]
     assert scalers[1].state_dict() == scalers[0].state_dict()
@@ -278,6 +286,21 @@ def test_a_copy_of_an_fp16_optimizer_trains_on_as_the_original_would(how):
             numpy.testing.assert_array_equal(q.update_rule.state[key],
                                              p.update_rule.state[key], err_msg=name + key)
     assert o1.t == o2.t
+
+
+def test_a_copy_taken_up_where_loss_scale_is_false_gets_fp32_masters_only():
+    import pickle
+    with fp16_enable():
+        model = L.Classifier(L.Linear(4, 3))
+        opt = chainer.optimizers.SGD(0.1).setup(model)
+        saved = pickle.dumps((model, opt))
+    assert b'fastchain' not in saved.replace(b'_fastchain_loss_scaler', b'')
+    with fp16_enable(loss_scale=False):
+        model, opt = pickle.loads(saved)
+        x = numpy.ones((2, 4), numpy.float16)
+        opt.update(model, x, numpy.zeros(2, numpy.int32))
+        assert scaler_of(opt) is None and opt._loss_scale is None
+        assert all(p.update_rule._fp32_param is not None for p in model.params())
 
 
 def test_fp32_masters_only_when_loss_scale_is_false():

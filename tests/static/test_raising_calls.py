@@ -64,7 +64,7 @@ def test_a_call_that_raises_leaves_the_cache_and_the_training_as_plain_chainers(
     ordinary, cached = copies(lambda: L.Classifier(Checked()))
     cache_static_graph(cached.predictor)
     optimizers = [chainer.optimizers.MomentumSGD(0.05).setup(m) for m in (ordinary, cached)]
-    n = 3 if at == 3 else 4         # (a new key: another batch size)
+    n = 3 if at == 3 else 4         # (a new key: another batch size, first met raising)
     with warnings.catch_warnings():
         warnings.simplefilter('error', StaticGraphFallback)
         for step in range(9):
@@ -79,8 +79,9 @@ def test_a_call_that_raises_leaves_the_cache_and_the_training_as_plain_chainers(
                     with pytest.raises(BaseException) as caught:
                         optimizer.update(model, *batch)
                     raised.append((type(caught.value), str(caught.value)))
-                else:
-                    optimizer.update(model, *good(4 if step % 2 else n, step))
+                else:       # after a new key raised: the two keys in turn
+                    optimizer.update(model, *good(n if step > at and step % 2 == 0 else 4,
+                                                  step))
             if raised:
                 assert raised[1] == raised[0]       # plain Chainer's own error
             assert_same(ordinary, cached, 'step {}'.format(step))
