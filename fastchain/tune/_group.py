@@ -79,8 +79,8 @@ class AutotuneGroup(Group):
         return []
 
     def open(self, handle, values):
-        if values['tune_cache'] is None:
-            return
+        if values['tune_cache'] is None or values['autotune'] is False:
+            return      # (said in unused(): neither read nor written)
         # the file read now is the one written: a relative path is taken
         # from the current folder now, not at disable() or exit
         path = os.path.abspath(values['tune_cache'])

@@ -136,6 +136,21 @@ def test_a_relative_path_is_the_file_in_the_folder_enable_saw(tuner, tmp_path, m
     assert not (tmp_path / 'run' / 'autotune.json').exists()
 
 
+@pytest.mark.parametrize('exists', [False, True])
+def test_with_autotune_off_the_cache_is_neither_read_nor_written(tmp_path, exists):
+    """It said 'no effect' and wrote the file all the same (a new-user trial)."""
+    path = tmp_path / 'tune.json'
+    if exists:
+        path.write_text('{"format": 1, "machines": {}} ')    # (a byte a save would drop)
+    with pytest.warns(FastchainWarning, match='has no effect while autotune=False'):
+        handle = fastchain.enable(autotune=False, tune_cache=str(path), loader_workers=0)
+    assert 'tune_cache' not in handle.resources
+    handle.disable()
+    assert path.exists() == exists
+    if exists:
+        assert path.read_text() == '{"format": 1, "machines": {}} '
+
+
 def test_the_cache_cannot_be_one_of_the_timelines_files(tmp_path):
     for name in ('trace.json', 'trace.txt', 'trace.png'):
         with pytest.raises(ValueError, match='is one of the files the timeline'):
