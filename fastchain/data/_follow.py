@@ -55,7 +55,10 @@ def follow(original, replacement, updater, converter):
                        'updater\'s place ({}).'.format(cls.__name__, __name__)})
     object.__setattr__(original, TARGET, replacement)
     original.__class__ = sub
-    _followers[replacement] = weakref.ref(original)
+    # (what it holds besides, for a script that kept no reference to it:
+    # StandardUpdater(SerialIterator(...), optimizer))
+    _followers[replacement] = (weakref.ref(original), cls, {
+        k: v for k, v in vars(original).items() if k != TARGET})
     serve(replacement, updater, converter)
 
 
@@ -69,16 +72,20 @@ def release(target):
     """``target`` (a loader) is finalized: the script's object following it
     is its own again, and the updaters it served have it back."""
     try:
-        ref = _followers.pop(target, None)
+        followed = _followers.pop(target, None)
         served = _served.pop(target, ())
     except Exception:       # at the interpreter's exit (from a __del__)
         return
-    original = None if ref is None else ref()
-    if original is None:
+    if followed is None:
         return
+    ref, cls, held = followed
+    original = ref()
+    if original is None:    # the script kept none: the updaters get one like it
+        original = object.__new__(cls)
+        original.__dict__.update(held)
+        original.__dict__[TARGET] = target
     if target_of(original) is target:
         own = object.__getattribute__(original, '__dict__')
-        cls = type(original).__mro__[1]
         del own[TARGET]
         saved = DictionarySerializer()
         target.serialize(saved)         # (finalized: nothing moves meanwhile)

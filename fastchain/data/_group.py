@@ -213,10 +213,7 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     main = updater._iterators['main']
     taken = live_target(main)
     if taken is not None:       # taken by an earlier updater: the same one
-        own = None
-        if isinstance(taken, DevicePrefetcher):     # its batches come converted
-            own, updater.converter = updater.converter, taken.converter
-        serve(taken, updater, own)
+        serve(taken, updater, None)     # (its own converter: unprepared batches)
         updater._iterators['main'] = taken
         return
     if type(main) is not SerialIterator or not isinstance(

@@ -295,7 +295,8 @@ class MultiprocessIterator(iterator_module.Iterator):
         """Stop the workers, free the shared memory, hand back (``_follow``); idempotent."""
         if self._pool is not None:
             self._pool.close()
-        _follow.release(self)
+        if callable(getattr(_follow, 'release', None)):     # (None at the exit)
+            _follow.release(self)
 
     def __del__(self):
         self.finalize()
@@ -321,8 +322,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         from fastchain.data._tune import WorkerTuner
         if self._pool is None or self.n_workers < 2:
             return
-        key = (type(self.dataset).__name__, len(self.dataset), self.batch_size,
-               self.n_workers)
+        key = (type(self.dataset).__name__, len(self.dataset), self.batch_size, self.n_workers)
         self._worker_tuner = WorkerTuner(key, self.n_workers, self.prefetch, (
             'loader of {} ({} examples, batch {}) with up to {} workers'.format(*key)))
 

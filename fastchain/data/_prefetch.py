@@ -149,8 +149,7 @@ class DevicePrefetcher(iterator_module.Iterator):
         self._thread = None
         if not self._may_fetch_ahead():
             return
-        self._thread = threading.Thread(target=self._run, name='fastchain-prefetch',
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name='fastchain-prefetch', daemon=True)
         self._thread.start()
 
     def _may_fetch_ahead(self):
@@ -246,7 +245,7 @@ class DevicePrefetcher(iterator_module.Iterator):
 
     def _stop_thread(self):
         self._stop.set()
-        if self._thread is not None:
+        if self._thread not in (None, threading.current_thread()):    # (a __del__ there)
             self._thread.join()
 
     def reset(self):
@@ -283,7 +282,8 @@ class DevicePrefetcher(iterator_module.Iterator):
             self._stop_thread()
         if hasattr(self, 'iterator'):
             self.iterator.finalize()
-        _follow.release(self)
+        if callable(getattr(_follow, 'release', None)):     # (None at the exit)
+            _follow.release(self)
 
 
 def _skipped_of(it):

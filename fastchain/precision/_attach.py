@@ -9,7 +9,6 @@ owning handle's :class:`~fastchain.config._patches.Changes`, so disabling
 that handle takes exactly them off again.
 """
 
-import functools
 import threading
 import warnings
 import weakref
@@ -23,7 +22,6 @@ from fastchain.precision._scaler import FP16_SAFE_SCALE
 SERIAL_KEY = 'fastchain_loss_scaler'
 SERIAL_MASTERS = 'fastchain_fp32_masters'
 SCALER = 'loss_scaler'              # attachment key: the optimizer's scaler
-CARRIED = '_fastchain_loss_scaler'  # a copy's attribute: the scaler it takes up (take_up)
 ALL_RANKS_ANY = 'all_ranks_any'     # attachment key: data-parallel agreement
 
 
@@ -45,13 +43,6 @@ def attach(optimizer, scaler, changes, fp32_update=True):
     changes.attach(optimizer, SCALER, scaler)
     _set_loss_scale(optimizer, scaler, changes)
     ref = weakref.ref(optimizer)
-    # A copy (deepcopy, pickle) is a plain optimizer with the scale of the
-    # moment (a script's own backward seeds with it) that carries the
-    # scaler's settings and state (Python numbers: a pickle loads without
-    # fastchain), taken up at its first update while fp16 is in force.
-    _patches.carry_into_copies(optimizer, lambda: {CARRIED: _carried(scaler)})
-    changes.call('copies carry the scaler', lambda: ref() is not None and
-                 _patches.carry_into_copies(ref(), None))
 
     step = {'fp16_grads': [], 'warned': False, 'stats_warned': False, 'own_warned': False}
 
@@ -117,34 +108,6 @@ def attach(optimizer, scaler, changes, fp32_update=True):
                      ('update_loss_scale', update_loss_scale),
                      ('serialize', serialize)):
         changes.wrap(optimizer, name, 'fp16', fn)
-
-
-def take_up(next_, optimizer, *args, loss_scale, changes, **kwargs):
-    """The fp16 layer of ``GradientMethod.update``: a copy of an fp16
-    optimizer (``copy.deepcopy``, pickle) takes up the scaler it carries
-    (with ``loss_scale=False`` in force, fp32 masters only), and its first
-    update is an fp16 one (it was a plain optimizer with a fixed scale: an
-    overflow reached its weights)."""
-    carried = optimizer.__dict__.pop(CARRIED, None)
-    if carried is None or scaler_of(optimizer) is not None:
-        return next_(optimizer, *args, **kwargs)
-    if loss_scale is False:
-        attach(optimizer, None, changes)
-        optimizer._loss_scale = None
-    else:
-        from fastchain.precision._scaler import DynamicLossScaler
-        scaler = DynamicLossScaler(**carried['settings'])
-        scaler.load_state_dict(carried['state'])
-        attach(optimizer, scaler, changes)
-    # (its own update layer, _name_dtype_errors, applies from its next update)
-    return _name_dtype_errors(functools.partial(next_, optimizer), *args, **kwargs)
-
-
-def _carried(scaler):
-    """What a copy of an optimizer carries of its scaler (see take_up)."""
-    return {'settings': {name: getattr(scaler, name) for name in (
-                'growth_factor', 'backoff_factor', 'growth_interval', 'min_scale', 'max_scale')},
-            'state': scaler.state_dict()}
 
 
 def _warn_own_scaling(optimizer, scaler):

@@ -5,7 +5,7 @@ import functools
 from fastchain.backends import cuda
 from fastchain.config import _patches
 from fastchain.config._options import Group, Option, State
-from fastchain.precision import _attach
+from fastchain.precision import _attach, _copied
 from fastchain.precision._scaler import DynamicLossScaler
 
 # cuDNN's TensorCore algorithms want room; Chainer's default is 8 MiB.
@@ -65,7 +65,7 @@ class Fp16Group(Group):
         plan.wrap(GradientMethod, 'setup', 'fp16', functools.partial(
             _setup_layer, loss_scale=values['loss_scale'], changes=changes))
         plan.wrap(GradientMethod, 'update', 'fp16', functools.partial(
-            _attach.take_up, loss_scale=values['loss_scale'], changes=changes))
+            _copied.take_up, loss_scale=values['loss_scale'], changes=changes))
         plan.wrap(convert, '_call_converter', 'fp16', _cast_layer)
         plan.wrap(convert._ArbitraryCallableConverter, '__call__', 'fp16', _direct_cast_layer)
         plan.wrap(chainer.Variable, 'backward', 'fp16', _attach.record_backward_scale)
@@ -121,6 +121,8 @@ def _setup_layer(next_, optimizer, link, *, loss_scale, changes):
     else:
         scaler = DynamicLossScaler(**(loss_scale if isinstance(loss_scale, dict) else {}))
     _attach.attach(optimizer, scaler, changes)
+    if scaler is not None and _attach.scaler_of(optimizer) is scaler:
+        _copied.carry(optimizer, scaler, changes)   # what a copy of it takes up
     return result
 
 

@@ -39,6 +39,8 @@ def test_plain_script_with_everything_enabled(tmp_path):
     updater = training.StandardUpdater(it, optimizer)
     trainer = training.Trainer(updater, (10, 'iteration'), out=str(tmp_path / 'out'))
     trainer.extend(extensions.LogReport(trigger=(5, 'iteration')))
+    used = []
+    trainer.extend(lambda trainer: used.append(updater.get_iterator('main')))
     try:
         trainer.run()
         assert scaler_of(optimizer).steps == 10, scaler_of(optimizer)
@@ -46,9 +48,8 @@ def test_plain_script_with_everything_enabled(tmp_path):
     finally:
         handle.disable()
 
-    main = updater.get_iterator('main')
-    main = getattr(main, '_iterator', main)       # inside the NVTX 'data' range proxy
-    assert isinstance(main, data.DevicePrefetcher)
+    assert isinstance(used[0], data.DevicePrefetcher)
+    assert updater.get_iterator('main') is it       # handed back by the finalized loader
     assert model.predictor.conv1.W.dtype == numpy.float16
     log = json.load(open(tmp_path / 'out' / 'log'))
     assert [e['iteration'] for e in log] == [5, 10]

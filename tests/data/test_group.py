@@ -538,9 +538,31 @@ def _two_updaters_share_it(it, opt):
         second.update()
 
 
+def _two_updaters_with_their_own_converters(it, opt):
+    def doubled(batch, device=None):
+        x, t = chainer.dataset.concat_examples(batch, device)
+        return x * 2, t
+    first = chainer.training.StandardUpdater(it, opt)
+    second = chainer.training.StandardUpdater(it, opt, converter=doubled)
+    for _ in range(3):
+        first.update()
+        second.update()
+    first.finalize()
+
+
+def _the_script_keeps_no_reference(it, opt):
+    updater = chainer.training.StandardUpdater(
+        chainer.iterators.SerialIterator(Indexed(), 4), opt)
+    for iterations in (2, 5):
+        chainer.training.Trainer(updater, (iterations, 'iteration')).run()
+    return updater.get_iterator('main')
+
+
 @pytest.mark.parametrize('prefetch', [False, True])
 @pytest.mark.parametrize('case', [_same_updater_second_trainer, _updates_by_hand_after_the_run,
-                                  _the_script_finalizes_its_iterator, _two_updaters_share_it],
+                                  _the_script_finalizes_its_iterator, _two_updaters_share_it,
+                                  _two_updaters_with_their_own_converters,
+                                  _the_script_keeps_no_reference],
                          ids=lambda case: case.__name__.strip('_'))
 def test_an_updater_goes_on_after_its_loader_is_finalized(case, prefetch):
     """Each raised 'this MultiprocessIterator (DevicePrefetcher) was
@@ -553,7 +575,8 @@ def test_an_updater_goes_on_after_its_loader_is_finalized(case, prefetch):
         handle = None if options is None else fastchain.enable(**options)
         try:
             it = chainer.iterators.SerialIterator(Indexed(), 5)
-            case(it, opt)
+            it = case(it, opt) or it
+            assert type(it) is chainer.iterators.SerialIterator
             state = {}
             serializers.DictionarySerializer(state).save(it)
             return state, [p.array.copy() for p in model.params()], numpy.random.rand()

@@ -288,19 +288,37 @@ def test_a_copy_of_an_fp16_optimizer_trains_on_as_the_original_would(how, loop):
     assert o1.t == o2.t
 
 
-def test_a_copy_taken_up_where_loss_scale_is_false_gets_fp32_masters_only():
+@pytest.mark.parametrize('where', ['loss_scale=False', 'no fp16'])
+def test_a_copy_used_without_the_scaler_scales_as_plain_chainer(where):
+    """Taken up where loss_scale=False is in force: fp32 masters only, the
+    scaling left to Chainer; used where fp16 is not in force (after
+    disable(), or a pickle loaded without fastchain): plain Chainer's own
+    dynamic loss scaling at the scale of the moment, which skips an
+    overflowing step (a frozen scale put NaN in the weights: a review)."""
     import pickle
     with fp16_enable():
+        numpy.random.seed(0)
         model = L.Classifier(L.Linear(4, 3))
         opt = chainer.optimizers.SGD(0.1).setup(model)
         saved = pickle.dumps((model, opt))
+        scale = opt._loss_scale
     assert b'fastchain' not in saved.replace(b'_fastchain_loss_scaler', b'')
-    with fp16_enable(loss_scale=False):
+    big = numpy.full((8, 4), 3000, numpy.float16)  # its gradients overflow float16 scaled
+    t = (numpy.arange(8) % 3).astype(numpy.int32)
+    handle = fp16_enable(loss_scale=False) if where == 'loss_scale=False' else None
+    try:
         model, opt = pickle.loads(saved)
-        x = numpy.ones((2, 4), numpy.float16)
-        opt.update(model, x, numpy.zeros(2, numpy.int32))
-        assert scaler_of(opt) is None and opt._loss_scale is None
-        assert all(p.update_rule._fp32_param is not None for p in model.params())
+        before = model.predictor.W.array.copy()
+        with pytest.warns(UserWarning, match='Non finite number found'):    # Chainer's
+            opt.update(model, big, t)
+        assert scaler_of(opt) is None and opt._loss_scaling_is_dynamic
+        assert opt._loss_scale == scale / 2
+        numpy.testing.assert_array_equal(model.predictor.W.array, before)   # skipped
+        if handle is not None:
+            assert all(p.update_rule._use_fp32_update for p in model.params())
+    finally:
+        if handle is not None:
+            handle.disable()
 
 
 def test_fp32_masters_only_when_loss_scale_is_false():

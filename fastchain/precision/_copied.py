@@ -1,0 +1,65 @@
+"""A copy of an fp16 optimizer (``copy.deepcopy``, pickle, ``copy.copy``).
+
+A copy is a plain Chainer optimizer (fastchain's layers stay with the
+original: ``_patches``, copies). It was one with the loss scale frozen, and
+an overflowing step put NaN in its weights where the original skipped the
+step (a new-user trial). Now it carries, as Python numbers (a pickle loads
+without fastchain), the scaler's settings and state, and Chainer's own
+dynamic loss scaling at the scale of the moment: used where fp16 is not in
+force it scales, skips an overflowing step and halves the scale as plain
+Chainer does; a script's own ``backward(loss_scale=optimizer._loss_scale)``
+seeds with the scale of the moment. Its first update while fp16 is in
+force (:func:`take_up`) hands the scaling to a scaler made from what it
+carries, under the handle in force (``loss_scale=False`` there: fp32
+masters only, Chainer's scaling kept).
+"""
+
+import functools
+import weakref
+
+from fastchain.config import _patches
+from fastchain.precision import _attach
+from fastchain.precision._scaler import DynamicLossScaler
+
+CARRIED = '_fastchain_loss_scaler'      # a copy's attribute: what it takes up
+# Chainer's dynamic loss scaling (GradientMethod.loss_scaling()), as a copy has it
+CHAINERS = ('_loss_scale', '_loss_scaling_is_dynamic', '_loss_scaling_multiplier',
+            '_loss_scaling_isnan_ever')
+
+
+def carry(optimizer, scaler, changes):
+    """Copies of ``optimizer`` (attached to ``scaler``) carry its settings
+    and state (recorded in ``changes``: until its handle lets it go)."""
+    ref = weakref.ref(optimizer)
+    _patches.carry_into_copies(optimizer, functools.partial(_carried, scaler))
+    changes.call('copies carry the scaler', lambda: ref() is not None and
+                 _patches.carry_into_copies(ref(), None))
+
+
+def _carried(scaler):
+    settings = {name: getattr(scaler, name) for name in (
+        'growth_factor', 'backoff_factor', 'growth_interval', 'min_scale', 'max_scale')}
+    return dict(zip(CHAINERS, (scaler.scale, True, 2.0 ** (1.0 / scaler.growth_interval),
+                               True)),
+                **{CARRIED: {'settings': settings, 'state': scaler.state_dict()}})
+
+
+def take_up(next_, optimizer, *args, loss_scale, changes, **kwargs):
+    """The fp16 layer of ``GradientMethod.update``: a copy takes up what it
+    carries, and this update is already an fp16 one."""
+    own = optimizer.__dict__
+    carried = own.pop(CARRIED, None)
+    if carried is None or _attach.scaler_of(optimizer) is not None:
+        return next_(optimizer, *args, **kwargs)
+    if loss_scale is False:
+        _attach.attach(optimizer, None, changes)
+    else:
+        for name in CHAINERS:       # the scaler's from now on (undone: Chainer's defaults)
+            own.pop(name, None)
+        scaler = DynamicLossScaler(**carried['settings'])
+        scaler.load_state_dict(carried['state'])
+        _attach.attach(optimizer, scaler, changes)
+        carry(optimizer, scaler, changes)
+    # inward (update() again would run the outer layers twice); its own
+    # update layer, which names dtype errors, applies from its next update
+    return _attach._name_dtype_errors(functools.partial(next_, optimizer), *args, **kwargs)
