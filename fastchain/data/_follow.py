@@ -32,11 +32,11 @@ from chainer.serializers import DictionarySerializer, NpzDeserializer
 
 _classes = {}
 _followers = weakref.WeakKeyDictionary()    # loader -> the script's object following it
-_served = weakref.WeakKeyDictionary()       # loader -> [(updater, its own converter)]
+_served = weakref.WeakKeyDictionary()       # loader -> [(updater, its converter replaced)]
 TARGET = '_fastchain_follows'
 
 
-def follow(original, replacement, updater, converter):
+def follow(original, replacement, updater, converted):
     """Make ``original`` (the script's iterator) act as ``replacement``, the
     loader ``updater`` now uses (:func:`serve`)."""
     cls = type(original)
@@ -59,13 +59,14 @@ def follow(original, replacement, updater, converter):
     # StandardUpdater(SerialIterator(...), optimizer))
     _followers[replacement] = (weakref.ref(original), cls, {
         k: v for k, v in vars(original).items() if k != TARGET})
-    serve(replacement, updater, converter)
+    serve(replacement, updater, converted)
 
 
-def serve(loader, updater, converter):
+def serve(loader, updater, converted):
     """``updater`` uses ``loader`` in the script's iterator's place (and
-    ``converter`` is its own, replaced by the loader's, or None)."""
-    _served.setdefault(loader, []).append((weakref.ref(updater), converter))
+    ``converted``: its converter is the loader's, a DevicePrefetcher's, in
+    place of its own, which the prefetcher keeps)."""
+    _served.setdefault(loader, []).append((weakref.ref(updater), converted))
 
 
 def release(target):
@@ -91,12 +92,12 @@ def release(target):
         target.serialize(saved)         # (finalized: nothing moves meanwhile)
         _load(own, cls, saved.target)
         object.__setattr__(original, '__class__', cls)
-    for updater_ref, converter in served:
+    for updater_ref, converted in served:
         updater = updater_ref()
         if updater is not None and updater._iterators.get('main') is target:
             updater._iterators['main'] = original
-            if converter is not None and updater.converter is target.converter:
-                updater.converter = converter
+            if converted and updater.converter is target.converter:
+                updater.converter = target._convert
 
 
 def target_of(iterator):

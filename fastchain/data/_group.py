@@ -213,7 +213,7 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     main = updater._iterators['main']
     taken = live_target(main)
     if taken is not None:       # taken by an earlier updater: the same one
-        serve(taken, updater, None)     # (its own converter: unprepared batches)
+        serve(taken, updater, False)    # (its own converter: unprepared batches)
         updater._iterators['main'] = taken
         return
     if type(main) is not SerialIterator or not isinstance(
@@ -254,11 +254,10 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     if chosen:
         main.tune_workers()     # with autotune: how many of them load
     _DONE[updater] = ('loading', main)
-    own = None
     if prefetch:
         main = DevicePrefetcher(main, updater.converter, updater.input_device)
-        own, updater.converter = updater.converter, main.converter
-    follow(updater._iterators['main'], main, updater, own)   # the script's object follows it
+        updater.converter = main.converter
+    follow(updater._iterators['main'], main, updater, prefetch)  # the script's object follows it
     updater._iterators['main'] = main
 
 

@@ -280,9 +280,10 @@ def _serialize_masters(optimizer, serializer):
             if master is None:
                 absent = absent or made     # keep this rule's master as it is
                 continue
-            master = param.device.send(master)
-            if master.dtype != numpy.float32:
-                master = master.astype(numpy.float32)
+            # its own array: a snapshot read from memory (a dict) hands out
+            # its own, which the next update would change under it
+            sent = param.device.send(master)
+            master = sent.astype(numpy.float32, copy=sent is master)
             rule._fp32_param = chainer.Parameter(master, name=param.name)
         else:
             master = rule._fp32_param.array if rule._fp32_param is not None \

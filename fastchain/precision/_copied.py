@@ -47,10 +47,35 @@ def _carried(scaler):
 def take_up(next_, optimizer, *args, loss_scale, changes, **kwargs):
     """The fp16 layer of ``GradientMethod.update``: a copy takes up what it
     carries, and this update is already an fp16 one."""
+    if not _take_up(optimizer, loss_scale, changes):
+        return next_(optimizer, *args, **kwargs)
+    # inward (update() again would run the outer layers twice); its own
+    # update layer, which names dtype errors, applies from its next update
+    return _attach._name_dtype_errors(functools.partial(next_, optimizer), *args, **kwargs)
+
+
+def take_up_to_serialize(next_, optimizer, serializer, *, loss_scale, changes):
+    """The fp16 layer of ``GradientMethod.serialize``: a copy that loads or
+    saves a snapshot before its first update takes up what it carries first
+    (the scaler's state and the fp32 masters are then loaded or saved)."""
+    if not _take_up(optimizer, loss_scale, changes):
+        return next_(optimizer, serializer)
+    return optimizer.serialize(serializer)      # through its own fp16 layer now
+
+
+def forget(optimizer):
+    """``optimizer`` is set up again: what it carried is not taken up."""
+    own = optimizer.__dict__
+    if own.pop(CARRIED, None) is not None:
+        for name in CHAINERS:
+            own.pop(name, None)
+
+
+def _take_up(optimizer, loss_scale, changes):
     own = optimizer.__dict__
     carried = own.pop(CARRIED, None)
     if carried is None or _attach.scaler_of(optimizer) is not None:
-        return next_(optimizer, *args, **kwargs)
+        return False
     if loss_scale is False:
         _attach.attach(optimizer, None, changes)
     else:
@@ -60,6 +85,4 @@ def take_up(next_, optimizer, *args, loss_scale, changes, **kwargs):
         scaler.load_state_dict(carried['state'])
         _attach.attach(optimizer, scaler, changes)
         carry(optimizer, scaler, changes)
-    # inward (update() again would run the outer layers twice); its own
-    # update layer, which names dtype errors, applies from its next update
-    return _attach._name_dtype_errors(functools.partial(next_, optimizer), *args, **kwargs)
+    return True

@@ -64,8 +64,10 @@ class Fp16Group(Group):
         changes = plan.changes('fp16', 'fp16')
         plan.wrap(GradientMethod, 'setup', 'fp16', functools.partial(
             _setup_layer, loss_scale=values['loss_scale'], changes=changes))
-        plan.wrap(GradientMethod, 'update', 'fp16', functools.partial(
-            _copied.take_up, loss_scale=values['loss_scale'], changes=changes))
+        for name, layer in (('update', _copied.take_up),
+                            ('serialize', _copied.take_up_to_serialize)):
+            plan.wrap(GradientMethod, name, 'fp16', functools.partial(
+                layer, loss_scale=values['loss_scale'], changes=changes))
         plan.wrap(convert, '_call_converter', 'fp16', _cast_layer)
         plan.wrap(convert._ArbitraryCallableConverter, '__call__', 'fp16', _direct_cast_layer)
         plan.wrap(chainer.Variable, 'backward', 'fp16', _attach.record_backward_scale)
@@ -115,6 +117,7 @@ def _wanted(fp16):
 def _setup_layer(next_, optimizer, link, *, loss_scale, changes):
     """While fp16 is in force, every optimizer set up gets fp32 masters and a scaler."""
     result = next_(optimizer, link)
+    _copied.forget(optimizer)
     _attach.check_model_dtype(link)
     if loss_scale is False:
         scaler = None

@@ -288,6 +288,56 @@ def test_a_copy_of_an_fp16_optimizer_trains_on_as_the_original_would(how, loop):
     assert o1.t == o2.t
 
 
+def test_a_copy_loading_a_snapshot_before_its_first_update_takes_the_snapshots_state():
+    """A copy took up what it carried at its first update, after a load that
+    had read Chainer's keys only (the scaler's state and the masters were
+    lost, silently). And masters loaded from a snapshot held in memory
+    were its arrays: the first optimizer's updates moved the second's
+    (reviews helper-65)."""
+    import copy
+    with fp16_enable(loss_scale={'init_scale': 2.0 ** 10, 'growth_interval': 2}):
+        numpy.random.seed(0)
+        model = L.Classifier(L.Linear(4, 3))
+        opt = chainer.optimizers.SGD(0.3).setup(model)  # (no state Chainer loads as its own)
+        rng = numpy.random.RandomState(1)
+        x, t = rng.randn(8, 4).astype(numpy.float16), rng.randint(0, 3, 8).astype(numpy.int32)
+        opt.update(model, x, t)
+        early = copy.deepcopy(opt)
+        for _ in range(4):
+            opt.update(model, x, t)
+        saved, weights = {}, {}
+        chainer.serializers.DictionarySerializer(saved).save(opt)
+        chainer.serializers.DictionarySerializer(weights).save(model)
+        saved = {key: numpy.array(value) for key, value in saved.items()}   # (a copy)
+        opt.update(model, x, t)
+        want = [p.array.copy() for _, p in sorted(model.namedparams())]
+        fresh = chainer.optimizers.SGD(0.3).setup(L.Classifier(L.Linear(4, 3)))
+        for other in (fresh, early):
+            chainer.serializers.NpzDeserializer(weights).load(other.target)
+            chainer.serializers.NpzDeserializer(saved).load(other)
+            assert scaler_of(other).state_dict() == {
+                'scale': 2.0 ** 12, 'good_steps': 1, 'steps': 5, 'skipped_steps': 0}
+            other.update(other.target, x, t)
+            for (name, p), w in zip(sorted(other.target.namedparams()), want):
+                numpy.testing.assert_array_equal(p.array, w, err_msg=name)
+
+
+def test_a_copy_set_up_again_leaves_what_it_carried():
+    """Its own setup makes it an fp16 optimizer anew: what it carried (with
+    Chainer's dynamic loss scaling) is dropped, not taken for the script's
+    own loss scaling (a warning said so, wrongly: a review)."""
+    import copy
+    with fp16_enable():
+        model = L.Classifier(L.Linear(4, 3))
+        opt = chainer.optimizers.SGD(0.1).setup(model)
+        again = copy.deepcopy(opt).setup(copy.deepcopy(model))
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', FastchainWarning)
+            again.update(again.target, numpy.ones((2, 4), numpy.float16),
+                         numpy.zeros(2, numpy.int32))
+        assert not again._loss_scaling_is_dynamic and scaler_of(again).steps == 1
+
+
 @pytest.mark.parametrize('where', ['loss_scale=False', 'no fp16'])
 def test_a_copy_used_without_the_scaler_scales_as_plain_chainer(where):
     """Taken up where loss_scale=False is in force: fp32 masters only, the
