@@ -24,7 +24,6 @@ without moving the loader (a copy may be made from another thread).
 """
 
 import copyreg
-
 import weakref
 
 import numpy
@@ -44,7 +43,7 @@ def follow(original, replacement, updater, converted):
     if sub is None:
         sub = _classes[cls] = type(cls.__name__, (cls,), {
             '__getattribute__': _get, '__setattr__': _set,
-            '__next__': _next,
+            '__next__': lambda self: next(target_of(self)),
             '__reduce_ex__': _reduce_ex,
             '__iter__': lambda self: self,
             # Chainer's Iterator.__del__ finalizes: the script dropping its
@@ -88,9 +87,7 @@ def release(target):
     if target_of(original) is target:
         own = object.__getattribute__(original, '__dict__')
         del own[TARGET]
-        saved = DictionarySerializer()
-        target.serialize(saved)         # (finalized: nothing moves meanwhile)
-        _load(own, cls, saved.target)
+        _load(own, cls, _serialized(target))    # (finalized: nothing moves meanwhile)
         object.__setattr__(original, '__class__', cls)
     for updater_ref, converted in served:
         updater = updater_ref()
@@ -106,23 +103,6 @@ def target_of(iterator):
         return object.__getattribute__(iterator, '__dict__').get(TARGET)
     except AttributeError:
         return None
-
-
-def live_target(iterator):
-    """The iterator ``iterator`` follows, or None: none once that one is
-    finalized (:func:`release`)."""
-    target = target_of(iterator)
-    if target is None or not _finalized(target):
-        return target
-    release(target)
-    return None
-
-
-def _finalized(iterator):
-    if getattr(iterator, '_finalized', False):              # DevicePrefetcher
-        return True
-    pool = getattr(iterator, '_pool', None)                 # MultiprocessIterator
-    return pool is not None and pool.closed
 
 
 def _position(target):
@@ -141,6 +121,13 @@ def _position(target):
     return {key: numpy.array(value) for key, value in saved.items()}
 
 
+def _serialized(target):
+    """What ``target.serialize`` saves (SerialIterator's keys)."""
+    saved = DictionarySerializer()
+    target.serialize(saved)
+    return saved.target
+
+
 def _load(own, cls, saved):
     """Load ``saved`` (SerialIterator's keys) into ``own``, the ``__dict__``
     of the script's object of class ``cls``, through its ``serialize``."""
@@ -153,24 +140,13 @@ def _load(own, cls, saved):
     own.update(vars(plain))
 
 
-def _next(self):
-    target = live_target(self)
-    return next(self) if target is None else next(target)
-
-
 def _reduce_ex(self, protocol):
-    target = live_target(self)
-    if target is None:
-        return self.__reduce_ex__(protocol)
+    target = target_of(self)
     cls = type(self).__mro__[1]
     own = dict(object.__getattribute__(self, '__dict__'))
     del own[TARGET]
     saved = _position(target)
-    if saved is None:
-        saved = DictionarySerializer()
-        target.serialize(saved)
-        saved = saved.target
-    _load(own, cls, saved)
+    _load(own, cls, _serialized(target) if saved is None else saved)
     # (not __newobj__, which pickle allows for the object's own class only)
     return copyreg._reconstructor, (cls, object, None), own
 
@@ -178,9 +154,7 @@ def _reduce_ex(self, protocol):
 def _get(self, name):
     if name.startswith('__') and name.endswith('__'):     # __class__, __dict__, ...: its own
         return object.__getattribute__(self, name)
-    target = live_target(self)
-    if target is None:
-        return getattr(self, name)
+    target = target_of(self)
     try:
         return getattr(target, name)
     except AttributeError:
@@ -188,8 +162,8 @@ def _get(self, name):
 
 
 def _set(self, name, value):
-    target = live_target(self)
-    if target is not None and hasattr(target, name):
+    target = target_of(self)
+    if hasattr(target, name):
         setattr(target, name, value)
     else:
         object.__setattr__(self, name, value)

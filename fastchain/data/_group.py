@@ -205,13 +205,13 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
     updater keeps them after the handle is disabled (they hold its
     position)."""
     from chainer.iterators import SerialIterator, ShuffleOrderSampler
-    from fastchain.data._follow import follow, live_target, serve
+    from fastchain.data._follow import follow, serve, target_of
     workers, prefetch, asked = setting
     chosen = workers is None        # the default: this process's share of the cores
     workers = default_workers() if chosen else workers
     next_(updater, *args, **kwargs)
     main = updater._iterators['main']
-    taken = live_target(main)
+    taken = target_of(main)
     if taken is not None:       # taken by an earlier updater: the same one
         serve(taken, updater, False)    # (its own converter: unprepared batches)
         updater._iterators['main'] = taken

@@ -27,9 +27,13 @@ CHAINERS = ('_loss_scale', '_loss_scaling_is_dynamic', '_loss_scaling_multiplier
             '_loss_scaling_isnan_ever')
 
 
-def carry(optimizer, scaler, changes):
-    """Copies of ``optimizer`` (attached to ``scaler``) carry its settings
-    and state (recorded in ``changes``: until its handle lets it go)."""
+def attach(optimizer, scaler, changes):
+    """``_attach.attach``, and copies of ``optimizer`` then carry the
+    scaler's settings and state (recorded in ``changes``: until its handle
+    lets it go)."""
+    _attach.attach(optimizer, scaler, changes)
+    if scaler is None or _attach.scaler_of(optimizer) is not scaler:
+        return      # (set up twice: the first attachment stays, and its carry)
     ref = weakref.ref(optimizer)
     _patches.carry_into_copies(optimizer, functools.partial(_carried, scaler))
     changes.call('copies carry the scaler', lambda: ref() is not None and
@@ -39,9 +43,10 @@ def carry(optimizer, scaler, changes):
 def _carried(scaler):
     settings = {name: getattr(scaler, name) for name in (
         'growth_factor', 'backoff_factor', 'growth_interval', 'min_scale', 'max_scale')}
-    return dict(zip(CHAINERS, (scaler.scale, True, 2.0 ** (1.0 / scaler.growth_interval),
-                               True)),
-                **{CARRIED: {'settings': settings, 'state': scaler.state_dict()}})
+    return {'_loss_scale': scaler.scale, '_loss_scaling_is_dynamic': True,
+            '_loss_scaling_multiplier': 2.0 ** (1.0 / scaler.growth_interval),
+            '_loss_scaling_isnan_ever': True,       # (grows by the multiplier)
+            CARRIED: {'settings': settings, 'state': scaler.state_dict()}}
 
 
 def take_up(next_, optimizer, *args, loss_scale, changes, **kwargs):
@@ -76,13 +81,11 @@ def _take_up(optimizer, loss_scale, changes):
     carried = own.pop(CARRIED, None)
     if carried is None or _attach.scaler_of(optimizer) is not None:
         return False
-    if loss_scale is False:
-        _attach.attach(optimizer, None, changes)
-    else:
+    scaler = None
+    if loss_scale is not False:
         for name in CHAINERS:       # the scaler's from now on (undone: Chainer's defaults)
             own.pop(name, None)
         scaler = DynamicLossScaler(**carried['settings'])
         scaler.load_state_dict(carried['state'])
-        _attach.attach(optimizer, scaler, changes)
-        carry(optimizer, scaler, changes)
+    attach(optimizer, scaler, changes)
     return True

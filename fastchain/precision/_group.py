@@ -123,9 +123,7 @@ def _setup_layer(next_, optimizer, link, *, loss_scale, changes):
         scaler = None
     else:
         scaler = DynamicLossScaler(**(loss_scale if isinstance(loss_scale, dict) else {}))
-    _attach.attach(optimizer, scaler, changes)
-    if scaler is not None and _attach.scaler_of(optimizer) is scaler:
-        _copied.carry(optimizer, scaler, changes)   # what a copy of it takes up
+    _copied.attach(optimizer, scaler, changes)     # (and what a copy of it takes up)
     return result
 
 

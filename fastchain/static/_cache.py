@@ -357,20 +357,24 @@ class _Cache:
         self.fall_back(cause, reason)
         return plain(*args)
 
-    def _drop(self, key):
-        """Forget what the cache holds for ``key`` (a call of it raised)."""
+    def _own_managers(self):
+        """(the chain, its key managers) if the managers are this cache's, else None."""
         chain = self.ref()
         managers = None if chain is None else chain.__dict__.get('schedule_manager')
-        if getattr(managers, 'owner', None) is self.token:
-            managers.by_key.pop(key, None)
+        return (chain, managers) if getattr(managers, 'owner', None) is self.token else None
+
+    def _drop(self, key):
+        """Forget what the cache holds for ``key`` (a call of it raised)."""
+        own = self._own_managers()
+        if own is not None:
+            own[1].by_key.pop(key, None)
         for table in (self.state['sequences'], self.state['verified'], self.state['names'],
                       self.structures, self.unverifiable):
             table.pop(key, None)
 
     def forget(self):
         """Drop the schedules: Chainer's attributes on the chain, if they are ours."""
-        chain = self.ref()
-        managers = None if chain is None else chain.__dict__.get('schedule_manager')
-        if getattr(managers, 'owner', None) is self.token:
+        own = self._own_managers()
+        if own is not None:
             for name in _keys.CHAINER_ATTRIBUTES:
-                chain.__dict__.pop(name, None)
+                own[0].__dict__.pop(name, None)
