@@ -161,6 +161,7 @@ class MultiprocessIterator(iterator_module.Iterator):
             self._worker_tuner.step(self._pool)         # once a step
         while True:
             if not self.repeat and self.epoch > 0:
+                self._previous_epoch_detail = before    # as Chainer's iterators say
                 raise StopIteration
             indices, epoch, position = self._schedule.batch(
                 self.epoch, self.current_position, draw=True)
@@ -388,8 +389,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         if self.on_error == 'raise':
             self.finalize()
             raise DataLoadError(index, path, kind, message, detail)
-        self.skipped.append({'index': index, 'path': path,
-                             'error': '{}: {}'.format(kind, message)})
+        self.skipped.append({'index': index, 'path': path, 'error': kind + ': ' + str(message)})
 
     def _path_of(self, index, path):
         if path is None and hasattr(self.dataset, 'path'):

@@ -218,6 +218,7 @@ class DevicePrefetcher(iterator_module.Iterator):
         if item is _END:
             if self._thread is not None:
                 self._put(_END)     # keep answering StopIteration
+            self.previous_epoch_detail = self.epoch_detail      # as Chainer's iterators say
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
@@ -295,8 +296,7 @@ def _skipped_of(it):
 
 
 def _left_out(it, before):
-    """What ``it`` left out since it had left out ``before`` (None: it does
-    not skip): the examples the batch just taken left out."""
+    """What ``it`` left out since ``before`` (None: it does not skip): the batch just taken's."""
     return None if before is None else it.skipped[before:]
 
 

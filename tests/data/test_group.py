@@ -38,7 +38,8 @@ def walk_to_the_end(it):
         try:
             out.append([int(t) for _, t in it.next()])
         except StopIteration:
-            return out + [(it.epoch, it.is_new_epoch), numpy.random.rand()]
+            return out + [(it.epoch, it.is_new_epoch, it.epoch_detail,
+                           it.previous_epoch_detail), numpy.random.rand()]
 
 
 def serial(dataset, batch_size, shuffle=None, repeat=True):
