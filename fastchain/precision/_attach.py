@@ -117,16 +117,20 @@ def _warn_own_scaling(optimizer, scaler):
     dynamic = optimizer.__dict__.get('_loss_scaling_is_dynamic', False)
     if not dynamic and optimizer._loss_scale == scaler.scale:
         return False
+    say_own_scaling_replaced(optimizer, scaler, dynamic)
+    return True
+
+
+def say_own_scaling_replaced(optimizer, scaler, dynamic):
     warnings.warn(
         "fastchain: fp16's DynamicLossScaler scales this {}'s loss; the script's own loss "
-        'scaling ({}) is replaced by its scale ({:g}) from the next step. Choose the scaling '
+        'scaling ({}) is replaced by its scale ({:g}) from the next backward. Choose the scaling '
         "with fastchain.enable(fp16=True, loss_scale={{'init_scale': ..., "
         "'growth_interval': ...}}) (a fixed scale S: init_scale, min_scale and max_scale S), "
         "or leave it to Chainer with loss_scale=False (fp32 masters only)".format(
             type(optimizer).__name__, 'optimizer.loss_scaling()' if dynamic else
             'a loss scale of {!r}'.format(optimizer._loss_scale), scaler.scale),
         FastchainWarning, stacklevel=_patches.user_stacklevel())
-    return True
 
 
 def _warn_nonfinite_statistics(target):

@@ -83,9 +83,16 @@ def _take_up(optimizer, loss_scale, changes):
         return False
     scaler = None
     if loss_scale is not False:
-        for name in CHAINERS:       # the scaler's from now on (undone: Chainer's defaults)
-            own.pop(name, None)
         scaler = DynamicLossScaler(**carried['settings'])
         scaler.load_state_dict(carried['state'])
+        mine = _carried(scaler)
+        if any(own.get(name) != mine[name] for name in CHAINERS[:3]):
+            # the script set Chainer's own scaling on the copy (or used it
+            # where fp16 was not in force): replaced, as on the original
+            _attach.say_own_scaling_replaced(optimizer, scaler, own.get(
+                '_loss_scaling_is_dynamic') and own.get('_loss_scaling_multiplier') !=
+                mine['_loss_scaling_multiplier'])
+        for name in CHAINERS:       # the scaler's from now on (undone: Chainer's defaults)
+            own.pop(name, None)
     attach(optimizer, scaler, changes)
     return True

@@ -288,6 +288,41 @@ def test_a_copy_of_an_fp16_optimizer_trains_on_as_the_original_would(how, loop):
     assert o1.t == o2.t
 
 
+@pytest.mark.parametrize('own', ['set_loss_scale', 'loss_scaling'])
+def test_a_copys_own_loss_scaling_is_replaced_saying_so_as_the_originals(own):
+    """The script's own Chainer loss scaling set on a copy before its first
+    update was dropped without a word, where on the original a warning says
+    the scaler's replaces it: now the copy says so too, and the two go on
+    alike (a lead of session 35)."""
+    import copy
+    with fp16_enable(loss_scale={'init_scale': 2.0 ** 10, 'growth_interval': 2}):
+        numpy.random.seed(0)
+        model = L.Classifier(L.Linear(4, 3))
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        rng = numpy.random.RandomState(1)
+        x, t = rng.randn(8, 4).astype(numpy.float16), rng.randint(0, 3, 8).astype(numpy.int32)
+        opt.update(model, x, t)
+        pairs = [(model, opt), copy.deepcopy((model, opt))]
+        said = []
+        for m, o in pairs:
+            getattr(o, own)(64.0) if own == 'set_loss_scale' else o.loss_scaling(interval=10)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter('always')
+                for _ in range(3):
+                    o.update(m, x, t)
+            said.append([str(w.message) for w in caught
+                         if issubclass(w.category, FastchainWarning) and 'replaced' in str(w.message)])
+            assert caught and all(w.filename == __file__ for w in caught
+                                  if 'replaced' in str(w.message))
+        assert len(said[0]) == 1 and said[1] == said[0]
+        assert ('a loss scale of 64.0' if own == 'set_loss_scale' else
+                'optimizer.loss_scaling()') in said[0][0]
+        (mine, o1), (theirs, o2) = pairs
+        assert scaler_of(o2).state_dict() == scaler_of(o1).state_dict()
+        for (name, p), (_, q) in zip(sorted(mine.namedparams()), sorted(theirs.namedparams())):
+            numpy.testing.assert_array_equal(q.array, p.array, err_msg=name)
+
+
 def test_a_copy_loading_a_snapshot_before_its_first_update_takes_the_snapshots_state():
     """A copy took up what it carried at its first update, after a load that
     had read Chainer's keys only (the scaler's state and the masters were
