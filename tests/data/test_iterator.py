@@ -572,8 +572,9 @@ def test_with_the_global_rng_only_batches_that_draw_nothing_may_be_fetched_ahead
         once.finalize()
 
 
-class Noisy(chainer.dataset.DatasetMixin):
-    """Draws from NumPy's global RNG in every example, as augmentation does."""
+class NoisyScalars(chainer.dataset.DatasetMixin):
+    """Draws from NumPy's global RNG in every example, as augmentation does
+    (a float each: batches compare with ``==``)."""
 
     def __len__(self):
         return 12
@@ -583,13 +584,13 @@ class Noisy(chainer.dataset.DatasetMixin):
 
 
 def test_seeded_loading_without_workers_leaves_the_global_rng_as_it_was():
-    it = data.MultiprocessIterator(Noisy(), 5, n_workers=0, seed=3)
+    it = data.MultiprocessIterator(NoisyScalars(), 5, n_workers=0, seed=3)
     numpy.random.seed(7)
     first = [it.next() for _ in range(3)]
     after = numpy.random.rand()
     numpy.random.seed(7)
     assert numpy.random.rand() == after     # the batches drew nothing from it
-    again = data.MultiprocessIterator(Noisy(), 5, n_workers=0, seed=3)
+    again = data.MultiprocessIterator(NoisyScalars(), 5, n_workers=0, seed=3)
     assert [again.next() for _ in range(3)] == first    # per-example seeds: repeatable
 
 
