@@ -118,9 +118,12 @@ def write(name, args, config, rows, ratios, notes=None, quiet=False):
 def markdown(result):
     m = result['machine']
     lines = ['## {}'.format(result['benchmark']), '',
-             'Machine: {} ({} cores), {} GPU; Python {}, NumPy {}{}, Chainer {}.'.format(
+             'Machine: {} ({} cores), {} GPU{}; Python {}, NumPy {}{}, Chainer {}.'.format(
                  m.get('cpu'), m.get('cores'),
                  ', '.join(g['name'] for g in m.get('gpus') or []) or 'no',
+                 ' (driver {}, CUDA {}, CuPy {})'.format(
+                     m.get('nvidia_driver'), m.get('cuda_runtime'), m.get('cupy'))
+                 if m.get('gpus') else '',
                  m.get('python'), m.get('numpy'),
                  ' ({})'.format(m['blas']) if m.get('blas') else '', m.get('chainer')),
              '', '| variant | median | unit | spread (min, max) | windows |',

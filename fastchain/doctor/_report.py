@@ -35,6 +35,21 @@ def blas():
     return ' '.join(str(info[k]) for k in ('name', 'version') if info.get(k)) or None
 
 
+def nvidia_driver(path='/proc/driver/nvidia/version'):
+    """The NVIDIA kernel driver's version (``'580.65.06'``), or None where
+    there is none; not the CUDA version it offers (``cuda_driver``)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    for word in text.split():
+        parts = word.split('.')
+        if len(parts) >= 2 and all(p.isdigit() for p in parts):
+            return word
+    return None
+
+
 def machine():
     """The machine description benchmarks record (BENCHMARKS.md)."""
     import numpy
@@ -55,6 +70,10 @@ def machine():
         else os.cpu_count(),
         'memory_bytes': memory,
         'gpus': cuda.gpus(),
+        'nvidia_driver': nvidia_driver(),
+        # the CUDA versions of CuPy's runtime and of what the driver offers
+        'cuda_runtime': cupy.detail.get('cuda_runtime') if cupy.detail else None,
+        'cuda_driver': cupy.detail.get('cuda_driver') if cupy.detail else None,
         'python': platform.python_version(),
         'numpy': numpy.__version__,
         'blas': blas(),
@@ -64,6 +83,7 @@ def machine():
         'cudnn': cudnn.version or (
             'graphs: ' + graphs.version if graphs is not None and graphs.available else None),
         'nccl': nccl.version,
+        'torch': _dist_version('torch'),    # (the peer rows'; not imported here)
         'platform': platform.platform(),
     }
 

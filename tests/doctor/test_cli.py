@@ -211,3 +211,20 @@ def test_version(args):
     assert 'fastchain {}'.format(fastchain.__version__) in text
     assert 'Chainer {}'.format(importlib.metadata.version('chainer')) in text
     assert text.count('\n') == 1
+
+
+def test_the_machine_record_names_the_nvidia_driver_apart_from_cuda(tmp_path):
+    """Benchmarks record the driver (BENCHMARKS.md): the GPU results had
+    only the CUDA version the driver offers, which README called the driver
+    (a review)."""
+    from fastchain.doctor._report import machine, nvidia_driver
+    proc = tmp_path / 'version'
+    proc.write_text(
+        'NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  '
+        '(dvs-builder@U22-I3-AE18-23-3)  Tue Jul 15 03:40:38 UTC 2025\n'
+        'GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n')
+    assert nvidia_driver(str(proc)) == '580.65.06'
+    assert nvidia_driver(str(tmp_path / 'absent')) is None
+    m = machine()
+    for key in ('nvidia_driver', 'cuda_runtime', 'cuda_driver', 'torch'):
+        assert key in m
