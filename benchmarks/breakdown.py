@@ -14,8 +14,7 @@ loading apart (its ``time_loading``).
 
 Variants (the options of the ladder's rungs named, autotune off in all of
 them: cuDNN's heuristic plan for each key; autotune added 1% in the ladder's
-first GPU run, and tuning every key takes minutes of a GPU's time), run in
-this order:
+first GPU run, and tuning every key takes minutes of a GPU's time):
 
   baseline       plain Chainer (use_cudnn 'never': convolutions as im2col + GEMM), fp32
   static_graph   fastchain's cuDNN graphs, fp16 compute with fp32 master weights and
@@ -26,6 +25,15 @@ this order:
                  CuPy 13), fp32 (a GPU's; left out, with the reason, where neither runs)
   fp16           the cuDNN graphs and fp16 on fp32 data cast on the device (the
                  ladder's fp32_preprocessing rung; a GPU's)
+  static_graph_bn     static_graph with BatchNormalization's cuDNN graphs on
+                      (FASTCHAIN_CUDNN_BN=1; a GPU's; run after static_graph)
+  static_graph_stats  static_graph with BatchNormalization's two-level CuPy
+                      reductions (FASTCHAIN_CUDNN_BN=stats; a GPU's)
+
+They run in ``VARIANTS``' order: baseline, static_graph, static_graph_bn,
+static_graph_stats, torch, cudnn, fp16; one after another,
+so their ratios carry whatever drifted between them: indications, not the
+side-by-side comparisons of BENCHMARKS.md.
 
 Each variant is built, warmed up (``--warmup`` steps: first calls, graph
 builds, the schedule), runs ``--steps`` timed steps, then on a GPU

@@ -6,8 +6,9 @@ Each variant runs in a process of its own (a BLAS thread count and its
 threads' spinning are process state): a 16x64x8x8 BatchNormalization and a
 3x3 convolution of the same input through PyTorch, alone and right after a
 NumPy matmul (256x576 by 576x64), and the matmul right after the
-convolution. Rows are microseconds per call (median of windows, each the
-median of its calls); ``after/alone`` ratios say what a switch costs.
+convolution. Rows are calls per second (median of windows, each from the
+median call time), so ``after/alone`` ratios are speeds as BENCHMARKS.md
+has them: below 1, what a switch costs.
 Variants: the BLAS's own thread count, and one BLAS thread (what the
 option sets). Needs PyTorch (the bench extra).
 """
@@ -68,13 +69,13 @@ def main(argv=None):
         sys.exit('benchmarks/onednn_threads.py needs PyTorch (pip install -e ".[bench]")')
     windows = args.windows or (3 if args.quick else 5)
     calls = 50 if args.quick else 200
-    rows = _common.Rows('us per call')
+    rows = _common.Rows('calls/s')
     for _ in range(windows):
         for variant in ('default', 'one'):
             out = subprocess.run([sys.executable, '-c', CHILD, variant, str(calls)],
                                  check=True, capture_output=True, text=True).stdout
             for name, us in json.loads(out).items():
-                rows.add('{} ({})'.format(name, LABELS[variant]), us)
+                rows.add('{} ({})'.format(name, LABELS[variant]), round(1e6 / us, 1))
     ratios = {}
     for label in LABELS.values():
         for op, before in (('bn', 'blas'), ('conv', 'blas'), ('blas', 'conv')):

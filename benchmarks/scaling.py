@@ -66,6 +66,10 @@ def main(argv=None):
     from fastchain.backends import mpi
     from fastchain.data import available_cores
     n = args.processes or available_cores()
+    if n < 2:
+        raise SystemExit('benchmarks/scaling.py compares 1 process with N, and N is {} here '
+                         '(--processes, else the cores this process may use); pass '
+                         '--processes 2 or more'.format(n))
     runs = args.windows or (3 if args.quick else 5)
     env = dict(os.environ, OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
                MKL_NUM_THREADS='1')
@@ -90,7 +94,8 @@ def main(argv=None):
     config = {'model': 'ResNet-50', 'input': args.size, 'batch_per_process': args.batch,
               'processes': [1, n], 'threads_per_process': 1, 'steps_per_run': args.steps,
               'runs': runs, 'communicator': 'mpi', 'gpus': 0}
-    rows.skip('nccl', 'no GPU here: run make gpu-check on a GPU machine')
+    rows.skip('nccl', 'this benchmark runs the MPI communicator on CPU processes; NCCL '
+              'over GPUs: make gpu-check on a GPU machine')
     notes = ['Each process is one device (one core, one BLAS thread); the batch per '
              'process is fixed, so N processes do N times the work per step.']
     _common.write('scaling', args, config, rows, ratios, notes)
