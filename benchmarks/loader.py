@@ -26,6 +26,7 @@ timed for one window; variants take turns window by window.
 
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 
@@ -133,8 +134,10 @@ def limit_rate(files, workers, seconds):
         return done / (time.perf_counter() - start)
 
 
-def decoder_rates(files, n=60):
-    """Single-process decoders on the same files (why Pillow is the default)."""
+def decoder_rates(files, n=60, passes=5):
+    """Single-process decoders on the same files, images/s: the median of
+    ``passes`` alternated passes (after one untimed) and the spread (why
+    simplejpeg decodes full-size JPEGs and Pillow's draft the resized ones)."""
     from PIL import Image
     rates = {}
 
@@ -156,13 +159,16 @@ def decoder_rates(files, n=60):
     except ImportError:
         pass
     sample = files[:n]
-    for _ in range(2):      # alternate, keep the second pass
+    for i in range(passes + 1):     # alternated, the first pass untimed (warm-up)
         for name, fn in decoders.items():
             start = time.perf_counter()
             for p in sample:
                 fn(p)
-            rates[name] = round(len(sample) / (time.perf_counter() - start), 1)
-    return rates
+            if i:
+                rates.setdefault(name, []).append(len(sample) / (time.perf_counter() - start))
+    return {name: {'median': round(statistics.median(r), 1),
+                   'spread': [round(min(r), 1), round(max(r), 1)], 'passes': passes}
+            for name, r in rates.items()}
 
 
 def main(argv=None):
