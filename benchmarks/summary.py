@@ -10,7 +10,11 @@ def main(directory):
     for name in sorted(os.listdir(directory)):
         if name.endswith('.md') and name != 'SUMMARY.md':
             with open(os.path.join(directory, name)) as f:
-                parts.append(f.read().strip())
+                text = f.read().strip()
+            head, _, rest = text.partition('\n')
+            if head.startswith('## '):      # which file: the quick or the full form
+                text = '{} (`{}`)\n{}'.format(head, name, rest)
+            parts.append(text)
     text = '# Benchmark results\n\nWritten by `make bench` (quick forms) or the command in ' \
            'each file; see benchmarks/README.md.\n\n' + '\n\n'.join(parts) + '\n'
     with open(os.path.join(directory, 'SUMMARY.md'), 'w') as f:
