@@ -285,17 +285,19 @@ def test_the_twins_do_not_excuse_a_wrong_gradient_or_a_lost_update(saturated):
     key = 'backward grad/l4/W'
     fails(_mutated(got, 0, key, got[0][key] * numpy.float32(1.01)), 'step 0 ' + key)
     # 5% off at the third, where the largest gradients are 2.9e-3 apart (3%
-    # fails too on an AMD EPYC): the twins move it much less than that there
+    # fails too on an AMD EPYC), or, where a machine's kernels magnify the
+    # twins' one unit more, twice what they allow: one AMD EPYC (AVX-512,
+    # 2026-12-02) moved this gradient by up to 2.3% of its largest value in
+    # the twins, an allowance of 11%, which excuses 5% by design
     key = 'backward grad/rec/upward/W'
     allowance = harness.twin_allowance(expected, twins)[2][key]
-    assert allowance.max() < 0.5 * 0.05 * numpy.abs(got[2][key]).max(), (
-        "the twins' allowance is near the error put in: this BLAS magnifies more")
-    fails(_mutated(got, 2, key, got[2][key] * numpy.float32(1.05)), 'step 2 ' + key)
-    # and 5% off only in the elements the twins moved least (to the floor: a
-    # tenth of their largest move)
+    off = max(0.05, 2 * float(allowance.max()) / float(numpy.abs(got[2][key]).max()))
+    fails(_mutated(got, 2, key, got[2][key] * numpy.float32(1 + off)), 'step 2 ' + key)
+    # and as far off only in the elements the twins moved least (to the
+    # floor: a tenth of their largest move)
     quiet = allowance <= harness.TWIN_FLOOR * allowance.max() * (1 + 1e-9)
     assert quiet.mean() > 0.5
-    fails(_mutated(got, 2, key, numpy.where(quiet, got[2][key] * numpy.float32(1.05),
+    fails(_mutated(got, 2, key, numpy.where(quiet, got[2][key] * numpy.float32(1 + off),
                                             got[2][key]).astype(numpy.float32)),
           'step 2 ' + key)
     # a parameter's update lost at the third step: each that moves more than
