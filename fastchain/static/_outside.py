@@ -24,10 +24,14 @@ those that depend on a call's outputs, and the rest. Where the call's terms
 and the rest may be grouped otherwise (:func:`may_differ`), a
 :class:`StaticGraphOrder` warning is given once per model, and the model's
 entry in ``handle.report()['static_graph']['calls']['not_bitwise']``.
-Not counted: passes after those (a loss that starts using the parameters
-later), ``chainer.grad`` (only ``Variable.backward`` is layered), a
-parameter used twice inside the call (the node adds its two terms first),
-and the terms of what the call takes or returns used three or more times
+A parameter used two or more times inside the call (a link applied
+twice) comes from the node as one sum of those uses, where define-by-run
+adds them one by one: wherever it meets another term (a gradient held from
+an earlier pass, a use outside, another call), that is said too; the uses
+are counted in the define-by-run reference of each verified call
+(:func:`note_uses`). Not counted: passes after those (a loss that starts
+using the parameters later), ``chainer.grad`` (only ``Variable.backward`` is
+layered), and the terms of what the call takes or returns used three or more times
 (a VAE's encoder outputs: DEVELOPERS.md, Chainer's ``static_graph``).
 """
 
@@ -45,17 +49,27 @@ LIMIT = 1 << 16     # functions of the chain's define-by-run calls kept for one 
 WANTED = weakref.WeakSet()  # caches with passes left to count
 _local = threading.local()
 
+ROUNDING = (
+    "so the terms may be summed in another order: the training can differ from "
+    "define-by-run's by rounding (growing as the trainings drift apart: measured at most "
+    '2.0e-5 of the largest value in float32 and 2.3e-2 in fp16 over 8 steps, both in '
+    'trainings that diverge; with Adam a gradient that is zero in exact arithmetic, such as '
+    'a bias before BatchNormalization, can become a full step). ')
 MESSAGE = (
     'fastchain static_graph: the gradient of {params} of {model} gets terms from functions '
     "outside the cached call that do not depend on its outputs (a penalty over the "
     "parameters in the loss, F.sum(p * p)), and the cached call brings its own terms at "
-    "another point of Chainer's backward than define-by-run, so the terms may be summed "
-    "in another order: the training can differ from define-by-run's by rounding (growing "
-    'as the trainings drift apart: measured at most 2.0e-5 of the largest value in '
-    'float32 and 2.3e-2 in fp16 over 8 steps, both in trainings that diverge; with Adam a gradient that is zero in exact arithmetic, such as a bias '
-    'before BatchNormalization, can become a full step). For bitwise results apply such '
+    "another point of Chainer's backward than define-by-run, " + ROUNDING +
+    'For bitwise results apply such '
     'a penalty as an optimizer hook (chainer.optimizer_hooks.WeightDecay(2 * c) for '
     'c * F.sum(p * p)), or train this model without static_graph')
+INSIDE = (
+    'fastchain static_graph: {params} of {model}: each used more than once inside the cached '
+    "call, whose replay brings those terms as one sum where define-by-run adds them one by "
+    'one to the rest of the gradient (a gradient held from an earlier backward pass, a use '
+    "outside the call, another call's terms), " + ROUNDING + 'For bitwise results clear '
+    'the gradients before each backward, use the model once a backward, or train this '
+    'model without static_graph')
 
 
 class StaticGraphOrder(FastchainWarning):
@@ -66,6 +80,7 @@ class StaticGraphOrder(FastchainWarning):
 def watch(cache):
     """A new cache: its next :data:`CHECKS` backward passes are counted."""
     cache.outside_left, cache.outside_idle = CHECKS, IDLE
+    cache.inside_uses = {}      # id(parameter node) -> most uses in one call (2 or more)
     WANTED.add(cache)
 
 
@@ -104,6 +119,32 @@ def called(cache, args, result):
         inside[id(func)] = weakref.ref(func)    # (not keeping a graph alive)
         stack.extend(x.creator_node for x in func.inputs
                      if x.creator_node is not None and id(x) not in stop)
+
+
+def note_uses(cache, outputs):
+    """A verified call's define-by-run reference gave ``outputs`` (its
+    inputs detached): each parameter used two or more times in it is noted
+    with that count, the terms a replay's node sums before Chainer's
+    backward adds them to the rest."""
+    chain = cache.ref()
+    if chain is None:
+        return
+    params = {id(p.node) for p in chain.params()}
+    uses, seen = {}, set()
+    stack = [y.creator_node for y in outputs if getattr(y, 'creator_node', None) is not None]
+    while stack:
+        func = stack.pop()
+        if id(func) in seen:
+            continue
+        seen.add(id(func))
+        for x in func.inputs:
+            if id(x) in params:
+                uses[id(x)] = uses.get(id(x), 0) + 1
+            elif x.creator_node is not None:
+                stack.append(x.creator_node)
+    for key, n in uses.items():
+        if n >= 2 and n > cache.inside_uses.get(key, 0):
+            cache.inside_uses[key] = n
 
 
 def _inside():
@@ -178,10 +219,11 @@ def _count(variable):
     after = _downstream(funcs, calls)
     for func in funcs:
         where = 0 if id(func) in calls else 1 if id(func) in after else 2
+        node = _node_of(func) if where == 0 else None
         for x in func.inputs:
             entry = watched.get(id(x))
-            if entry is not None:
-                entry[2][where] += 1
+            if entry is not None:     # a replay's node: the uses it stands for
+                entry[2][where] += getattr(node, 'inside_uses', {}).get(id(x), 1)
     _judge(watched.values())
 
 
@@ -207,13 +249,25 @@ def _downstream(funcs, calls):
     return {k for k, v in memo.items() if v}
 
 
-def may_differ(call, after, apart, held):
+def summed_inside(call, after, apart, held, inside):
+    """Whether a parameter used ``inside`` >= 2 times in one call meets
+    other terms: a replay's node brings its uses as one sum, where
+    define-by-run adds them one by one to the rest."""
+    return inside >= 2 and bool(held or after or apart or call > inside)
+
+
+def may_differ(call, after, apart, held, inside=1):
     """Whether a parameter's sum may change with the call's terms' place
     among the ``apart`` ones: the prefix (a gradient held from before, the
     ``after`` terms) is added first either way, and two terms commute. With
     two or more calls, a term after one call's output may come before
     another call's terms (the differential suite: a tied head called three
-    times), so it moves too."""
+    times), so it moves too. A parameter used ``inside`` >= 2 times in one
+    call gets them from a replay's node as one sum, where define-by-run adds
+    them one by one to the rest: the grouping changes wherever there is a
+    rest (a gradient held, another term, another call's)."""
+    if summed_inside(call, after, apart, held, inside):
+        return True
     if call >= 2:
         after, apart = 0, apart + after
     moving = call + apart
@@ -228,9 +282,12 @@ def _judge(entries):
     for p, caches, (call, after, apart) in entries:
         if call:
             reached.update(caches)
-        if may_differ(call, after, apart, p.grad_var is not None):
+        inside = max(cache.inside_uses.get(id(p.node), 1) for cache in caches)
+        held = p.grad_var is not None
+        if may_differ(call, after, apart, held, inside):
             for cache in caches:
-                found.setdefault(cache, []).append(p)
+                found.setdefault(cache, []).append(
+                    (p, summed_inside(call, after, apart, held, inside)))
     for cache in list(WANTED):
         if cache in reached:
             cache.outside_left -= 1
@@ -244,13 +301,19 @@ def _judge(entries):
 
 
 def _name(cache, found):
+    """Says it once for ``cache``: ``found``, (parameter, whether its uses
+    inside the call are what meets other terms); those from outside first."""
     import warnings
     chain = cache.ref()
     names = {id(p): name for name, p in chain.namedparams()} if chain is not None else {}
-    listed = [names.get(id(p), p.name or '?') for p in found]
-    params = ', '.join(listed[:NAMES]) + (' and {} more'.format(len(listed) - NAMES)
-                                          if len(listed) > NAMES else '')
-    message = MESSAGE.format(params=params, model=cache.name)
+    said = []
+    for text, inside in ((MESSAGE, False), (INSIDE, True)):
+        listed = [names.get(id(p), p.name or '?') for p, why in found if why == inside]
+        if listed:
+            params = ', '.join(listed[:NAMES]) + (' and {} more'.format(len(listed) - NAMES)
+                                                  if len(listed) > NAMES else '')
+            said.append(text.format(params=params, model=cache.name))
+    message = '; '.join(said[:1] + [m[len('fastchain static_graph: '):] for m in said[1:]])
     cache.state['not_bitwise'] = message
     WANTED.discard(cache)
     warnings.warn(message, StaticGraphOrder, stacklevel=_patches.user_stacklevel())

@@ -20,7 +20,9 @@ def sequence_reason(calls, recorded):
                     got[0], k + 1, name, new.get(name), old.get(name)))
     return ('not static', 'the model is not static: on a later call its forward applied '
             '{} where the recorded graph has {} (function #{}); Python control flow '
-            'that depends on the data?'.format(_call(got), _call(had), k + 1))
+            'that depends on the data, or on the type of an input (Chainer\'s replay '
+            'gives the forward a Variable where the script passes an array)?'.format(
+                _call(got), _call(had), k + 1))
 
 
 _RANDOM = ('NumPy\'s random state advanced {}: the model draws random numbers (in Python, '

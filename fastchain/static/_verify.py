@@ -62,10 +62,9 @@ def allowed(dtype):
 
 
 def _inexact():
-    """oneDNN's kernels are in force, or have run in this process (a cache
-    recorded with them may be verified after the option was turned off), or
-    cuDNN graphs have (their engines may sum in an order that varies from
-    call to call: a weight gradient split over thread blocks)."""
+    """oneDNN's kernels are in force or have run in this process (a cache may
+    be verified after the option was turned off), or cuDNN graphs have
+    (their engines may sum in a varying order: split weight gradients)."""
     return (_onednn.enabled or any(_onednn.calls.values())
             or any(paths.get('graph') for paths in _paths.calls.values()))
 
@@ -144,14 +143,14 @@ def flatten(x):
 
 
 def _copy(x, inputs):
-    """``x`` with every array or variable replaced by a new leaf variable,
-    which requires a gradient where the replay gives one: a variable that
-    requires one (an array argument's is not computed, as define-by-run
-    computes none)."""
+    """``x`` with every variable replaced by a new leaf variable requiring a
+    gradient where the caller's does; an array passed as it is, as
+    define-by-run gets it (a forward may make its own variable of it: one
+    that required none broke Chainer 7.8.1's deconvolution backward)."""
     if isinstance(x, (list, tuple)):
         return type(x)(_copy(item, inputs) for item in x)
-    v = chainer.Variable(getattr(x, 'array', x), requires_grad=isinstance(
-        x, chainer.Variable) and x.requires_grad)
+    v = chainer.Variable(x.array, requires_grad=x.requires_grad) \
+        if isinstance(x, chainer.Variable) else x
     inputs.append(v)
     return v
 
@@ -313,17 +312,49 @@ class Reference:
         (what its node returns; Chainer's backward sums them with the rest)."""
         pairs = [(y, g) for y, g in zip(self.outputs, grad_outputs)
                  if g is not None and isinstance(y, chainer.Variable)]
-        inputs = [x for x in self.inputs if x.dtype.kind == 'f' and x.requires_grad]
+        inputs = [x for x in self.inputs if isinstance(x, chainer.Variable)
+                  and x.dtype.kind == 'f' and x.requires_grad]
         targets = list(params) + inputs
         if not pairs or not targets:
             return [None] * len(params), [None] * len(self.inputs)
         seeds = [chainer.Variable(g.array if isinstance(g, chainer.Variable) else g)
                  for _, g in pairs]
-        with without_function_hooks():
-            grads = chainer.grad([y for y, _ in pairs], targets, grad_outputs=seeds)
+        # Chainer's backward, as plain Chainer's (chainer.grad asks functions
+        # only for what leads to its targets; the deconvolution's weight alone
+        # raised: a fuzzing helper); the leaves' gradients are put back.
+        ys = [y for y, _ in pairs]
+        held = [(v, v.grad_var) for v in {id(v): v for v in targets + _leaves(ys)}.values()]
+        try:
+            for v, _ in held:
+                v.grad_var = None
+            with without_function_hooks():
+                chainer.backward(ys, seeds)
+            grads = [v.grad_var for v in targets]
+        finally:
+            for v, g in held:
+                v.grad_var = g
         by_input = dict(zip(map(id, inputs), grads[len(params):]))
         return ([None if g is None else g.array for g in grads[:len(params)]],
                 [by_input.get(id(x)) for x in self.inputs])
+
+
+def _leaves(outputs):
+    """The live leaf variables behind ``outputs`` that require a gradient."""
+    found, seen, stack = [], set(), [y.creator_node for y in outputs if y.creator_node]
+    while stack:
+        func = stack.pop()
+        if id(func) in seen:
+            continue
+        seen.add(id(func))
+        for x in func.inputs:
+            if x.creator_node is not None:
+                stack.append(x.creator_node)
+            elif x.requires_grad and id(x) not in seen:
+                seen.add(id(x))
+                v = x.get_variable_or_none()
+                if v is not None:
+                    found.append(v)
+    return found
 
 
 class BackwardCheck:

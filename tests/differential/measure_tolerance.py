@@ -27,7 +27,7 @@ import numpy
 
 from hypothesis import HealthCheck, assume, given, seed, settings, strategies as st
 
-from tests.differential import harness
+from tests.differential import harness, models
 from tests.differential.models import HOOKS, SGD_FAMILY, model_specs
 from tests.differential.test_differential import (draw_loop, draw_onednn, layouts, run_onednn,
                                                   run_onednn_twin)
@@ -160,7 +160,7 @@ def measure(fp16, examples, seed_, out):
 
     def draw(data):
         spec = data.draw(model_specs(allow_calls=True), 'model')
-        assume(spec['tied'])
+        assume(models.tied(spec))
         steps = data.draw(st.integers(2, 8), 'steps')
         first, second, disable_at = data.draw(layouts(steps), 'layout')
         first['static_graph'] = True

@@ -13,7 +13,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, assume, event, given, settings, strategies as st
 
-from tests.differential import harness
+from tests.differential import harness, models
 from tests.differential.models import HOOKS, OPTIMIZERS, SGD_FAMILY, model_specs
 
 EXAMPLES = int(os.environ.get('FASTCHAIN_DIFFERENTIAL_EXAMPLES', 30))
@@ -92,7 +92,7 @@ def test_fastchain_trains_as_plain_chainer(data):
     # replays (after a step that makes a lazily sized head's weights define-by-run)
     steps = data.draw(st.integers(2, 8), 'steps')
     layout = data.draw(layouts(steps), 'layout')
-    tied = spec['tied'] and any(options.get('static_graph') for options in layout[:2])
+    tied = models.tied(spec) and any(options.get('static_graph') for options in layout[:2])
     optimizer = data.draw(optimizer_for(tied), 'optimizer')
     resume_at, loop, growth_interval = draw_loop(data, steps, fp16)
     scales, said = [], []
@@ -114,6 +114,9 @@ def test_fastchain_trains_as_plain_chainer(data):
         event('static_graph with a parameter also used outside the call')
     if spec['counter'] and any(options.get('static_graph') for options in layout[:2]):
         event('static_graph on a model that counts its calls in Python')
+    if any(layer[0] == 'res_twice' for layer in spec['layers']) and \
+            any(options.get('static_graph') for options in layout[:2]):
+        event('static_graph on a model that applies a link twice inside the call')
     if spec['knob'] and any(options.get('static_graph') for options in layout[:2]):
         event('static_graph on a model whose value the loop sets between steps')
     # Held to the tolerance only where the cache said so (StaticGraphOrder:
@@ -179,7 +182,7 @@ def test_a_plain_script_with_the_loader_trains_as_plain_chainer(data):
                   'nvtx': st.booleans()}), 'options')
     options['_tuning'] = data.draw(st.sampled_from(['measure', 'chainer', 'fastchain']),
                                    'tuning')
-    tied = spec['tied'] and options.get('static_graph')
+    tied = models.tied(spec) and options.get('static_graph')
     optimizer = data.draw(optimizer_for(tied), 'optimizer')
     iterations = data.draw(st.integers(1, 9), 'iterations')     # into the 4th epoch
     shuffle = data.draw(st.booleans(), 'shuffle')

@@ -299,3 +299,45 @@ def test_after_cudnn_graphs_ran_float32_is_accepted_within_the_inexact_margin(mo
     assert _verify.difference(a * 1.01, a) is not None      # a defect's size
     monkeypatch.setattr(_paths, 'calls', {'conv forward': {'chainer': 3}})
     assert _verify.difference(near, a) is not None          # Chainer's own: exact as before
+
+
+class OwnVariable(chainer.Chain):
+    """A forward that makes its own variable of an array before a
+    deconvolution (``x if isinstance(x, Variable) else Variable(x)``), or,
+    with ``doubled``, computes otherwise for a variable than for an array."""
+
+    def __init__(self, doubled=False):
+        super().__init__()
+        self.doubled = doubled
+        with self.init_scope():
+            self.d = L.Deconvolution2D(3, 3, 2)
+            self.head = L.Linear(3, 3)
+
+    def forward(self, x):
+        if isinstance(x, chainer.Variable):
+            h = x * 2 if self.doubled else x
+        else:
+            h = chainer.Variable(x)     # requires a gradient: the deconvolution's input
+        return self.head(F.mean(self.d(h), axis=(2, 3)))
+
+
+@pytest.mark.parametrize('doubled', [False, True])
+def test_the_reference_gets_an_array_argument_as_define_by_run_does(doubled):
+    """The reference ran the forward on a variable requiring no gradient for
+    an array argument: a forward that makes its own variable then gave
+    Chainer's deconvolution a backward for its weight alone, which raised a
+    bare ValueError (a fuzzing helper); and one that computes otherwise for
+    a variable (as Chainer's replay gives it one) was verified against the
+    same branch and trained differently without a word. Now the reference
+    gets the array, and both train bitwise define-by-run's: the second falls
+    back naming the input's type; the first falls back too, as a limit of the
+    cache (its replay leaves the array's gradient out, and Chainer's
+    deconvolution backward then raises on the weight's alone), saying so."""
+    ordinary, cached = copies(lambda: OwnVariable(doubled))
+    cache_static_graph(cached)
+    said = side_by_side(ordinary, cached, batches(count=5))
+    assert len(said) == 1 and cache_state(cached)['fallback'] is not None
+    if doubled:
+        assert 'the type of an input' in said[0], said
+    else:
+        assert "Chainer's replay of the backward raised ValueError" in said[0], said
