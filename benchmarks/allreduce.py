@@ -9,8 +9,10 @@ values, 102 MB in fp32). Side by side, window by window:
               fastchain's sizes on views of that buffer (limit_buckets; one big
               Allreduce was slower than the buckets here, so alone it was no
               limit: a review)
-  fastchain   fastchain's GradientSync: pack into 25 MB buckets, allreduce
-              each (non-blocking), average, unpack into every param.grad
+  fastchain   fastchain's GradientSync as the communicator has it: with MPI
+              each gradient reduced in place (the small ones packed
+              together), blocking, and averaged; with NCCL packed into 25 MB
+              buckets, reduced, averaged and unpacked into every param.grad
   chainermn   ChainerMN's communicator shipped with Chainer 7.8.1
               (``multi_node_mean_grad``; 'naive' is the one that runs on
               CPU arrays: one allreduce per parameter)

@@ -86,12 +86,14 @@ def _take_up(optimizer, loss_scale, changes):
         scaler = DynamicLossScaler(**carried['settings'])
         scaler.load_state_dict(carried['state'])
         mine = _carried(scaler)
-        if any(own.get(name) != mine[name] for name in CHAINERS[:3]):
+        if any(own.get(name) != mine[name] for name in CHAINERS):
             # the script set Chainer's own scaling on the copy (or used it
-            # where fp16 was not in force): replaced, as on the original
-            _attach.say_own_scaling_replaced(optimizer, scaler, own.get(
-                '_loss_scaling_is_dynamic') and own.get('_loss_scaling_multiplier') !=
-                mine['_loss_scaling_multiplier'])
+            # where fp16 was not in force): replaced, as on the original;
+            # loss_scaling() starts over (isnan_ever False), whatever its interval
+            restarted = not own.get('_loss_scaling_isnan_ever') or own.get(
+                '_loss_scaling_multiplier') != mine['_loss_scaling_multiplier']
+            _attach.say_own_scaling_replaced(
+                optimizer, scaler, own.get('_loss_scaling_is_dynamic') and restarted)
         for name in CHAINERS:       # the scaler's from now on (undone: Chainer's defaults)
             own.pop(name, None)
     attach(optimizer, scaler, changes)

@@ -288,7 +288,7 @@ class _Cache:
         with before.python.draws.watching():
             reference = _verify.Reference(chain, plain, args)
         if self in _outside.WANTED:     # a parameter used twice: said where it meets others
-            _outside.note_uses(self, reference.outputs)
+            _outside.note_uses(self, chain.schedule_manager.current, reference.outputs)
         reached = _verify.Snapshot(chain, grads=False)
         after.put_back()
         # The recording's or the reference's Python changed the model (the

@@ -45,6 +45,7 @@ CHECKS = 3          # backward passes through a cache's node that are counted
 IDLE = 16           # counted passes that do not reach the node (another model's, define-by-run
                     # turns) before a cache is left alone
 NAMES = 3           # parameters named in the warning
+USES = 'static_uses'  # on a key's ScheduleManager: id(parameter node) -> uses in a call (2+)
 LIMIT = 1 << 16     # functions of the chain's define-by-run calls kept for one pass
 WANTED = weakref.WeakSet()  # caches with passes left to count
 _local = threading.local()
@@ -68,8 +69,8 @@ INSIDE = (
     "call, whose replay brings those terms as one sum where define-by-run adds them one by "
     'one to the rest of the gradient (a gradient held from an earlier backward pass, a use '
     "outside the call, another call's terms), " + ROUNDING + 'For bitwise results clear '
-    'the gradients before each backward, use the model once a backward, or train this '
-    'model without static_graph')
+    'the gradients before each backward (cleargrads: zeros from zerograds count as held), '
+    'use the model once a backward, or train this model without static_graph')
 
 
 class StaticGraphOrder(FastchainWarning):
@@ -80,7 +81,6 @@ class StaticGraphOrder(FastchainWarning):
 def watch(cache):
     """A new cache: its next :data:`CHECKS` backward passes are counted."""
     cache.outside_left, cache.outside_idle = CHECKS, IDLE
-    cache.inside_uses = {}      # id(parameter node) -> most uses in one call (2 or more)
     WANTED.add(cache)
 
 
@@ -102,7 +102,7 @@ def called(cache, args, result):
         return
     inside = _inside()
     if len(inside) >= LIMIT:    # calls without a backward: forget the dead
-        for key in [k for k, ref in inside.items() if ref() is None]:
+        for key in [k for k, refs in inside.items() if refs[0]() is None]:
             del inside[key]
         if len(inside) >= LIMIT:
             _local.unsure = True     # too many: no verdict on the next pass
@@ -116,18 +116,18 @@ def called(cache, args, result):
         if len(inside) >= LIMIT:
             _local.unsure = True
             return
-        inside[id(func)] = weakref.ref(func)    # (not keeping a graph alive)
+        inside[id(func)] = weakref.ref(func), weakref.ref(cache)    # (no graph kept alive)
         stack.extend(x.creator_node for x in func.inputs
                      if x.creator_node is not None and id(x) not in stop)
 
 
-def note_uses(cache, outputs):
+def note_uses(cache, manager, outputs):
     """A verified call's define-by-run reference gave ``outputs`` (its
     inputs detached): each parameter used two or more times in it is noted
-    with that count, the terms a replay's node sums before Chainer's
-    backward adds them to the rest."""
+    on the key's schedule ``manager`` with that count, the terms a replay's
+    node of that key sums before Chainer's backward adds them to the rest."""
     chain = cache.ref()
-    if chain is None:
+    if chain is None or manager is None:
         return
     params = {id(p.node) for p in chain.params()}
     uses, seen = {}, set()
@@ -142,14 +142,18 @@ def note_uses(cache, outputs):
                 uses[id(x)] = uses.get(id(x), 0) + 1
             elif x.creator_node is not None:
                 stack.append(x.creator_node)
+    noted = _patches.attached(manager, USES)
+    if noted is None:
+        noted = {}
+        _patches.attach(manager, USES, noted)
     for key, n in uses.items():
-        if n >= 2 and n > cache.inside_uses.get(key, 0):
-            cache.inside_uses[key] = n
+        if n >= 2 and n > noted.get(key, 0):
+            noted[key] = n
 
 
 def _inside():
     """This thread's functions of the cached chains' define-by-run calls
-    since its last backward: id -> weak reference."""
+    since its last backward: id -> weak references to it and its cache."""
     inside = getattr(_local, 'inside', None)
     if inside is None:
         inside = _local.inside = {}
@@ -199,13 +203,15 @@ def _count(variable):
     kept); and the others (``apart``: a penalty over the parameters, whose
     place among the call's terms may move)."""
     inside = _inside()
-    watched = {}        # id(parameter node) -> (parameter, caches, [call, after, apart])
+    # id(parameter node) -> (parameter, caches, [call, after, apart], {cache whose call
+    # takes it in this pass: the most uses one of its calls sums})
+    watched = {}
     for cache in list(WANTED):
         chain = cache.ref()
         if chain is not None:
             for p in chain.params():
                 if p.array is not None:
-                    watched.setdefault(id(p.node), (p, [], [0, 0, 0]))[1].append(cache)
+                    watched.setdefault(id(p.node), (p, [], [0, 0, 0], {}))[1].append(cache)
     funcs, stack, seen = [], [variable.creator_node], set()
     while stack:
         func = stack.pop()
@@ -214,16 +220,27 @@ def _count(variable):
         seen.add(id(func))
         funcs.append(func)
         stack.extend(x.creator_node for x in func.inputs if x.creator_node is not None)
-    calls = {id(f) for f in funcs
-             if (id(f) in inside and inside[id(f)]() is f) or _node_of(f) is not None}
+    calls = {}      # id(function) -> (its cache, the uses its inputs stand for)
+    for f in funcs:
+        node = _node_of(f)
+        if node is not None:
+            calls[id(f)] = node, _patches.attached(f.schedule_manager, USES) or {}
+        elif id(f) in inside and inside[id(f)][0]() is f:
+            calls[id(f)] = inside[id(f)][1](), {}
     after = _downstream(funcs, calls)
     for func in funcs:
         where = 0 if id(func) in calls else 1 if id(func) in after else 2
-        node = _node_of(func) if where == 0 else None
         for x in func.inputs:
             entry = watched.get(id(x))
-            if entry is not None:     # a replay's node: the uses it stands for
-                entry[2][where] += getattr(node, 'inside_uses', {}).get(id(x), 1)
+            if entry is None:
+                continue
+            if where == 0:      # a replay's node: the uses it stands for
+                cache, uses = calls[id(func)]
+                n = uses.get(id(x), 1)
+                entry[2][0] += n
+                entry[3][cache] = max(entry[3].get(cache, 0), n)
+            else:
+                entry[2][where] += 1
     _judge(watched.values())
 
 
@@ -279,15 +296,20 @@ def _judge(entries):
     pass fewer left (one it does not reach, one idle pass fewer), and one
     whose parameters' sums may change is named."""
     found, reached = {}, set()
-    for p, caches, (call, after, apart) in entries:
+    for p, caches, (call, after, apart), took in entries:
         if call:
             reached.update(caches)
-        inside = max(cache.inside_uses.get(id(p.node), 1) for cache in caches)
+        inside = max(took.values(), default=1)     # (this pass's calls only)
         held = p.grad_var is not None
-        if may_differ(call, after, apart, held, inside):
-            for cache in caches:
-                found.setdefault(cache, []).append(
-                    (p, summed_inside(call, after, apart, held, inside)))
+        summed = summed_inside(call, after, apart, held, inside)
+        outside = may_differ(call, after, apart, held)
+        # the caches whose calls took it (one that shares the parameter but was
+        # not called, or called it once beside another's sum, is not to blame)
+        for cache in took or caches:
+            if summed and took.get(cache, 1) >= 2:
+                found.setdefault(cache, []).append((p, True))
+            elif outside:
+                found.setdefault(cache, []).append((p, False))
     for cache in list(WANTED):
         if cache in reached:
             cache.outside_left -= 1
@@ -296,7 +318,7 @@ def _judge(entries):
         if cache.outside_left <= 0 or cache.outside_idle <= 0:
             WANTED.discard(cache)
     for cache, params in found.items():
-        if cache in reached and cache.state.get('not_bitwise') is None:
+        if cache is not None and cache in reached and cache.state.get('not_bitwise') is None:
             _name(cache, params)
 
 

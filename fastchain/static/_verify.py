@@ -143,10 +143,8 @@ def flatten(x):
 
 
 def _copy(x, inputs):
-    """``x`` with every variable replaced by a new leaf variable requiring a
-    gradient where the caller's does; an array passed as it is, as
-    define-by-run gets it (a forward may make its own variable of it: one
-    that required none broke Chainer 7.8.1's deconvolution backward)."""
+    """``x``, each variable a new leaf requiring a gradient where the caller's
+    does, an array as it is (as define-by-run gets it: a forward may branch on it)."""
     if isinstance(x, (list, tuple)):
         return type(x)(_copy(item, inputs) for item in x)
     v = chainer.Variable(x.array, requires_grad=x.requires_grad) \
@@ -323,24 +321,26 @@ class Reference:
         # only for what leads to its targets; the deconvolution's weight alone
         # raised: a fuzzing helper); the leaves' gradients are put back.
         ys = [y for y, _ in pairs]
-        held = [(v, v.grad_var) for v in {id(v): v for v in targets + _leaves(ys)}.values()]
+        held = [(v, v.grad_var, v._loss_scale) for v in {
+            id(v): v for v in targets + _leaves(ys)}.values()]
         try:
-            for v, _ in held:
+            for v, _, _ in held:
                 v.grad_var = None
             with without_function_hooks():
                 chainer.backward(ys, seeds)
             grads = [v.grad_var for v in targets]
         finally:
-            for v, g in held:
-                v.grad_var = g
+            for v, g, scale in held:
+                v.grad_var, v._loss_scale = g, scale
         by_input = dict(zip(map(id, inputs), grads[len(params):]))
         return ([None if g is None else g.array for g in grads[:len(params)]],
                 [by_input.get(id(x)) for x in self.inputs])
 
 
 def _leaves(outputs):
-    """The live leaf variables behind ``outputs`` that require a gradient."""
-    found, seen, stack = [], set(), [y.creator_node for y in outputs if y.creator_node]
+    """The live leaf variables requiring a gradient behind ``outputs`` or among them."""
+    found = [y for y in outputs if y.creator_node is None and y.requires_grad]
+    seen, stack = {id(y.node) for y in found}, [y.creator_node for y in outputs if y.creator_node]
     while stack:
         func = stack.pop()
         if id(func) in seen:

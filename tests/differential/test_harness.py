@@ -298,6 +298,9 @@ def test_the_twins_do_not_excuse_a_wrong_gradient_or_a_lost_update(saturated):
     key = 'backward grad/rec/upward/W'
     allowance = harness.twin_allowance(expected, twins)[2][key]
     off = max(0.05, 2 * float(allowance.max()) / float(numpy.abs(got[2][key]).max()))
+    # a ceiling: twins excusing errors of a third of the largest value would
+    # excuse a wrong gradient (measured 0.23 on the EPYC above, 0.05 elsewhere)
+    assert off <= 0.3, "the twins' allowance is {:.0%} of the largest gradient".format(off / 2)
     fails(_mutated(got, 2, key, got[2][key] * numpy.float32(1 + off)), 'step 2 ' + key)
     # and as far off only in the elements the twins moved least (to the
     # floor: a tenth of their largest move)

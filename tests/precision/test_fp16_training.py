@@ -288,14 +288,17 @@ def test_a_copy_of_an_fp16_optimizer_trains_on_as_the_original_would(how, loop):
     assert o1.t == o2.t
 
 
-@pytest.mark.parametrize('own', ['set_loss_scale', 'loss_scaling'])
+@pytest.mark.parametrize('own', ['set_loss_scale', 'loss_scaling', 'loss_scaling_default'])
 def test_a_copys_own_loss_scaling_is_replaced_saying_so_as_the_originals(own):
     """The script's own Chainer loss scaling set on a copy before its first
     update was dropped without a word, where on the original a warning says
     the scaler's replaces it: now the copy says so too, and the two go on
     alike (a lead of session 35)."""
     import copy
-    with fp16_enable(loss_scale={'init_scale': 2.0 ** 10, 'growth_interval': 2}):
+    # (the default: the scaler's growth interval is loss_scaling()'s, 1000, and
+    # the copy's words were the set_loss_scale ones: a review)
+    interval = {} if own == 'loss_scaling_default' else {'growth_interval': 2}
+    with fp16_enable(loss_scale=dict(init_scale=2.0 ** 10, **interval)):
         numpy.random.seed(0)
         model = L.Classifier(L.Linear(4, 3))
         opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
@@ -305,13 +308,16 @@ def test_a_copys_own_loss_scaling_is_replaced_saying_so_as_the_originals(own):
         pairs = [(model, opt), copy.deepcopy((model, opt))]
         said = []
         for m, o in pairs:
-            getattr(o, own)(64.0) if own == 'set_loss_scale' else o.loss_scaling(interval=10)
+            if own == 'set_loss_scale':
+                o.set_loss_scale(64.0)
+            else:
+                o.loss_scaling(**({} if own == 'loss_scaling_default' else {'interval': 10}))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter('always')
                 for _ in range(3):
                     o.update(m, x, t)
-            said.append([str(w.message) for w in caught
-                         if issubclass(w.category, FastchainWarning) and 'replaced' in str(w.message)])
+            said.append([str(w.message) for w in caught if issubclass(
+                w.category, FastchainWarning) and 'replaced' in str(w.message)])
             assert caught and all(w.filename == __file__ for w in caught
                                   if 'replaced' in str(w.message))
         assert len(said[0]) == 1 and said[1] == said[0]

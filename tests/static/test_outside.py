@@ -196,7 +196,7 @@ def test_training_calls_without_a_backward_keep_no_graph_alive():
     del y
     gc.collect()
     assert ref() is None
-    assert all(r() is None for r in _outside._inside().values())
+    assert all(f() is None for f, _ in _outside._inside().values())
 
 
 def test_evaluation_calls_keep_nothing():
@@ -375,3 +375,55 @@ def test_a_parameter_used_twice_inside_the_call_is_said_wherever_it_meets_other_
         assert cache_state(cached)['not_bitwise'] == text
     else:
         _bitwise(plain, cached)
+
+
+class Applied(chainer.Chain):
+    """A shared link applied ``n`` times."""
+
+    def __init__(self, link, n):
+        super().__init__()
+        self.n = n
+        with self.init_scope():
+            self.enc = link
+
+    def forward(self, x):
+        h = x
+        for _ in range(self.n):
+            h = F.tanh(self.enc(h))
+        return h
+
+
+@pytest.mark.parametrize('a_first', [True, False], ids=['a_called_first', 'a_never_called'])
+def test_uses_are_counted_per_call_of_each_cache_not_over_all_caches_sharing_a_link(a_first):
+    """Three cached chains share a link, applying it 3, 2 and 1 times; steps
+    of ``b(x) + c(2 x)``: b's node sums its 2 uses, c's term meets them.
+    The count was the most over every cache sharing the link (a's 3, after a
+    step through a), so 2 + 1 was not "more": silent, 1.8e-7 off (a
+    review). Now each call's own count: said, of b alone, in both runs; and
+    a (not called) and c (called once) are not blamed."""
+    def run(cached):
+        numpy.random.seed(0)
+        link = L.Linear(4, 4, initialW=chainer.initializers.Normal(0.5))
+        a, b, c = Applied(link, 3), Applied(link, 2), Applied(link, 1)
+        if cached:
+            for m in (a, b, c):
+                cache_static_graph(m)
+        rng = numpy.random.RandomState(3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            for i in range(8):
+                link.cleargrads()
+                x = chainer.Variable(rng.rand(2, 4).astype(numpy.float32))
+                loss = F.sum(a(x)) if i == 0 and a_first else F.sum(b(x)) + F.sum(c(x * 2))
+                loss.backward()
+                for p in link.params():
+                    p.array -= 0.1 * p.grad
+        said = [w for w in caught if issubclass(w.category, _outside.StaticGraphOrder)]
+        return (a, b, c), link, said
+    _, plain, _ = run(False)
+    (a, b, c), cached, said = run(True)
+    assert len(said) == 1 and 'of Applied: each used more than once inside' in str(said[0].message)
+    assert cache_state(b)['not_bitwise'] == str(said[0].message)
+    assert cache_state(a).get('not_bitwise') is None and cache_state(c).get('not_bitwise') is None
+    assert any(not numpy.array_equal(p.array, q.array)      # what is said is true here
+               for p, q in zip(plain.params(), cached.params()))

@@ -341,3 +341,31 @@ def test_the_reference_gets_an_array_argument_as_define_by_run_does(doubled):
         assert 'the type of an input' in said[0], said
     else:
         assert "Chainer's replay of the backward raised ValueError" in said[0], said
+
+
+def test_the_references_backward_leaves_every_leafs_gradient_as_it_was():
+    """The reference's gradients come from Chainer's backward, which writes
+    into every leaf it reaches: a variable the model holds and returns was
+    left with a gradient (a review); its gradient and loss scale are put
+    back, as are the parameters'."""
+    class Returns(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.l1 = L.Linear(4, 4)
+            self.t = chainer.Variable(numpy.full((1, 4), 0.5, numpy.float32))
+
+        def forward(self, x):
+            return self.l1(x) * F.broadcast_to(self.t, (2, 4)), self.t
+
+    model = Returns()
+    model.l1.W.grad = numpy.full((4, 4), 7, numpy.float32)
+    model.l1.W._loss_scale = 8.0
+    x = chainer.Variable(numpy.ones((2, 4), numpy.float32))
+    reference = _verify.Reference(model, model.forward, (x,))
+    grads, _ = reference.gradients(list(model.params()), [
+        numpy.ones((2, 4), numpy.float32), numpy.full((1, 4), 3, numpy.float32)])
+    assert grads[0] is not None and not (grads[0] == 7).all()
+    assert model.t.grad_var is None and model.t._loss_scale is None
+    numpy.testing.assert_array_equal(model.l1.W.grad, numpy.full((4, 4), 7, numpy.float32))
+    assert model.l1.W._loss_scale == 8.0
