@@ -28,8 +28,8 @@ A parameter used two or more times inside the call (a link applied
 twice) comes from the node as one sum of those uses, where define-by-run
 adds them one by one: wherever it meets another term (a gradient held from
 an earlier pass, a use outside, another call), that is said too; the uses
-are counted in the define-by-run reference of each verified call
-(:func:`note_uses`). Not counted: passes after those (a loss that starts
+are counted in the define-by-run reference of each verified call, per
+key (:func:`note_uses`). Not counted: passes after those (a loss that starts
 using the parameters later), ``chainer.grad`` (only ``Variable.backward`` is
 layered), and the terms of what the call takes or returns used three or more times
 (a VAE's encoder outputs: DEVELOPERS.md, Chainer's ``static_graph``).
