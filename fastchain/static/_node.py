@@ -249,18 +249,7 @@ def _upstream(inputs, params):
     """Whether one of ``params`` made one of ``inputs`` (a chain applied to
     its own output)."""
     wanted = {id(p.node) for p in params}
-    seen, stack = set(), [x.creator_node for x in inputs if x.creator_node is not None]
-    while stack:
-        func = stack.pop()
-        if id(func) in seen:
-            continue
-        seen.add(id(func))
-        for node in func.inputs:
-            if id(node) in wanted:
-                return True
-            if node.creator_node is not None:
-                stack.append(node.creator_node)
-    return False
+    return any(id(node) in wanted for func in _verify.functions(inputs) for node in func.inputs)
 
 
 def _recompute(schedule, grad_outputs, call, double):

@@ -40,6 +40,7 @@ import weakref
 
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
+from fastchain.static import _verify
 
 CHECKS = 3          # backward passes through a cache's node that are counted
 IDLE = 16           # counted passes that do not reach the node (another model's, define-by-run
@@ -130,18 +131,11 @@ def note_uses(cache, manager, outputs):
     if chain is None or manager is None:
         return
     params = {id(p.node) for p in chain.params()}
-    uses, seen = {}, set()
-    stack = [y.creator_node for y in outputs if getattr(y, 'creator_node', None) is not None]
-    while stack:
-        func = stack.pop()
-        if id(func) in seen:
-            continue
-        seen.add(id(func))
+    uses = {}
+    for func in _verify.functions(outputs):
         for x in func.inputs:
             if id(x) in params:
                 uses[id(x)] = uses.get(id(x), 0) + 1
-            elif x.creator_node is not None:
-                stack.append(x.creator_node)
     noted = _patches.attached(manager, USES)
     if noted is None:
         noted = {}
@@ -212,14 +206,7 @@ def _count(variable):
             for p in chain.params():
                 if p.array is not None:
                     watched.setdefault(id(p.node), (p, [], [0, 0, 0], {}))[1].append(cache)
-    funcs, stack, seen = [], [variable.creator_node], set()
-    while stack:
-        func = stack.pop()
-        if func is None or id(func) in seen:
-            continue
-        seen.add(id(func))
-        funcs.append(func)
-        stack.extend(x.creator_node for x in func.inputs if x.creator_node is not None)
+    funcs = list(_verify.functions([variable]))
     calls = {}      # id(function) -> (its cache, the uses its inputs stand for)
     for f in funcs:
         node = _node_of(f)
@@ -273,18 +260,13 @@ def summed_inside(call, after, apart, held, inside):
     return inside >= 2 and bool(held or after or apart or call > inside)
 
 
-def may_differ(call, after, apart, held, inside=1):
+def may_differ(call, after, apart, held):
     """Whether a parameter's sum may change with the call's terms' place
     among the ``apart`` ones: the prefix (a gradient held from before, the
     ``after`` terms) is added first either way, and two terms commute. With
     two or more calls, a term after one call's output may come before
     another call's terms (the differential suite: a tied head called three
-    times), so it moves too. A parameter used ``inside`` >= 2 times in one
-    call gets them from a replay's node as one sum, where define-by-run adds
-    them one by one to the rest: the grouping changes wherever there is a
-    rest (a gradient held, another term, another call's)."""
-    if summed_inside(call, after, apart, held, inside):
-        return True
+    times), so it moves too. (Uses summed inside a call: :func:`summed_inside`.)"""
     if call >= 2:
         after, apart = 0, apart + after
     moving = call + apart

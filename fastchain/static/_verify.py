@@ -337,24 +337,25 @@ class Reference:
                 [by_input.get(id(x)) for x in self.inputs])
 
 
-def _leaves(outputs):
-    """The live leaf variables requiring a gradient behind ``outputs`` or among them."""
-    found = [y for y in outputs if y.creator_node is None and y.requires_grad]
-    seen, stack = {id(y.node) for y in found}, [y.creator_node for y in outputs if y.creator_node]
+def functions(variables):
+    """Each function of the graph behind ``variables`` (or their nodes), once."""
+    seen = set()
+    stack = [x.creator_node for x in variables if getattr(x, 'creator_node', None) is not None]
     while stack:
         func = stack.pop()
-        if id(func) in seen:
-            continue
-        seen.add(id(func))
-        for x in func.inputs:
-            if x.creator_node is not None:
-                stack.append(x.creator_node)
-            elif x.requires_grad and id(x) not in seen:
-                seen.add(id(x))
-                v = x.get_variable_or_none()
-                if v is not None:
-                    found.append(v)
-    return found
+        if id(func) not in seen:
+            seen.add(id(func))
+            yield func
+            stack.extend(x.creator_node for x in func.inputs if x.creator_node is not None)
+
+
+def _leaves(outputs):
+    """The live leaf variables requiring a gradient behind ``outputs`` or among them."""
+    nodes = {id(y.node): y.node for y in outputs}
+    nodes.update((id(x), x) for func in functions(outputs) for x in func.inputs)
+    found = (x.get_variable_or_none() for x in nodes.values()
+             if x.creator_node is None and x.requires_grad)
+    return [v for v in found if v is not None]
 
 
 class BackwardCheck:
