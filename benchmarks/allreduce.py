@@ -13,6 +13,9 @@ values, 102 MB in fp32). Side by side, window by window:
               each gradient reduced in place (the small ones packed
               together), blocking, and averaged; with NCCL packed into 25 MB
               buckets, reduced, averaged and unpacked into every param.grad
+  fastchain_packed (or _in_place)  the same sync in the form fastchain did
+              not choose for this communicator (what the choice is against)
+  averaging_only  the scale of every gradient by 1/N alone, no transport
   chainermn   ChainerMN's communicator shipped with Chainer 7.8.1
               (``multi_node_mean_grad``; 'naive' is the one that runs on
               CPU arrays: one allreduce per parameter)
@@ -118,6 +121,22 @@ def main(argv=None):
     def run_chainermn():
         peer.multi_node_mean_grad(model)
 
+    # What fastchain's choice for this communicator stands against: the other
+    # form (MPI reduces in place: packed into buckets, and back), and the
+    # averaging pass alone (a scale of every gradient, no transport)
+    other = distributed.GradientSync(comm, params, cap_bytes=int(args.bucket_mb * 2 ** 20))
+    other.in_place = not sync.in_place and other.allreduce_dtype is None
+    scale = numpy.float32(1.0 / size)
+
+    def run_fastchain_other():
+        other.begin_step()
+        other.finish()
+
+    def run_averaging_only():
+        for p in params:
+            p.grad *= scale
+        synchronize()
+
     # Same inputs, same answer: fastchain's average equals ChainerMN's.
     reset()
     run_fastchain()
@@ -128,7 +147,9 @@ def main(argv=None):
     max_diff = max(float(abs(a - p.grad).max()) for a, p in zip(ours, params))
 
     variants = {'limit_one_buffer': run_limit, 'limit_buckets': run_limit_buckets,
-                'fastchain': run_fastchain, 'chainermn': run_chainermn}
+                'fastchain': run_fastchain, 'chainermn': run_chainermn,
+                'fastchain_packed' if sync.in_place else 'fastchain_in_place':
+                run_fastchain_other, 'averaging_only': run_averaging_only}
     rows = _common.Rows('syncs/s')
     for name, fn in variants.items():        # warm-up
         reset()
