@@ -21,11 +21,11 @@ class MpiCommunicator(CommunicatorBase):
 
     MPI on the CPU makes progress only inside MPI calls, so starting a
     bucket during backward gains nothing; gradients are averaged after
-    backward, each array in place (no packing: Chainer gives each parameter a
-    gradient array of its own, and a copy into buckets and back cost more
-    than it saved: ResNet-50 on 2 ranks of an AMD EPYC, 23-27 ms in place
-    against 50-56 ms packed, the bare transport in 25 MB buckets 14-16 ms,
-    ``benchmarks/allreduce.py --quick``), with MPI's blocking
+    backward, each array in place and scaled by 1/N as soon as its reduction
+    returns (no packing: Chainer gives each parameter a gradient array of its
+    own, and a copy into buckets and back cost more than it saved: ResNet-50
+    on 2 ranks of an AMD EPYC, 47-50 ms in place against 104-117 ms packed,
+    ``benchmarks/allreduce.py --quick``, results/allreduce-quick.*), with MPI's blocking
     Allreduce (its shared-memory algorithms are faster than the
     non-blocking schedule), bounded by a watchdog thread.
     """

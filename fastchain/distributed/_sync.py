@@ -192,13 +192,18 @@ class GradientSync:
                         bucket.small = None
                     else:
                         bucket.arrays.append(packed)
-                bucket.handles = [(self.comm.allreduce_start(a, what), a)
-                                  for a in bucket.arrays]
-                if all(h is None for h, _ in bucket.handles):
-                    # Done already (MPI): average while the array is in cache.
-                    for _, a in bucket.handles:
+                bucket.handles = []
+                for a in bucket.arrays:
+                    handle = self.comm.allreduce_start(a, what)
+                    if handle is None:
+                        # Done already (MPI): average this array now, while
+                        # the reduction has left part of it in cache (not
+                        # after the whole bucket, when every byte must come
+                        # from memory again).
                         a *= a.dtype.type(1.0 / self.comm.size)
-                    bucket.handles = []
+                    else:
+                        bucket.handles.append((handle, a))
+                if not bucket.handles:
                     bucket.scatter_small()
             else:
                 bucket.handles = [(self.comm.allreduce_start(bucket.buffer, what), None)]

@@ -356,6 +356,37 @@ def apart(how):
     done()
 
 
+def average():
+    """GradientSync in place (MPI's form) leaves in every gradient exactly
+    the sum over the ranks times 1/N, each array scaled once: large arrays
+    reduced where they lie, small ones packed together (float32) or one by
+    one (float64 among them), an array two parameters share (in one bucket or
+    two), several buckets."""
+    rng = numpy.random.RandomState(10 + rank)
+    shapes = [(120, 150), (7,), (3, 5), (40000,), (11,), (130, 140), (2,)]
+    dtypes = [numpy.float32] * 6 + [numpy.float64]
+    params = [chainer.Parameter(numpy.zeros(s, d)) for s, d in zip(shapes, dtypes)]
+    for p in params:
+        p.grad = rng.standard_normal(p.shape).astype(p.dtype)
+    for i in (0, 4):                            # one array, two parameters
+        params.append(chainer.Parameter(numpy.zeros(shapes[i], numpy.float32)))
+        params[-1].grad = params[i].grad
+    sync = distributed.GradientSync(comm, params, cap_bytes=200000)
+    assert sync.in_place and len(sync.buckets) >= 3, (sync.in_place, len(sync.buckets))
+    mine = [p.grad.copy() for p in params]
+    everyone = comm.allgather_obj(mine, what='test gather')
+    sync.begin_step()
+    sync.finish()
+    for i, p in enumerate(params):
+        total = everyone[0][i].copy()
+        for other in everyone[1:]:
+            total += other[i]
+        expected = total * p.dtype.type(1.0 / comm.size)
+        numpy.testing.assert_array_equal(p.grad, expected, err_msg=str(i))
+    assert params[-2].grad is params[0].grad and params[-1].grad is params[4].grad
+    done()
+
+
 def mismatch():
     model = L.Classifier(MLP(hidden=16 if rank == 0 else 17))
     distributed.create_multi_node_optimizer(chainer.optimizers.SGD(), comm).setup(model)
@@ -365,6 +396,7 @@ def mismatch():
 SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': evaluator,
              'snapshot_resume': snapshot_resume, 'rank0_extensions': rank0_extensions,
              'no_gradient': no_gradient, 'loss_scale_agreement': loss_scale_agreement,
+             'average': average,
              'raise': lambda: failing('raise'), 'kill': lambda: failing('kill'),
              'hang': lambda: failing('hang'), 'exit': lambda: failing('exit'),
              'exit0': lambda: failing('exit0'), 'mismatch': mismatch,

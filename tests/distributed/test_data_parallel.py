@@ -41,6 +41,7 @@ def test_n_ranks_equal_one_process_with_n_times_the_batch(how, tmp_path):
     'rank0_extensions',     # reporting on rank 0 only
     'snapshot_resume',      # a snapshot from rank 0 restores every rank exactly
     'no_gradient',          # a parameter with no gradient: zero-filled, no hang
+    'average',              # the in-place average: exactly sum/N, every array once
     'loss_scale_agreement',  # NaN on one rank: every rank skips the same step
     'same_batches',         # scatter_dataset forgotten: said once, on rank 0
 ])
