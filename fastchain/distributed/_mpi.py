@@ -24,7 +24,7 @@ class MpiCommunicator(CommunicatorBase):
     backward, each array in place and scaled by 1/N as soon as its reduction
     returns (no packing: Chainer gives each parameter a gradient array of its
     own, and a copy into buckets and back cost more than it saved: ResNet-50
-    on 2 ranks of an AMD EPYC, 47-50 ms in place against 104-117 ms packed,
+    on 2 ranks of an AMD EPYC, 34-40 ms in place against 73-84 ms packed,
     ``benchmarks/allreduce.py --quick``, results/allreduce-quick.*), with MPI's blocking
     Allreduce (its shared-memory algorithms are faster than the
     non-blocking schedule), bounded by a watchdog thread.

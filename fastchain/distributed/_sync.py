@@ -9,14 +9,24 @@ while backward goes on with the earlier layers.
 
 On a communicator that does not progress in the background (MPI on the
 CPU moves data only inside MPI calls) there is nothing to overlap: the
-gradients are averaged after backward, each array in place.
+gradients are averaged after backward, each array in place (packed into
+buckets, as on NCCL, where overlap is asked for).
 
 Rules that keep it exact and deadlock-free:
 
-- Buckets are fixed (reverse registration order, split at ``cap`` bytes and
-  at dtype changes), so every rank has the same buckets.
+- Buckets are fixed (each parameter once, in the reverse of Chainer's
+  order, by link name; split at ``cap`` bytes and at dtype changes), so
+  every rank has the same buckets. Chainer lists a parameter twice where
+  two links hold it (tying by assignment): in two buckets its gradient
+  would be reduced twice, and with overlap a bucket could leave with a
+  partial gradient and overwrite the full one at the end (a fuzzer found
+  it, 2026-12-02).
 - Buckets start strictly in index order: MPI and NCCL need every rank to
-  issue collectives in the same order.
+  issue collectives in the same order. What a rank issues depends on the
+  buckets and options only, never on its graph: in place, each parameter's
+  gradient is one array of its own (one two parameters share, a read-only
+  or broadcast one, a transposed view: copied first), so that ranks whose
+  graphs differ still pair their collectives, and nothing is averaged twice.
 - Overlap needs the gradients to start empty (``cleargrads``, Chainer's
   default in ``update(lossfun)``) and to know how many functions consume
   each parameter, which the first step measures. A step whose graph differs
@@ -76,7 +86,11 @@ class _Bucket:
             return          # reduced in place, averaged as each one arrived
         self.buffer *= self.dtype.type(scale)
         for p, offset in zip(self.params, self.offsets):
-            p.grad[...] = self.buffer[offset:offset + p.size].reshape(p.shape)
+            average = self.buffer[offset:offset + p.size].reshape(p.shape)
+            if _writable(p.grad):
+                p.grad[...] = average
+            else:       # a read-only or broadcast gradient (F.sum(p) gives one)
+                p.grad = average.astype(p.grad.dtype, copy=True)
 
 
 class GradientSync:
@@ -95,11 +109,19 @@ class GradientSync:
     def __init__(self, comm, params, cap_bytes=25 * 2 ** 20, allreduce_dtype=None,
                  overlap=None):
         self.comm = comm
-        self.params = [p for p in params if p.array is not None]
+        # Each parameter once: Chainer lists one twice where two links hold it
+        # (weight tying by assignment, a link registered under two names).
+        unique = {id(p): p for p in params if p.array is not None}
+        self.params = list(unique.values())
         self.cap_bytes = cap_bytes
         self.allreduce_dtype = allreduce_dtype
         self.overlap_enabled = comm.progresses_in_background if overlap is None else overlap
-        self.in_place = not comm.prefers_buckets and allreduce_dtype is None
+        # In place where the communicator prefers it (MPI), except with
+        # overlap: buckets started during backward are packed, and every
+        # bucket must then be (a redo packs them all again from the
+        # gradients, which must not be averaged already).
+        self.in_place = not comm.prefers_buckets and allreduce_dtype is None and \
+            not self.overlap_enabled
         self.buckets = self._make_buckets()
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.uses = None                    # id(param) -> consumers, learnt
@@ -130,6 +152,7 @@ class GradientSync:
         self.next_start = 0
         self.dirty = False
         self.overlap = False
+        self._reduced = set()       # the memory of the gradients to reduce in place
 
     def begin_step(self):
         """Before backward: may this step overlap?"""
@@ -174,13 +197,11 @@ class GradientSync:
             if in_place:
                 # The final gradients, reduced where they lie; the small ones
                 # (biases, BN parameters: most of the arrays, little of the
-                # bytes) together in one buffer, to pay the latency once. One
-                # array may serve two parameters (p1 + p2 gives both the same
-                # gradient): reduce it once.
-                unique = {}
-                for p in bucket.params:
-                    unique.setdefault(id(p.grad), p.grad)
-                arrays = list(unique.values())
+                # bytes) together in one buffer, to pay the latency once.
+                # One array per parameter (finish() made them so), whatever
+                # this rank's graph made of them, so that every rank issues
+                # the same collectives.
+                arrays = [p.grad for p in bucket.params]
                 small = [a for a in arrays if a.size < SMALL]
                 bucket.arrays = [a for a in arrays if a.size >= SMALL]
                 if small:
@@ -208,6 +229,22 @@ class GradientSync:
             else:
                 bucket.handles = [(self.comm.allreduce_start(bucket.buffer, what), None)]
 
+    def _own_gradient(self, p):
+        """``p.grad``, made a C-contiguous writable array of its own for this
+        step's in-place reduction where it is not one: an array two
+        parameters share (p1 + p2 gives both the same gradient; reduced twice,
+        it would be averaged twice), a read-only or broadcast one, a
+        transposed view."""
+        g = p.grad
+        if g is None:       # no gradient: zero-filled, as Chainer's optimizer does
+            p.grad = g = chainer.backend.get_array_module(p.array).zeros_like(p.array)
+        key = _memory(g)
+        if key in self._reduced or not (g.flags.c_contiguous and _writable(g)):
+            p.grad = g = g.copy()
+            key = _memory(g)
+        self._reduced.add(key)
+        return g
+
     def _wait(self, bucket):
         if not bucket.handles:
             return
@@ -225,8 +262,11 @@ class GradientSync:
             self.uses = dict(self.seen)
             return
         early = self.next_start
-        in_place = self.in_place and all(
-            p.grad is not None and p.grad.flags.c_contiguous for p in self.params)
+        in_place = self.in_place
+        if in_place:        # before any is reduced: a copy must be of the rank's own
+            for bucket in self.buckets[self.next_start:]:
+                for p in bucket.params:
+                    self._own_gradient(p)
         for bucket in self.buckets[self.next_start:]:
             if not in_place:
                 bucket.pack([p.grad for p in bucket.params])
@@ -254,6 +294,25 @@ class GradientSync:
             bucket.unpack(scale)
         self.uses = dict(self.seen)
         self._reset()
+
+
+def _writable(array):
+    """Whether writing into ``array`` writes each element once: not
+    read-only (NumPy's flag), no stride of 0 over more than one element (a
+    broadcast, which CuPy does not mark read-only)."""
+    if not getattr(array.flags, 'writeable', True):
+        return False
+    return all(stride != 0 or n <= 1 for stride, n in zip(array.strides, array.shape))
+
+
+def _memory(array):
+    """What identifies an array's elements: where they start, and how they
+    are laid out (two views of the same memory are the same gradient)."""
+    if hasattr(array, 'data') and hasattr(array.data, 'ptr'):      # CuPy
+        start = array.data.ptr
+    else:
+        start = array.__array_interface__['data'][0]
+    return start, array.shape, array.strides
 
 
 class GradientCapture(chainer.FunctionHook):

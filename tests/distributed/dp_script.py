@@ -7,6 +7,7 @@ Each scenario checks its own assertions on every rank and writes
 codes.
 """
 
+import itertools
 import os
 import signal
 import sys
@@ -383,7 +384,145 @@ def average():
             total += other[i]
         expected = total * p.dtype.type(1.0 / comm.size)
         numpy.testing.assert_array_equal(p.grad, expected, err_msg=str(i))
-    assert params[-2].grad is params[0].grad and params[-1].grad is params[4].grad
+    done()
+
+
+class Tied(chainer.Chain):
+    """One Parameter in two links (z's W is w's), applied a number of times
+    that changes from step to step (a variable-length unroll). Chainer lists
+    parameters by link name: w's W last, so its bucket leaves first."""
+
+    def __init__(self):
+        super().__init__()
+        numpy.random.seed(0)
+        with self.init_scope():
+            self.b = L.Linear(4, 4, nobias=True)
+            self.w = L.Linear(4, 4, nobias=True)
+            self.z = L.Linear(4, 4, nobias=True)
+            with self.z.init_scope():
+                self.z.W = self.w.W
+        self.repeat = 1
+
+    def forward(self, x):
+        h = self.w(self.b(x))
+        for _ in range(self.repeat):
+            h = self.z(h)
+        return F.mean(h * h)
+
+
+def tied_overlap():
+    """A parameter Chainer lists twice, whose uses grow after a step (its
+    bucket leaves before its last gradient term): with overlap the step is
+    redone and every form equals one process with the ranks' batches
+    together."""
+    repeats = [1, 2, 1, 1, 3]
+    batches = [numpy.random.RandomState(k).randn(comm.size * 2, 4).astype('f')
+               for k in range(len(repeats))]
+    reference = Tied()
+    ref_opt = chainer.optimizers.MomentumSGD(0.01).setup(reference)
+    for repeat, x in zip(repeats, batches):
+        reference.repeat = repeat
+        ref_opt.update(reference, x)
+    results = {}
+    for overlap in (True, False):
+        model = Tied()
+        opt = distributed.create_multi_node_optimizer(
+            chainer.optimizers.MomentumSGD(0.01), comm, bucket_cap_mb=1e-6, overlap=overlap)
+        opt.setup(model)
+        for repeat, x in zip(repeats, batches):
+            model.repeat = repeat
+            opt.update(model, x[rank * 2:(rank + 1) * 2])
+        sync = gradient_sync_of(opt)
+        assert sum(p is model.w.W for b in sync.buckets for p in b.params) == 1
+        if overlap:
+            assert sync.redone_steps >= 2 and sync.overlapped_steps >= 1, (
+                sync.redone_steps, sync.overlapped_steps)
+        for (name, p), (_, q) in zip(sorted(model.namedparams()),
+                                     sorted(reference.namedparams())):
+            numpy.testing.assert_allclose(p.array, q.array, rtol=1e-5, atol=1e-6,
+                                          err_msg=name)
+        results[overlap] = params(model)
+    for name, value in results[True].items():
+        numpy.testing.assert_array_equal(value, results[False][name], err_msg=name)
+    same_everywhere(model)
+    done()
+
+
+class Odd(chainer.Chain):
+    """Parameters whose gradients Chainer makes shared (p1 + p2), broadcast
+    and read-only (F.sum(s)) or transposed views (t used as t.T), on some
+    ranks and not others."""
+
+    def __init__(self):
+        super().__init__()
+        numpy.random.seed(3)
+        with self.init_scope():
+            for name in ('p1', 'p2', 't'):
+                setattr(self, name, chainer.Parameter(
+                    numpy.random.randn(130, 130).astype('f') / 10))
+            self.q = chainer.Parameter(numpy.random.randn(7).astype('f'))
+            self.s = chainer.Parameter(numpy.ones(5, 'f'))
+
+    def forward(self, x, shared, transposed):
+        w = self.p1 + self.p2 if shared else F.matmul(self.p1, self.p2)
+        t = F.transpose(self.t) if transposed else self.t
+        h = F.tanh(F.matmul(F.matmul(x, w), t))
+        return F.mean(h * h) + F.sum(self.q * self.q) + 0.01 * F.sum(self.s)
+
+
+def odd_gradients():
+    """In place (MPI's form, no overlap), with every rank's graph its own:
+    each gradient is exactly the sum over the ranks times 1/N, each averaged
+    once (a collective per parameter whatever the graph: the ranks'
+    collectives must pair up); a read-only gradient trains, as in Chainer."""
+    model = Odd()
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm,
+                                                  bucket_cap_mb=0.1)
+    opt.setup(model)
+    for step in range(3):
+        x = numpy.random.RandomState(10 * step + rank).randn(4, 130).astype('f')
+        model.cleargrads()
+        model(x, shared=(step + rank) % 2 == 0, transposed=(step + rank) % 3 == 0).backward()
+        local = {n: p.grad.copy() for n, p in model.namedparams()}
+        everyone = comm.allgather_obj(local, what='test gather')
+        opt.update()
+        for name, p in model.namedparams():
+            total = everyone[0][name].copy()
+            for other in everyone[1:]:
+                total += other[name]
+            numpy.testing.assert_array_equal(
+                p.grad, total * numpy.float32(1.0 / comm.size), err_msg=name)
+    same_everywhere(model)
+    done()
+
+
+def shared_average():
+    """One gradient array two parameters share, in different buckets, is
+    averaged once (3 ranks: averaging the average again would round
+    differently)."""
+    numpy.random.seed(0)
+    model = chainer.Chain()
+    with model.init_scope():
+        model.p1 = chainer.Parameter(numpy.random.randn(64, 64).astype('f'))
+        model.p2 = chainer.Parameter(numpy.random.randn(64, 64).astype('f'))
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.0), comm,
+                                                  bucket_cap_mb=1e-6)
+    opt.setup(model)
+    x = numpy.random.RandomState(rank).randn(8, 64).astype('f')
+    model.cleargrads()
+    F.sum(F.tanh(F.matmul(x, model.p1 + model.p2))).backward()
+    assert model.p1.grad is model.p2.grad
+    everyone = comm.allgather_obj(model.p1.grad.copy(), what='test gather')
+    opt.update()
+    # MPI may add the ranks' values in any order: one of them, averaged once.
+    averages = []
+    for order in itertools.permutations(range(comm.size)):
+        total = everyone[order[0]].copy()
+        for r in order[1:]:
+            total += everyone[r]
+        averages.append(total * numpy.float32(1.0 / comm.size))
+    for p in (model.p1, model.p2):
+        assert any((p.grad == a).all() for a in averages)
     done()
 
 
@@ -396,7 +535,8 @@ def mismatch():
 SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': evaluator,
              'snapshot_resume': snapshot_resume, 'rank0_extensions': rank0_extensions,
              'no_gradient': no_gradient, 'loss_scale_agreement': loss_scale_agreement,
-             'average': average,
+             'average': average, 'tied_overlap': tied_overlap,
+             'odd_gradients': odd_gradients, 'shared_average': shared_average,
              'raise': lambda: failing('raise'), 'kill': lambda: failing('kill'),
              'hang': lambda: failing('hang'), 'exit': lambda: failing('exit'),
              'exit0': lambda: failing('exit0'), 'mismatch': mismatch,

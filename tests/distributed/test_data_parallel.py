@@ -42,6 +42,8 @@ def test_n_ranks_equal_one_process_with_n_times_the_batch(how, tmp_path):
     'snapshot_resume',      # a snapshot from rank 0 restores every rank exactly
     'no_gradient',          # a parameter with no gradient: zero-filled, no hang
     'average',              # the in-place average: exactly sum/N, every array once
+    'tied_overlap',         # a parameter listed twice, its uses growing: redone, exact
+    'odd_gradients',        # shared, read-only, transposed gradients on some ranks only
     'loss_scale_agreement',  # NaN on one rank: every rank skips the same step
     'same_batches',         # scatter_dataset forgotten: said once, on rank 0
 ])
@@ -49,6 +51,12 @@ def test_scenario(scenario, tmp_path):
     r = mpirun(scenario, tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.ok == ['ok.0', 'ok.1'], r.stderr[-4000:]
+
+
+def test_a_gradient_two_parameters_share_is_averaged_once_on_three_ranks(tmp_path):
+    r = mpirun('shared_average', tmp_path, n=3)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.ok == ['ok.0', 'ok.1', 'ok.2'], r.stderr[-4000:]
 
 
 def test_a_rank_that_raises_ends_every_rank_with_the_error_shown_once(tmp_path):
