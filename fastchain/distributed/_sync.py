@@ -152,13 +152,18 @@ class GradientSync:
         self.next_start = 0
         self.dirty = False
         self.overlap = False
+        self.agree = False
         self._reduced = set()       # the memory of the gradients to reduce in place
 
     def begin_step(self):
         """Before backward: may this step overlap?"""
         self._reset()
-        self.overlap = self.overlap_enabled and self.uses is not None and \
-            self.comm.size > 1 and all(p.grad is None for p in self.params)
+        # Whether the ranks agree on a redo at the end: from the options and
+        # the step count only (the same on every rank), so that the
+        # agreement's collective is issued by all or none; whether this
+        # step overlaps also needs its gradients empty, which is the rank's.
+        self.agree = self.overlap_enabled and self.uses is not None and self.comm.size > 1
+        self.overlap = self.agree and all(p.grad is None for p in self.params)
 
     def contribution(self, param, gx):
         """A function's backward produced ``gx`` for ``param``."""
@@ -274,7 +279,7 @@ class GradientSync:
         self.next_start = len(self.buckets)
         for bucket in self.buckets:
             self._wait(bucket)
-        if self.overlap:
+        if self.agree:
             # Every rank must make the same choice, or their collectives would
             # no longer pair up.
             self.dirty = self.comm.any(self.dirty, 'gradient-graph agreement')

@@ -387,6 +387,25 @@ def average():
     done()
 
 
+def agreement():
+    """With overlap on, one rank's step may overlap (its gradients were
+    empty at begin_step) while another's may not: the agreement on a redo is
+    still one collective on every rank, so the next collectives pair up."""
+    p = chainer.Parameter(numpy.zeros(3, numpy.float32))
+    sync = distributed.GradientSync(comm, [p], overlap=True)
+    for step in range(3):
+        p.grad = None
+        if rank == 1:
+            p.grad = numpy.full(3, rank + step, numpy.float32)
+        sync.begin_step()
+        p.grad = numpy.full(3, rank + step, numpy.float32)
+        sync.finish()
+        expected = sum(r + step for r in range(comm.size)) / comm.size
+        numpy.testing.assert_array_equal(p.grad, numpy.full(3, expected, numpy.float32))
+        assert comm.allgather_obj(step, what='test gather') == [step] * comm.size
+    done()
+
+
 class Tied(chainer.Chain):
     """One Parameter in two links (z's W is w's), applied a number of times
     that changes from step to step (a variable-length unroll). Chainer lists
@@ -537,6 +556,7 @@ SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': eval
              'no_gradient': no_gradient, 'loss_scale_agreement': loss_scale_agreement,
              'average': average, 'tied_overlap': tied_overlap,
              'odd_gradients': odd_gradients, 'shared_average': shared_average,
+             'agreement': agreement,
              'raise': lambda: failing('raise'), 'kill': lambda: failing('kill'),
              'hang': lambda: failing('hang'), 'exit': lambda: failing('exit'),
              'exit0': lambda: failing('exit0'), 'mismatch': mismatch,

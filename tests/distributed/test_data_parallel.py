@@ -44,6 +44,7 @@ def test_n_ranks_equal_one_process_with_n_times_the_batch(how, tmp_path):
     'average',              # the in-place average: exactly sum/N, every array once
     'tied_overlap',         # a parameter listed twice, its uses growing: redone, exact
     'odd_gradients',        # shared, read-only, transposed gradients on some ranks only
+    'agreement',            # overlap on one rank's step and not another's: still paired
     'loss_scale_agreement',  # NaN on one rank: every rank skips the same step
     'same_batches',         # scatter_dataset forgotten: said once, on rank 0
 ])
