@@ -24,8 +24,8 @@ Rules that keep it exact and deadlock-free:
 - Buckets start strictly in index order: MPI and NCCL need every rank to
   issue collectives in the same order. What a rank issues depends on the
   buckets and options only, never on its graph: in place, each parameter's
-  gradient is one array of its own (one two parameters share, a read-only
-  or broadcast one, a transposed view: copied first), so that ranks whose
+  gradient is one array of its own (one whose memory another gradient
+  shares, a read-only or broadcast one, a transposed view: copied first), so that ranks whose
   graphs differ still pair their collectives, and nothing is averaged twice.
 - Overlap needs the gradients to start empty (``cleargrads``, Chainer's
   default in ``update(lossfun)``) and to know how many functions consume
@@ -35,6 +35,8 @@ Rules that keep it exact and deadlock-free:
 - Parameters that get no gradient are zero-filled (Chainer's
   ``reallocate_cleared_grads``) and averaged like the rest.
 """
+
+import bisect
 
 import numpy
 
@@ -153,7 +155,7 @@ class GradientSync:
         self.dirty = False
         self.overlap = False
         self.agree = False
-        self._reduced = set()       # the memory of the gradients to reduce in place
+        self._reduced = []          # the bytes of the gradients to reduce in place
 
     def begin_step(self):
         """Before backward: may this step overlap?"""
@@ -235,20 +237,7 @@ class GradientSync:
                 bucket.handles = [(self.comm.allreduce_start(bucket.buffer, what), None)]
 
     def _own_gradient(self, p):
-        """``p.grad``, made a C-contiguous writable array of its own for this
-        step's in-place reduction where it is not one: an array two
-        parameters share (p1 + p2 gives both the same gradient; reduced twice,
-        it would be averaged twice), a read-only or broadcast one, a
-        transposed view."""
-        g = p.grad
-        if g is None:       # no gradient: zero-filled, as Chainer's optimizer does
-            p.grad = g = chainer.backend.get_array_module(p.array).zeros_like(p.array)
-        key = _memory(g)
-        if key in self._reduced or not (g.flags.c_contiguous and _writable(g)):
-            p.grad = g = g.copy()
-            key = _memory(g)
-        self._reduced.add(key)
-        return g
+        return own_gradient(p, self._reduced)
 
     def _wait(self, bucket):
         if not bucket.handles:
@@ -310,14 +299,46 @@ def _writable(array):
     return all(stride != 0 or n <= 1 for stride, n in zip(array.strides, array.shape))
 
 
-def _memory(array):
-    """What identifies an array's elements: where they start, and how they
-    are laid out (two views of the same memory are the same gradient)."""
+def own_gradient(p, claimed):
+    """``p.grad``, made a C-contiguous writable array of its own where it is
+    not one, for writing into in place: an array whose memory another
+    parameter's gradient shares (p1 + p2 gives both the same gradient,
+    reshape(p1) + p2 a view of it; reduced or written twice, it would be
+    averaged twice or hold the second's value), a read-only or broadcast
+    one, a transposed view. ``claimed``: the sorted memory spans of the
+    gradients made own so far (this step's; updated)."""
+    g = p.grad
+    if g is None:       # no gradient: zero-filled, as Chainer's optimizer does
+        p.grad = g = chainer.backend.get_array_module(p.array).zeros_like(p.array)
+    span = _span(g)
+    place = bisect.bisect_right(claimed, span) if span else 0
+    shared = span is not None and (
+        (place and claimed[place - 1][1] > span[0]) or
+        (place < len(claimed) and claimed[place][0] < span[1]))
+    if shared or not (g.flags.c_contiguous and _writable(g)):
+        p.grad = g = g.copy()
+        span = _span(g)
+        place = bisect.bisect_right(claimed, span) if span else 0
+    if span is not None:
+        claimed.insert(place, span)
+    return g
+
+
+def _span(array):
+    """The bytes ``array``'s elements lie in, [first, past the last), or
+    None when it has none (two gradients share memory where theirs meet)."""
+    if not array.size:
+        return None
     if hasattr(array, 'data') and hasattr(array.data, 'ptr'):      # CuPy
-        start = array.data.ptr
+        low = high = array.data.ptr
     else:
-        start = array.__array_interface__['data'][0]
-    return start, array.shape, array.strides
+        low = high = array.__array_interface__['data'][0]
+    for stride, n in zip(array.strides, array.shape):
+        if stride < 0:
+            low += stride * (n - 1)
+        else:
+            high += stride * (n - 1)
+    return low, high + array.itemsize
 
 
 class GradientCapture(chainer.FunctionHook):

@@ -517,20 +517,24 @@ def odd_gradients():
 
 def shared_average():
     """One gradient array two parameters share, in different buckets, is
-    averaged once (3 ranks: averaging the average again would round
+    averaged once, and so is one a third parameter's gradient views with
+    another shape (3 ranks: averaging the average again would round
     differently)."""
     numpy.random.seed(0)
     model = chainer.Chain()
     with model.init_scope():
         model.p1 = chainer.Parameter(numpy.random.randn(64, 64).astype('f'))
         model.p2 = chainer.Parameter(numpy.random.randn(64, 64).astype('f'))
+        model.p3 = chainer.Parameter(numpy.random.randn(64 * 64).astype('f'))
     opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.0), comm,
                                                   bucket_cap_mb=1e-6)
     opt.setup(model)
     x = numpy.random.RandomState(rank).randn(8, 64).astype('f')
     model.cleargrads()
-    F.sum(F.tanh(F.matmul(x, model.p1 + model.p2))).backward()
+    w = model.p1 + model.p2 + F.reshape(model.p3, (64, 64))
+    F.sum(F.tanh(F.matmul(x, w))).backward()
     assert model.p1.grad is model.p2.grad
+    assert numpy.shares_memory(model.p1.grad, model.p3.grad)
     everyone = comm.allgather_obj(model.p1.grad.copy(), what='test gather')
     opt.update()
     # MPI may add the ranks' values in any order: one of them, averaged once.
@@ -540,8 +544,8 @@ def shared_average():
         for r in order[1:]:
             total += everyone[r]
         averages.append(total * numpy.float32(1.0 / comm.size))
-    for p in (model.p1, model.p2):
-        assert any((p.grad == a).all() for a in averages)
+    for p in (model.p1, model.p2, model.p3):
+        assert any((p.grad.reshape(64, 64) == a).all() for a in averages), p.name
     done()
 
 
