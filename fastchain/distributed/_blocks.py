@@ -80,7 +80,7 @@ class BlockMomentum(Learner):
                                                     reset_local_momentum)
         self.block_samples = 0          # this rank's, in the current block
         self.blocks = 0
-        self.global_model = None        # W: host or device arrays, float32
+        self.global_model = None        # W: host or device arrays (float32, float64)
         self.delta = None               # D
 
     @property
@@ -139,7 +139,11 @@ class BlockMomentum(Learner):
 
     def _persistents(self):
         out = []
-        for path, link in sorted(self.optimizer.target.namedlinks()):
+        seen = set()        # a link held twice (tied) has its statistics once
+        for path, link in sorted(self.optimizer.target.namedlinks(), key=lambda x: x[0]):
+            if id(link) in seen:
+                continue
+            seen.add(id(link))
             for name in sorted(link._persistent):
                 value = getattr(link, name)
                 if hasattr(value, 'dtype') and getattr(value, 'ndim', 0) > 0 and \
@@ -158,11 +162,11 @@ class BlockMomentum(Learner):
     def _block_start(self, w, d):
         """The model a block starts from: W, or its look-ahead W + momentum D."""
         eta = self.block_momentum
-        return w + numpy.float32(eta) * d if self.nesterov and eta else w
+        return w + d.dtype.type(eta) * d if self.nesterov and eta else w
 
     def _start(self):
         xp = self._xp()
-        self.global_model = [xp.array(w, xp.float32) for w in self._weights()]
+        self.global_model = [xp.array(w, _dtype(w)) for w in self._weights()]
         self.delta = [xp.zeros_like(w) for w in self.global_model]
         self.block_samples = 0
 
@@ -177,8 +181,8 @@ class BlockMomentum(Learner):
         start = time.perf_counter()
         weights = self._weights()
         persistents = [v for _, v in self._persistents()]
-        arrays = [w.astype(numpy.float32) if w.dtype != numpy.float32 else w
-                  for w in weights] + persistents
+        arrays = [w.astype(g.dtype) if w.dtype != g.dtype else w
+                  for w, g in zip(weights, self.global_model)] + persistents
         mean, nbytes = _average(self.comm, arrays, 'block momentum: averaging the models')
         for v, m in zip(persistents, mean[len(weights):]):
             v[...] = m
@@ -190,8 +194,8 @@ class BlockMomentum(Learner):
                 d[...] = 0
             else:
                 block_update = m - self._block_start(w, d)
-                d *= numpy.float32(eta)
-                d += numpy.float32(zeta) * block_update
+                d *= d.dtype.type(eta)
+                d += d.dtype.type(zeta) * block_update
                 w += d
             new.append(self._block_start(w, d))
         self._write_weights(new)
@@ -265,10 +269,18 @@ class BlockMomentum(Learner):
 
     def _apply_shared_state(self, state):
         xp = self._xp()
-        self.global_model = [xp.asarray(state[self.names[id(p)]][0], xp.float32)
-                             for p in self.params]
-        self.delta = [xp.asarray(state[self.names[id(p)]][1], xp.float32)
-                      for p in self.params]
+        dtypes = [_dtype(w) for w in self._weights()]
+        self.global_model = [xp.asarray(state[self.names[id(p)]][0], t)
+                             for p, t in zip(self.params, dtypes)]
+        self.delta = [xp.asarray(state[self.names[id(p)]][1], t)
+                      for p, t in zip(self.params, dtypes)]
+
+
+def _dtype(weight):
+    """The dtype ``W`` and ``D`` are kept in: float64 for a float64 model
+    (its mean exact), float32 otherwise (fp16 parameters without masters
+    too)."""
+    return numpy.float64 if weight.dtype == numpy.float64 else numpy.float32
 
 
 class ModelAveraging(BlockMomentum):

@@ -111,7 +111,7 @@ class Learner:
         """When the ranks have agreed on the model (its parameters have shapes)."""
         self.sync = sync
         self.params = list(sync.params)
-        self.names = {id(p): n for n, p in self.optimizer.target.namedparams()}
+        self.names = _unique_names(self.optimizer.target)
         self._exact_bytes = _ring_allreduce(self.comm.size, sum(
             p.size * numpy.dtype(sync.allreduce_dtype or p.dtype).itemsize
             for p in self.params))
@@ -242,7 +242,7 @@ class Learner:
         pass
 
     def _param_names(self):
-        return sorted(n for n, _ in self.optimizer.target.namedparams())
+        return sorted(set(_unique_names(self.optimizer.target).values()))
 
     def gather_for_snapshot(self):
         """Collective: every rank's local state, kept for the snapshot about
@@ -337,6 +337,15 @@ class AllReduce(Learner):
 
 
 # -- helpers --------------------------------------------------------------------
+
+
+def _unique_names(link):
+    """Each parameter's name in snapshots: its first in sorted order (a
+    parameter two links hold, tied by assignment, has a name in each)."""
+    names = {}
+    for name, p in sorted(link.namedparams(), key=lambda item: item[0]):
+        names.setdefault(id(p), name)
+    return names
 
 
 def _ring_allreduce(size, nbytes):

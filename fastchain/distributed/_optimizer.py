@@ -24,6 +24,8 @@ import weakref
 
 import numpy
 
+import chainer
+
 from fastchain.config import _patches
 from fastchain.distributed import _arguments, _learners
 from fastchain.distributed._learners import AllReduce, Learner
@@ -138,7 +140,6 @@ def _attach_when_initialized(optimizer, comm, options):
     ref = weakref.ref(optimizer)
 
     def first_update(next_, lossfun=None, *args, **kwds):
-        import chainer
         optimizer = ref()
         if lossfun is None:
             _check_shaped_alike(comm, optimizer.target)
@@ -281,16 +282,21 @@ def _attach(optimizer, comm, options, broadcast=True):
 
 def _serialize_learner(learner, next_, serializer):
     next_(serializer)
-    try:
-        learner.serialize(serializer[_learners.SERIAL_KEY])
-    except KeyError:
-        # A snapshot written before learners were saved, or by another
-        # learner: nothing of this one's is in it.
-        if learner.per_rank_state or learner.distributed_after:
-            raise ValueError(
-                'this snapshot holds no state of the {} learner (it was written with '
-                'another learner or an older fastchain); resume it with the learner it '
-                'was written with'.format(learner.name))
+    section = serializer[_learners.SERIAL_KEY]
+    if isinstance(serializer, chainer.serializer.Deserializer):
+        try:
+            section('samples', 0)
+        except KeyError:
+            # A snapshot written before learners were saved, or by another
+            # learner: nothing of this one's is in it. (A key missing
+            # further in is the learner's to name, not taken for this.)
+            if learner.per_rank_state or learner.distributed_after:
+                raise ValueError(
+                    'this snapshot holds no state of the {} learner (it was written with '
+                    'another learner or an older fastchain); resume it with the learner it '
+                    'was written with'.format(learner.name)) from None
+            return
+    learner.serialize(section)
 
 
 def make_learner(spec):
@@ -328,7 +334,6 @@ def _all_ranks_any_key():
 
 
 def _hooks():
-    import chainer
     return list(chainer.get_function_hooks().values())
 
 

@@ -29,6 +29,7 @@ import chainer
 
 from fastchain.distributed import _arguments
 from fastchain.distributed._learners import Learner
+from fastchain.distributed._sync import own_gradient
 from fastchain.precision._attach import carried_scale
 from fastchain.precision._scaler import _any_nonfinite
 
@@ -84,7 +85,9 @@ class Encoding:
         if self.bits == 16:
             flat = xp.concatenate([a.ravel() for a in arrays]) if arrays else \
                 xp.zeros(0, xp.float32)
-            return flat.astype(xp.float16).view(xp.uint8), xp.zeros(0, xp.float32)
+            with numpy.errstate(over='ignore'):     # beyond 65504: inf, checked
+                half = flat.astype(xp.float16)
+            return half.view(xp.uint8), xp.zeros(0, xp.float32)
         codes = xp.empty(self.values, xp.uint8)
         levels = xp.empty((self.rows, 2), xp.float32)
         for a, (shape, rows, cols, off, row) in zip(arrays, self.layout):
@@ -197,6 +200,10 @@ class QuantizedSGD(Learner):
     A step with a non-finite gradient on any rank (an fp16 overflow) is
     averaged exactly instead, the residuals untouched, so the loss
     scaler sees the overflow on every rank and skips the step everywhere.
+    So is a step whose 16-bit encoding overflows on any rank (a value
+    beyond float16's 65504, in an fp32 model), with a warning: it is
+    counted in ``fallback_steps``, and lower bits (whose levels follow each
+    row's range) do not overflow.
     """
 
     name = 'quantized'
@@ -235,21 +242,34 @@ class QuantizedSGD(Learner):
         xp = chainer.backend.get_array_module(params[0].grad) if params else numpy
         grads = [p.grad for p in params]
         start = time.perf_counter()
-        if self.comm.any(_any_nonfinite(grads), 'non-finite gradient agreement'):
-            self.fallback_steps += 1
-            self.exact_average()
-            return
         residuals = self._residuals(xp)
         # The residual is in the units of the gradients: loss-scaled by the
         # scale their backward used (none for a script's own loss.backward(),
         # whatever the optimizer's scale is).
         scale = carried_scale(params) or 1.0
+        ratio = None
         if self._scale is not None and scale != self._scale:
+            ratio = numpy.float32(scale / self._scale)
+        bad = _any_nonfinite(grads)
+        overflow = False
+        if not bad:
+            values = [g.astype(xp.float32) + (r if ratio is None else r * ratio)
+                      for g, r in zip(grads, residuals)]
+            codes, levels = self.encoding.encode(values)
+            # fp16 codes hold finite values up to 65504 only
+            overflow = self.bits == 16 and _any_nonfinite([codes.view(xp.float16)])
+            if overflow:
+                self._warn_once('overflow', _FP16_OVERFLOW)
+        if self.comm.any(bad or overflow, 'non-finite gradient agreement'):
+            # averaged exactly, the residuals untouched: an overflowing
+            # gradient makes the loss scaler skip the step on every rank
+            self.fallback_steps += 1
+            self.exact_average()
+            return
+        if ratio is not None:
             for r in residuals:
-                r *= numpy.float32(scale / self._scale)
+                r *= ratio
         self._scale = scale
-        values = [g.astype(xp.float32) + r for g, r in zip(grads, residuals)]
-        codes, levels = self.encoding.encode(values)
         own = None
         if self.error_feedback:       # the new residuals, kept if the step is finite
             own = self.encoding.decode(codes, levels)
@@ -267,8 +287,9 @@ class QuantizedSGD(Learner):
         for rank in range(1, self.comm.size):
             total += decoded(rank, out=buffer)
         total /= numpy.float32(self.comm.size)
+        claimed = []        # each parameter's average into a gradient of its own
         for p, avg in zip(params, self.encoding.split(total)):
-            p.grad[...] = avg
+            own_gradient(p, claimed)[...] = avg
         # The average can overflow the gradient's dtype (fp16) where no input
         # did: the loss scaler then skips the step on every rank (they hold
         # the same average), and the residuals must stay as they were.
@@ -300,3 +321,10 @@ class QuantizedSGD(Learner):
         scale = serializer('residual_scale', self._scale or 0.0)
         self._scale = float(scale) or None
         self.fallback_steps = int(serializer('fallback_steps', self.fallback_steps))
+
+
+_FP16_OVERFLOW = (
+    'fastchain: QuantizedSGD(16) met a gradient (plus residual) beyond float16\'s range '
+    '(65504), which its encoding cannot hold: the step is averaged exactly instead (counted '
+    'in fallback_steps). Fix: use QuantizedSGD(8), whose levels follow each row\'s range, '
+    'or scale the loss down')

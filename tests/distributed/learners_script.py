@@ -39,11 +39,18 @@ LEARNERS = {
     'bmuf_plain': lambda: distributed.BlockMomentum(2 * BATCH, block_momentum=0.5,
                                                     block_lr=0.9, nesterov=False),
     'avg': lambda: distributed.ModelAveraging(2 * BATCH),
+    'avg_f64': lambda: distributed.ModelAveraging(2 * BATCH),
+    'bmuf_f64': lambda: distributed.BlockMomentum(2 * BATCH),
 }
+# the model's dtype ('_f64': float64, whose block means must not be rounded to float32)
+DTYPE = numpy.float64 if LEARNER.endswith('_f64') else numpy.float32
 
 
 class MLP(chainer.Chain):
-    def __init__(self, bn=False, lazy=False):
+    """``tied``: l2 applied twice, held under a second name too (Chainer
+    then lists its parameters under both)."""
+
+    def __init__(self, bn=False, lazy=False, tied=False):
         super().__init__()
         with self.init_scope():
             self.l1 = L.Linear(None if lazy else 6, 16)
@@ -51,13 +58,19 @@ class MLP(chainer.Chain):
             self.l3 = L.Linear(16, 3)
             if bn:
                 self.bn = L.BatchNormalization(16)
+            if tied:
+                self.again = self.l2
         self.use_bn = bn
+        self.tied = tied
 
     def forward(self, x):
         h = F.relu(self.l1(x))
         if self.use_bn:
             h = self.bn(h)
-        return self.l3(F.relu(self.l2(h)))
+        h = F.relu(self.l2(h))
+        if self.tied:
+            h = F.relu(self.again(h))
+        return self.l3(h)
 
 
 def params(model):
@@ -82,7 +95,8 @@ def done(**result):
 
 
 def batches(shard, k):
-    return chainer.dataset.concat_examples(shard[k * BATCH:(k + 1) * BATCH])
+    x, t = chainer.dataset.concat_examples(shard[k * BATCH:(k + 1) * BATCH])
+    return x.astype(DTYPE, copy=False), t
 
 
 # -- scenarios ---------------------------------------------------------------------
@@ -149,7 +163,8 @@ def model_averaging():
     """Each rank's plain twin trains on the same batches; at each block's
     end the learner's model is the twins' mean (BN statistics too)."""
     numpy.random.seed(1 + rank)
-    model = L.Classifier(MLP(bn=True))
+    with chainer.using_config('dtype', DTYPE):
+        model = L.Classifier(MLP(bn=True))
     opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm,
                                                   learner=LEARNERS[LEARNER]())
     opt.setup(model)                       # broadcasts rank 0's weights
@@ -179,6 +194,7 @@ def model_averaging():
             else:      # MPI may add 4 ranks in another order than this sum
                 numpy.testing.assert_allclose(got[n], mean[n], rtol=1e-6, atol=1e-7,
                                               err_msg=n)
+        assert all(a.dtype == DTYPE for a in got.values())
         assert identical_everywhere(model)
         twin.copyparams(model)
         twin.predictor.bn.avg_mean[...] = model.predictor.bn.avg_mean
@@ -223,9 +239,9 @@ def warm_start():
 
 
 def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0, lazy=False,
-                 rank_order=False):
+                 rank_order=False, tied=False):
     numpy.random.seed(seed)
-    model = L.Classifier(MLP(bn=True, lazy=lazy))
+    model = L.Classifier(MLP(bn=True, lazy=lazy, tied=tied))
     opt = chainer.optimizers.MomentumSGD(0.05)
     opt.setup(model)
     shard = distributed.scatter_dataset(data(96), comm, shuffle=True, seed=1)
@@ -245,13 +261,15 @@ def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0, lazy=False,
     return trainer, model, opt
 
 
-def resume(lazy=False):
+def resume(lazy=False, tied=False):
     """A snapshot mid-block (iteration 5 of blocks of 2) written through
     multi_node_snapshot: the resumed run ends where the straight one does,
     bit for bit, on every rank. ``lazy``: a model whose first layer gets its
-    shape at the first update, loaded before it."""
+    shape at the first update, loaded before it. ``tied``: a layer held
+    under two names (its state was saved under one and looked for under
+    both)."""
     out = os.path.join(OUT, 'train')
-    trainer, model, _ = make_trainer(out, 9, LEARNERS[LEARNER](), lazy=lazy)
+    trainer, model, _ = make_trainer(out, 9, LEARNERS[LEARNER](), lazy=lazy, tied=tied)
     apart = []      # at the snapshot: the ranks' models differ (mid-block)
     trainer.extend(lambda t: apart.append(not identical_everywhere(model)),
                    trigger=(5, 'iteration'))
@@ -262,7 +280,8 @@ def resume(lazy=False):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         resumed, model2, opt2 = make_trainer(os.path.join(OUT, 'resumed'), 9,
-                                             LEARNERS[LEARNER](), seed=99, lazy=lazy)
+                                             LEARNERS[LEARNER](), seed=99, lazy=lazy,
+                                             tied=tied)
         chainer.serializers.load_npz(os.path.join(out, 'snap_5'), resumed)   # every rank
         assert resumed.updater.iteration == 5
         resumed.run()
@@ -283,7 +302,7 @@ def resume(lazy=False):
     # resumed where its stop trigger is met already: no step, and the ranks
     # still end on W (finish applies the loaded state first)
     again, model3, opt3 = make_trainer(os.path.join(OUT, 'again'), 5, LEARNERS[LEARNER](),
-                                       seed=98, lazy=lazy)
+                                       seed=98, lazy=lazy, tied=tied)
     chainer.serializers.load_npz(os.path.join(out, 'snap_5'), again)
     again.run()
     learner3 = distributed.learner_of(opt3)
@@ -329,7 +348,8 @@ def bmuf_formula():
     holds is the paper's start model S, computed here from each rank's plain
     twin (SGD, no momentum state) trained from S on the same batches."""
     numpy.random.seed(1 + rank)
-    model = L.Classifier(MLP())
+    with chainer.using_config('dtype', DTYPE):
+        model = L.Classifier(MLP())
     learner = LEARNERS[LEARNER]()
     opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm,
                                                   learner=learner)
@@ -337,8 +357,11 @@ def bmuf_formula():
     twin = model.copy(mode='copy')
     twin_opt = chainer.optimizers.SGD(0.1).setup(twin)
     shard = distributed.scatter_dataset(data(96), comm)
-    f32 = numpy.float32
-    m, lr = f32(learner.block_momentum), f32(learner.block_lr)
+    # float32: the twins' arithmetic and the allreduce's may round apart;
+    # float64: W and D kept in float64 (rounded to float32 they were 1e-8 off)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if DTYPE == numpy.float32 else \
+        dict(rtol=1e-13, atol=1e-14)
+    m, lr = DTYPE(learner.block_momentum), DTYPE(learner.block_lr)
     assert m > 0
     w = {n: p.array.copy() for n, p in model.namedparams()}
     d = {n: numpy.zeros_like(a) for n, a in w.items()}
@@ -355,8 +378,9 @@ def bmuf_formula():
             d[n] = m * d[n] + lr * (mean - start[n])
             w[n] = w[n] + d[n]
             start[n] = w[n] + m * d[n] if learner.nesterov else w[n]
-            numpy.testing.assert_allclose(dict(model.namedparams())[n].array, start[n],
-                                          rtol=1e-5, atol=1e-6, err_msg=n)
+            got = dict(model.namedparams())[n].array
+            assert got.dtype == DTYPE, got.dtype
+            numpy.testing.assert_allclose(got, start[n], err_msg=n, **tolerance)
         twin.copyparams(model)
     assert learner.blocks == 4
     done()
@@ -485,6 +509,88 @@ def rank_settings():
     done()
 
 
+class Odd(chainer.Link):
+    """Parameters whose gradients Chainer does not give arrays of their own."""
+
+    def __init__(self):
+        super().__init__()
+        rng = numpy.random.RandomState(0)
+        with self.init_scope():
+            self.a = chainer.Parameter(rng.randn(6, 8).astype(numpy.float32))
+            self.b = chainer.Parameter(rng.randn(6, 8).astype(numpy.float32))
+            self.c = chainer.Parameter(rng.randn(48).astype(numpy.float32))
+            self.d = chainer.Parameter(rng.randn(5).astype(numpy.float32))
+
+    def loss(self, x):
+        # a, b and c: one gradient array (c's a view of it with another shape)
+        w = self.a + self.b + F.reshape(self.c, (6, 8))
+        # d: a read-only broadcast
+        return F.sum(F.tanh(F.matmul(x, w))) + F.sum(self.d) * F.sum(x)
+
+
+def odd_gradients():
+    """Shared, reshaped and read-only gradients from the graph: the learner
+    updates the model exactly as it does a twin whose gradients are arrays of
+    their own with the same values (the average of a, b and c each went into
+    one array, the last written won; d's raised)."""
+    link, twin = Odd(), Odd()
+    opt = distributed.create_multi_node_optimizer(
+        chainer.optimizers.SGD(0.1), comm, learner=LEARNERS[LEARNER]()).setup(link)
+    twin_opt = distributed.create_multi_node_optimizer(
+        chainer.optimizers.SGD(0.1), comm, learner=LEARNERS[LEARNER]()).setup(twin)
+    twin.cleargrads()
+    twin.loss(numpy.ones((3, 6), numpy.float32)).backward()
+    assert twin.a.grad is twin.b.grad and numpy.shares_memory(twin.a.grad, twin.c.grad)
+    assert not twin.d.grad.flags.writeable
+    for k in range(4):
+        x = numpy.random.RandomState(10 * k + rank).randn(3, 6).astype(numpy.float32)
+        twin.cleargrads()
+        twin.loss(x).backward()
+        for p in twin.params():
+            p.grad = numpy.array(p.grad, copy=True)
+        twin_opt.update()
+        opt.update(link.loss, x)
+        for n, value in params(link).items():
+            numpy.testing.assert_array_equal(value, params(twin)[n], err_msg=n)
+    assert identical_everywhere(link)
+    done()
+
+
+def fp16_range():
+    """QuantizedSGD(16), an fp32 model: a gradient beyond float16's range on
+    one rank (it was encoded as inf and every rank's weights became -inf,
+    without a word) makes the step an exact average on every rank, said on
+    the rank where it was."""
+    link = Params()
+    learner = LEARNERS[LEARNER]()
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(lr=1.0), comm,
+                                                  learner=learner).setup(link)
+    rng = numpy.random.RandomState(200 + rank)
+    for k in range(2):
+        start = params(link)
+        grads = {n: rng.randn(*a.shape).astype(numpy.float32) for n, a in start.items()}
+        if k == 0 and rank == 0:
+            grads['/w'][3, 4] = 1e5
+        for n, p in link.namedparams():
+            p.grad = grads[n].copy()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            opt.update()
+        said = [str(w.message) for w in caught if '65504' in str(w.message)]
+        assert len(said) == (1 if k == 0 and rank == 0 else 0), said
+        everyone = gather(grads)
+        for n, value in params(link).items():
+            assert numpy.isfinite(value).all(), n
+            exact = start[n] - (everyone[0][n] + everyone[1][n]) * numpy.float32(0.5)
+            if k == 0:
+                numpy.testing.assert_array_equal(value, exact, err_msg=n)
+            else:       # encoded: near the exact average, not it
+                numpy.testing.assert_allclose(value, exact, rtol=0, atol=1e-2, err_msg=n)
+        assert learner.fallback_steps == 1, learner.fallback_steps
+    assert identical_everywhere(link)
+    done()
+
+
 def finish():
     """A block-momentum run that stops mid-block (5 steps, blocks of 2)
     leaves every rank the global model W: a Trainer's run on its own end,
@@ -513,9 +619,12 @@ def finish():
     done()
 
 
-SCENARIOS = {'finish': finish, 'rank_settings': rank_settings, 'error_feedback': error_feedback, 'model_averaging': model_averaging,
+SCENARIOS = {'finish': finish, 'rank_settings': rank_settings,
+             'error_feedback': error_feedback, 'model_averaging': model_averaging,
              'warm_start': warm_start, 'resume': resume,
-             'resume_lazy': lambda: resume(lazy=True), 'bmuf_formula': bmuf_formula,
+             'resume_lazy': lambda: resume(lazy=True),
+             'resume_tied': lambda: resume(tied=True), 'bmuf_formula': bmuf_formula,
+             'odd_gradients': odd_gradients, 'fp16_range': fp16_range,
              'resume_rank0': resume_rank0, 'resume_rank_state': resume_rank_state,
              'trainer': trainer_run, 'fp16_skip': fp16_skip, 'raise': raising}
 SCENARIOS[SCENARIO]()

@@ -143,21 +143,23 @@ class MLP(chainer.Chain):
         return self.l2(F.tanh(self.l1(x)))
 
 
-def train_local(make_optimizer, learner, steps=10, batch=4):
+def train_local(make_optimizer, learner, steps=10, batch=4, dtype=numpy.float32):
     numpy.random.seed(3)
-    model = L.Classifier(MLP())
+    with chainer.using_config('dtype', dtype):
+        model = L.Classifier(MLP())
     opt = make_optimizer()
     if learner is not None:
         distributed.create_multi_node_optimizer(opt, OneRank(), learner=learner)
     opt.setup(model)
     rng = numpy.random.RandomState(7)
     for _ in range(steps):
-        x = rng.randn(batch, 5).astype(numpy.float32)
+        x = rng.randn(batch, 5).astype(dtype)
         t = rng.randint(0, 3, batch).astype(numpy.int32)
         opt.update(model, x, t)
     return {n: p.array for n, p in model.namedparams()}
 
 
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
 @pytest.mark.parametrize('make_optimizer, learner', [
     (lambda: chainer.optimizers.SGD(0.1), lambda: distributed.BlockMomentum(8)),
     (lambda: chainer.optimizers.SGD(0.1), lambda: distributed.ModelAveraging(12)),
@@ -165,12 +167,15 @@ def train_local(make_optimizer, learner, steps=10, batch=4):
      lambda: distributed.BlockMomentum(8, reset_local_momentum=False)),
     (lambda: chainer.optimizers.Adam(), lambda: distributed.BlockMomentum(4)),
 ])
-def test_block_momentum_on_one_rank_is_local_training_bit_for_bit(make_optimizer, learner):
+def test_block_momentum_on_one_rank_is_local_training_bit_for_bit(make_optimizer, learner,
+                                                                  dtype):
     # One rank: the block momentum defaults to 1 - 1/1 = 0 and the block's
-    # mean is the rank's own model.
-    plain = train_local(make_optimizer, None)
-    bmuf = train_local(make_optimizer, learner())
+    # mean is the rank's own model. (float64: the block's model was kept in
+    # float32, and every block end rounded the weights to it.)
+    plain = train_local(make_optimizer, None, dtype=dtype)
+    bmuf = train_local(make_optimizer, learner(), dtype=dtype)
     for name in plain:
+        assert bmuf[name].dtype == dtype
         numpy.testing.assert_array_equal(bmuf[name], plain[name], err_msg=name)
 
 
@@ -342,6 +347,35 @@ def test_a_report_without_counted_samples_has_no_bytes_per_sample():
     link.p0.grad = numpy.ones((2, 3), numpy.float32)
     opt.update()
     assert distributed.learner_of(opt).report()['bytes_per_sample'] == 0.0   # one rank
+
+
+def test_a_snapshot_without_the_learners_state_says_so_and_a_missing_key_is_named(tmp_path):
+    def make(learner):
+        numpy.random.seed(3)
+        model = L.Classifier(MLP())
+        opt = chainer.optimizers.SGD(0.1)
+        if learner is not None:
+            distributed.create_multi_node_optimizer(opt, OneRank(), learner=learner)
+        opt.setup(model)
+        x, t = numpy.ones((4, 5), numpy.float32), numpy.zeros(4, numpy.int32)
+        for _ in range(3):
+            opt.update(model, x, t)
+        return opt
+    chainer.serializers.save_npz(str(tmp_path / 'plain.npz'), make(None))
+    with pytest.raises(ValueError, match='holds no state of the block momentum learner'):
+        chainer.serializers.load_npz(str(tmp_path / 'plain.npz'),
+                                     make(distributed.BlockMomentum(8)))
+    chainer.serializers.load_npz(str(tmp_path / 'plain.npz'), make(None))
+    # The learner's section is there, one of its arrays is not: that key is
+    # named (it read 'holds no state of the learner ... an older fastchain').
+    chainer.serializers.save_npz(str(tmp_path / 'bmuf.npz'), make(distributed.BlockMomentum(8)))
+    with numpy.load(str(tmp_path / 'bmuf.npz')) as f:
+        kept = {k: f[k] for k in f.files if 'global/predictor/l2/W' not in k}
+    assert len(kept) == len(numpy.load(str(tmp_path / 'bmuf.npz')).files) - 1
+    numpy.savez(str(tmp_path / 'cut.npz'), **kept)
+    with pytest.raises(KeyError, match='global/predictor/l2/W'):
+        chainer.serializers.load_npz(str(tmp_path / 'cut.npz'),
+                                     make(distributed.BlockMomentum(8)))
 
 
 def test_multi_node_snapshot_refuses_autoload_which_would_load_on_rank_0_only():
