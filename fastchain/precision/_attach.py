@@ -18,6 +18,7 @@ import numpy
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
 from fastchain.precision._scaler import FP16_SAFE_SCALE
+from fastchain.precision._snapshot import saved_before_first_update, serialize_masters
 
 SERIAL_KEY = 'fastchain_loss_scaler'
 SERIAL_MASTERS = 'fastchain_fp32_masters'
@@ -81,15 +82,22 @@ def attach(optimizer, scaler, changes, fp32_update=True):
                  'skipped_steps': scaler.skipped_steps}, opt.target)
 
     def serialize(next_, serializer):
-        next_(serializer)
         opt = ref()
+        unstarted = saved_before_first_update(opt, serializer)
+        for rule in unstarted:      # Chainer's load: missing state raises unless disabled
+            rule.enabled = False
+        try:
+            next_(serializer)
+        finally:
+            for rule in unstarted:
+                rule.enabled = True
         missing = []
         try:
             scaler.serialize(serializer[SERIAL_KEY])
         except KeyError:
             missing.append('loss-scaler state (going on from {!r})'.format(scaler))
         try:
-            absent = _serialize_masters(opt, serializer[SERIAL_MASTERS])
+            absent = serialize_masters(opt, serializer[SERIAL_MASTERS])
         except KeyError:
             absent = True
         if absent:
@@ -253,47 +261,6 @@ def _unscale(params, scales):
         else:
             grad /= scale
     return replaced
-
-
-def _serialize_masters(optimizer, serializer):
-    """Save or load the fp32 master weight of every fp16 parameter updated in
-    fp32 (Chainer's UpdateRule.serialize keeps only the rule's state: a
-    resumed run would start its masters from the fp16 weights). Returns
-    whether a loaded snapshot lacked any (a non-strict load gives None)."""
-    import chainer
-    loading = isinstance(serializer, chainer.serializer.Deserializer)
-    absent = False
-    for name, param in optimizer.target.namedparams():
-        rule = getattr(param, 'update_rule', None)
-        if rule is None or not rule._use_fp32_update:
-            continue
-        made = param.array is not None
-        if made and param.dtype != numpy.float16 or not made and not loading:
-            continue
-        key = name.lstrip('/').replace('/', '.')
-        if loading:
-            # A parameter not made yet (L.Linear(None, n): StandardUpdater
-            # loads the optimizer before the model) takes a master the
-            # snapshot has for it: its first update starts from it.
-            try:
-                master = serializer(key, None)
-            except KeyError:
-                if made:
-                    raise
-                continue        # (saved before it was made: none to take)
-            if master is None:
-                absent = absent or made     # keep this rule's master as it is
-                continue
-            # its own array: a snapshot read from memory (a dict) hands out
-            # its own, which the next update would change under it
-            sent = param.device.send(master)
-            master = sent.astype(numpy.float32, copy=sent is master)
-            rule._fp32_param = chainer.Parameter(master, name=param.name)
-        else:
-            master = rule._fp32_param.array if rule._fp32_param is not None \
-                else param.array.astype(numpy.float32)
-            serializer(key, master)
-    return absent
 
 
 def _set_loss_scale(optimizer, scaler, changes):

@@ -52,7 +52,7 @@ def any_nonfinite(grads):
     grads = [g for g in grads if g is not None]
     if not grads:
         return False
-    if all(isinstance(g, numpy.ndarray) for g in grads):
+    if all(isinstance(g, (numpy.ndarray, numpy.generic)) for g in grads):    # 0-d: a scalar
         return any(_nonfinite_cpu(g) for g in grads)
     return _any_nonfinite_gpu(grads)
 
