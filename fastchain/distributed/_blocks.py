@@ -243,7 +243,7 @@ class BlockMomentum(Learner):
                 if chainer.backend.get_array_module(value) is xp:
                     value[...] = xp.asarray(saved)
                 else:       # a fresh optimizer loaded its state on the host
-                    states[key] = xp.asarray(saved)
+                    states[key] = xp.array(saved)
         for name, value in self._persistents():
             value[...] = xp.asarray(state['persistent' + name])
 
@@ -270,9 +270,10 @@ class BlockMomentum(Learner):
     def _apply_shared_state(self, state):
         xp = self._xp()
         dtypes = [_dtype(w) for w in self._weights()]
-        self.global_model = [xp.asarray(state[self.names[id(p)]][0], t)
+        # copies: an in-memory snapshot's arrays must not be trained in place
+        self.global_model = [xp.array(state[self.names[id(p)]][0], t)
                              for p, t in zip(self.params, dtypes)]
-        self.delta = [xp.asarray(state[self.names[id(p)]][1], t)
+        self.delta = [xp.array(state[self.names[id(p)]][1], t)
                       for p, t in zip(self.params, dtypes)]
 
 

@@ -282,21 +282,24 @@ def _attach(optimizer, comm, options, broadcast=True):
 
 def _serialize_learner(learner, next_, serializer):
     next_(serializer)
-    section = serializer[_learners.SERIAL_KEY]
     if isinstance(serializer, chainer.serializer.Deserializer):
+        # A snapshot written before learners were saved, or by another
+        # learner: nothing of this one's is in it (npz raises KeyError, HDF5
+        # ValueError, a non-strict load gives None). A key missing further in
+        # is the learner's to name, not taken for this.
         try:
-            section('samples', 0)
-        except KeyError:
-            # A snapshot written before learners were saved, or by another
-            # learner: nothing of this one's is in it. (A key missing
-            # further in is the learner's to name, not taken for this.)
+            section = serializer[_learners.SERIAL_KEY]
+            present = section('samples', None) is not None
+        except (KeyError, ValueError):
+            present = False
+        if not present:
             if learner.per_rank_state or learner.distributed_after:
                 raise ValueError(
                     'this snapshot holds no state of the {} learner (it was written with '
                     'another learner or an older fastchain); resume it with the learner it '
-                    'was written with'.format(learner.name)) from None
+                    'was written with'.format(learner.name))
             return
-    learner.serialize(section)
+    learner.serialize(serializer[_learners.SERIAL_KEY])
 
 
 def make_learner(spec):

@@ -200,10 +200,10 @@ class QuantizedSGD(Learner):
     A step with a non-finite gradient on any rank (an fp16 overflow) is
     averaged exactly instead, the residuals untouched, so the loss
     scaler sees the overflow on every rank and skips the step everywhere.
-    So is a step whose 16-bit encoding overflows on any rank (a value
-    beyond float16's 65504, in an fp32 model), with a warning: it is
-    counted in ``fallback_steps``, and lower bits (whose levels follow each
-    row's range) do not overflow.
+    So is a step whose encoding overflows on any rank (a value beyond
+    float16's 65504 at 16 bits, in an fp32 model; at any bits, a float64
+    gradient beyond float32 or a row whose levels overflow float32), with a
+    warning: it is counted in ``fallback_steps``.
     """
 
     name = 'quantized'
@@ -253,13 +253,17 @@ class QuantizedSGD(Learner):
         bad = _any_nonfinite(grads)
         overflow = False
         if not bad:
-            values = [g.astype(xp.float32) + (r if ratio is None else r * ratio)
-                      for g, r in zip(grads, residuals)]
-            codes, levels = self.encoding.encode(values)
-            # fp16 codes hold finite values up to 65504 only
-            overflow = self.bits == 16 and _any_nonfinite([codes.view(xp.float16)])
+            with numpy.errstate(over='ignore', invalid='ignore'):     # checked below
+                values = [g.astype(xp.float32) + (r if ratio is None else r * ratio)
+                          for g, r in zip(grads, residuals)]
+                codes, levels = self.encoding.encode(values)
+                own = self.encoding.decode(codes, levels)   # what every peer will decode
+            # Finite gradients the encoding cannot hold: fp16 codes beyond
+            # 65504, a float64 gradient beyond float32, a row whose levels
+            # overflow float32 (its sum, its range).
+            overflow = _any_nonfinite(values + [own])
             if overflow:
-                self._warn_once('overflow', _FP16_OVERFLOW)
+                self._warn_once('overflow', _overflow_message(self.bits))
         if self.comm.any(bad or overflow, 'non-finite gradient agreement'):
             # averaged exactly, the residuals untouched: an overflowing
             # gradient makes the loss scaler skip the step on every rank
@@ -270,16 +274,14 @@ class QuantizedSGD(Learner):
             for r in residuals:
                 r *= ratio
         self._scale = scale
-        own = None
         if self.error_feedback:       # the new residuals, kept if the step is finite
-            own = self.encoding.decode(codes, levels)
             fresh = [v - q for v, q in zip(values, self.encoding.split(own))]
         all_codes = self.comm.allgather(codes, 'quantized gradient exchange (codes)')
         all_levels = self.comm.allgather(levels, 'quantized gradient exchange (levels)') \
             if levels.size else [levels] * self.comm.size
 
         def decoded(rank, out=None):    # this rank's own: decoded above already
-            if own is not None and rank == self.comm.rank:
+            if rank == self.comm.rank:
                 return own
             return self.encoding.decode(all_codes[rank], all_levels[rank], out=out)
         total = decoded(0)
@@ -312,7 +314,8 @@ class QuantizedSGD(Learner):
 
     def _apply_local_state(self, state):
         xp = self._xp()
-        self.residuals = [xp.asarray(state[self._key(p)], xp.float32) for p in self.params]
+        # copies: an in-memory snapshot's arrays must not be trained in place
+        self.residuals = [xp.array(state[self._key(p)], xp.float32) for p in self.params]
 
     def _foreign(self, state):
         return {k: numpy.zeros_like(v) for k, v in state.items()}
@@ -323,8 +326,12 @@ class QuantizedSGD(Learner):
         self.fallback_steps = int(serializer('fallback_steps', self.fallback_steps))
 
 
-_FP16_OVERFLOW = (
-    'fastchain: QuantizedSGD(16) met a gradient (plus residual) beyond float16\'s range '
-    '(65504), which its encoding cannot hold: the step is averaged exactly instead (counted '
-    'in fallback_steps). Fix: use QuantizedSGD(8), whose levels follow each row\'s range, '
-    'or scale the loss down')
+def _overflow_message(bits):
+    what, fix = (
+        "beyond float16's range (65504)",
+        "use QuantizedSGD(8), whose levels follow each row's range, or scale the loss down") \
+        if bits == 16 else ('whose levels overflow float32 (a row\'s sum or range beyond '
+                            '3.4e38)', 'scale the loss down')
+    return ('fastchain: QuantizedSGD({}) met a gradient (plus residual) {}, which its '
+            'encoding cannot hold: the step is averaged exactly instead (counted in '
+            'fallback_steps). Fix: {}'.format(bits, what, fix))

@@ -117,6 +117,37 @@ def test_error_feedback_applies_the_true_gradient_sum_less_the_residual(
     assert learner.report()['bytes_sent'] == 0      # one rank sends nothing
 
 
+@pytest.mark.parametrize('bits, dtype, values', [
+    (16, numpy.float32, [1e5]),                 # beyond float16's 65504
+    (1, numpy.float32, [1e37] * 40),            # the row's sum beyond float32
+    (8, numpy.float32, [2e38, -2e38]),          # the row's range beyond float32
+    (2, numpy.float64, [1e39, 1.0]),            # a float64 gradient beyond float32
+])
+def test_finite_gradients_the_encoding_cannot_hold_are_averaged_exactly(bits, dtype, values):
+    # (a fuzzer: the weights became inf or NaN, nothing said)
+    class Link(chainer.Link):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.p0 = chainer.Parameter(numpy.ones((1, len(values)), dtype))
+                self.p1 = chainer.Parameter(numpy.ones((3, 2), dtype))
+    link = Link()
+    opt = chainer.optimizers.SGD(lr=1e-40 if dtype == numpy.float64 else 1e-30)
+    distributed.create_multi_node_optimizer(
+        opt, OneRank(), learner=distributed.QuantizedSGD(bits)).setup(link)
+    learner = distributed.learner_of(opt)
+    grads = [numpy.array([values], dtype), numpy.full((3, 2), 0.5, dtype)]
+    expect = [p.array - dtype(opt.lr) * g for p, g in zip((link.p0, link.p1), grads)]
+    link.p0.grad, link.p1.grad = grads[0].copy(), grads[1].copy()
+    with pytest.warns(UserWarning, match=r'QuantizedSGD\({}\) met a gradient'.format(bits)):
+        opt.update()
+    for p, e in zip((link.p0, link.p1), expect):
+        assert numpy.isfinite(p.array).all()
+        numpy.testing.assert_array_equal(p.array, e)        # one rank: exact is the gradient
+    assert learner.fallback_steps == 1
+    assert not any(r.any() for r in learner.residuals)      # nothing owed
+
+
 def test_without_error_feedback_the_residual_stays_zero_and_the_error_is_lost():
     link = Params([(4, 6)])
     opt = chainer.optimizers.SGD(lr=1.0)
@@ -376,6 +407,60 @@ def test_a_snapshot_without_the_learners_state_says_so_and_a_missing_key_is_name
     with pytest.raises(KeyError, match='global/predictor/l2/W'):
         chainer.serializers.load_npz(str(tmp_path / 'cut.npz'),
                                      make(distributed.BlockMomentum(8)))
+
+
+@pytest.mark.parametrize('how', ['hdf5', 'npz, not strict'])
+def test_a_snapshot_without_the_learners_section_says_so_in_every_format(how, tmp_path):
+    # HDF5 says a missing group with ValueError, a non-strict npz with None:
+    # Chainer's raw error, and 'the state of 0 ranks: mpiexec -n 0' (a fuzzer)
+    def make(learner):
+        numpy.random.seed(3)
+        model = L.Classifier(MLP())
+        opt = chainer.optimizers.SGD(0.1)
+        if learner is not None:
+            distributed.create_multi_node_optimizer(opt, OneRank(), learner=learner)
+        return opt.setup(model)
+    save, load = {'hdf5': (chainer.serializers.save_hdf5, chainer.serializers.load_hdf5),
+                  'npz, not strict': (
+                      chainer.serializers.save_npz,
+                      lambda f, o: chainer.serializers.load_npz(f, o, strict=False))}[how]
+    path = str(tmp_path / 'plain')
+    save(path, make(None))
+    load(path, make(distributed.AllReduce()))         # the default learner has nothing to load
+    with pytest.raises(ValueError, match='holds no state of the block momentum learner'):
+        load(path, make(distributed.BlockMomentum(8)))
+    save(path + '.bmuf', make(distributed.BlockMomentum(8)))
+    load(path + '.bmuf', make(distributed.BlockMomentum(8)))
+
+
+@pytest.mark.parametrize('learner', [lambda: distributed.BlockMomentum(4),
+                                     lambda: distributed.QuantizedSGD(2)])
+def test_training_after_a_resume_from_memory_leaves_the_snapshot_as_it_was(learner):
+    # the loaded arrays were the learner's W, D and residuals: training
+    # changed the snapshot under the script (a fuzzer)
+    def make():
+        numpy.random.seed(3)
+        model = L.Classifier(MLP())
+        opt = chainer.optimizers.MomentumSGD(0.1)
+        distributed.create_multi_node_optimizer(opt, OneRank(), learner=learner())
+        return model, opt.setup(model)
+    rng = numpy.random.RandomState(7)
+    batches = [(rng.randn(4, 5).astype(numpy.float32), rng.randint(0, 3, 4).astype(numpy.int32))
+               for _ in range(6)]
+    model, opt = make()
+    for x, t in batches[:3]:
+        opt.update(model, x, t)
+    saved = chainer.serializers.DictionarySerializer()
+    saved.save(opt)
+    kept = {k: numpy.array(v, copy=True) for k, v in saved.target.items()}
+    assert any('fastchain_learner' in k and numpy.asarray(v).size > 1 for k, v in kept.items())
+    model2, opt2 = make()
+    chainer.serializers.NpzDeserializer(saved.target).load(opt2)
+    for x, t in batches[3:]:
+        opt2.update(model2, x, t)
+    for k, v in kept.items():
+        if 'fastchain_learner' in k:    # (Chainer's own rules keep the loaded state arrays)
+            numpy.testing.assert_array_equal(saved.target[k], v, err_msg=k)
 
 
 def test_multi_node_snapshot_refuses_autoload_which_would_load_on_rank_0_only():
