@@ -380,18 +380,23 @@ def test_a_report_without_counted_samples_has_no_bytes_per_sample():
     assert distributed.learner_of(opt).report()['bytes_per_sample'] == 0.0   # one rank
 
 
+def sgd_on_mlp(learner, steps=3):
+    """An SGD optimizer on the MLP (data-parallel with ``learner`` on one
+    rank, unless None), after ``steps`` updates."""
+    numpy.random.seed(3)
+    model = L.Classifier(MLP())
+    opt = chainer.optimizers.SGD(0.1)
+    if learner is not None:
+        distributed.create_multi_node_optimizer(opt, OneRank(), learner=learner)
+    opt.setup(model)
+    x, t = numpy.ones((4, 5), numpy.float32), numpy.zeros(4, numpy.int32)
+    for _ in range(steps):
+        opt.update(model, x, t)
+    return opt
+
+
 def test_a_snapshot_without_the_learners_state_says_so_and_a_missing_key_is_named(tmp_path):
-    def make(learner):
-        numpy.random.seed(3)
-        model = L.Classifier(MLP())
-        opt = chainer.optimizers.SGD(0.1)
-        if learner is not None:
-            distributed.create_multi_node_optimizer(opt, OneRank(), learner=learner)
-        opt.setup(model)
-        x, t = numpy.ones((4, 5), numpy.float32), numpy.zeros(4, numpy.int32)
-        for _ in range(3):
-            opt.update(model, x, t)
-        return opt
+    make = sgd_on_mlp
     chainer.serializers.save_npz(str(tmp_path / 'plain.npz'), make(None))
     with pytest.raises(ValueError, match='holds no state of the block momentum learner'):
         chainer.serializers.load_npz(str(tmp_path / 'plain.npz'),
@@ -413,13 +418,7 @@ def test_a_snapshot_without_the_learners_state_says_so_and_a_missing_key_is_name
 def test_a_snapshot_without_the_learners_section_says_so_in_every_format(how, tmp_path):
     # HDF5 says a missing group with ValueError, a non-strict npz with None:
     # Chainer's raw error, and 'the state of 0 ranks: mpiexec -n 0' (a fuzzer)
-    def make(learner):
-        numpy.random.seed(3)
-        model = L.Classifier(MLP())
-        opt = chainer.optimizers.SGD(0.1)
-        if learner is not None:
-            distributed.create_multi_node_optimizer(opt, OneRank(), learner=learner)
-        return opt.setup(model)
+    make = sgd_on_mlp
     save, load = {'hdf5': (chainer.serializers.save_hdf5, chainer.serializers.load_hdf5),
                   'npz, not strict': (
                       chainer.serializers.save_npz,
