@@ -71,3 +71,35 @@ def chainer_names(given):
     if given:
         raise TypeError('MultiprocessIterator() got unexpected keyword argument(s) {}'.format(
             ', '.join(sorted(given))))
+
+
+class FixedBatchSize:
+    """``batch_size`` of an iterator that lays out its batches ahead (the
+    schedule, the workers' shared memory, the batches in flight): set once;
+    another value later is refused, naming the fix. (Chainer's iterators
+    take a new batch size at the next batch; the loader ignored it and read
+    back the new value, a review found.)"""
+
+    def __get__(self, iterator, owner=None):
+        return self if iterator is None else iterator.__dict__['_batch_size']
+
+    def __set__(self, iterator, value):
+        old = iterator.__dict__.get('_batch_size')
+        if old is not None and value != old:
+            raise ValueError(
+                "fastchain's loader lays out its batches ahead at batch_size {}, and cannot "
+                'change it to {!r} mid-run. Fix: make a new iterator (and updater) with the '
+                'new batch size, or keep Chainer\'s iterator for this script: '
+                'fastchain.enable(..., loader_workers=0)'.format(old, value))
+        iterator.__dict__['_batch_size'] = value
+
+
+def check_same_length(iterator, n):
+    """The dataset still has the ``n`` examples the loader was made for."""
+    if len(iterator.dataset) != n:
+        raise ValueError(
+            "the dataset has {} examples now, and fastchain's loader was made for {}: its "
+            'workers hold the dataset as it was when they started, as Chainer\'s '
+            'MultiprocessIterator\'s do. Fix: make a new iterator (and updater) after changing '
+            'the dataset, or keep Chainer\'s SerialIterator for this script: '
+            'fastchain.enable(..., loader_workers=0)'.format(len(iterator.dataset), n))

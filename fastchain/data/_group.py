@@ -3,6 +3,8 @@
 import functools
 import weakref
 
+import numpy
+
 from fastchain.config import _patches
 from fastchain.config._options import Group, Option, State, boolean
 from fastchain.data._draws import DRAWS_RANDOM
@@ -146,8 +148,8 @@ def _draws_random(iterator):
     if not len(iterator.dataset):
         return []
     order = iterator._state.order
-    index = int(order[iterator.current_position % len(order)]) if order is not None \
-        else iterator.current_position % len(iterator.dataset)
+    index = numpy.intp(order[iterator.current_position % len(order)] if order is not None
+                       else iterator.current_position % len(iterator.dataset))
     with KeptGenerators(find(iterator.dataset)) as kept:
         try:
             iterator.dataset[index]
@@ -157,6 +159,21 @@ def _draws_random(iterator):
         for path, generator in seeded_per_example(lambda: iterator.dataset[index], kept.own_drew):
             kept.drew.remove(own_name(path, generator))
     return kept.drew
+
+
+def converts_alike_ahead(converter):
+    """Whether ``converter`` gives the same arrays, and the run the same
+    random numbers, converting a batch ahead in the prefetch thread:
+    Chainer's ``concat_examples`` (also through ``functools.partial``, with
+    its own arguments) and fastchain's :class:`ImageConverter`. A script's
+    own converter runs in the training loop, as in Chainer: one that draws
+    random numbers (mixup, noise) or counts its calls would otherwise draw
+    ahead, between the model's draws, and for batches never used."""
+    from chainer.dataset import convert
+    from fastchain.data._prefetch import ImageConverter
+    if isinstance(converter, functools.partial):
+        converter = converter.func
+    return converter is convert.concat_examples or type(converter) is ImageConverter
 
 
 def in_memory(dataset):
@@ -255,7 +272,8 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
         main.tune_workers()     # with autotune: how many of them load
     _DONE[updater] = ('loading', main)
     if prefetch:
-        main = DevicePrefetcher(main, updater.converter, updater.input_device)
+        main = DevicePrefetcher(main, updater.converter, updater.input_device,
+                                convert_ahead=converts_alike_ahead(updater.converter))
         updater.converter = main.converter
     follow(updater._iterators['main'], main, updater, prefetch)  # the script's object follows it
     updater._iterators['main'] = main

@@ -4,10 +4,12 @@ import numpy
 import chainer
 from chainer.dataset import iterator as iterator_module
 
+from fastchain import _node
 from fastchain.data import _follow, _workers
 from fastchain.data._draws import KeptGenerators, say_draws
 from fastchain.data._generators import find as find_generators, seed_example
-from fastchain.data._errors import DataLoadError, _whole, check_args, chainer_names
+from fastchain.data._errors import (DataLoadError, FixedBatchSize, _whole, check_args,
+                                    chainer_names, check_same_length)
 from fastchain.data._pool import WorkerPool
 from fastchain.data._schedule import Schedule, order_source, seed_from_global_rng
 
@@ -15,8 +17,7 @@ SIZING_TRIES = 16   # examples tried, in order, for one to lay out the shared me
 
 
 def available_cores():
-    from fastchain._node import own_cores
-    return len(own_cores())
+    return len(_node.own_cores())
 
 
 class MultiprocessIterator(iterator_module.Iterator):
@@ -65,14 +66,12 @@ class MultiprocessIterator(iterator_module.Iterator):
             is left out of its batch and listed in :attr:`skipped` (each
             :meth:`next` reports ``skipped_examples`` to Chainer's reporter:
             how many the batches it took left out, so LogReport's mean of it
-            times the iterations is the count); a batch
-            none of whose examples loads is left out as well (the next is
-            taken, so the epoch ends a batch earlier: in a data-parallel job
-            trigger what makes collective calls by iteration, not epoch; after
-            a whole epoch's worth of examples none of which loads,
-            :class:`DataLoadError`). Either
-            way this happens in :meth:`next`, for the batch the example is
-            in, with or without workers.
+            times the iterations is the count); a batch none of whose examples
+            loads is left out as well (the next is taken, so the epoch ends a
+            batch earlier: in a data-parallel job trigger what makes collective
+            calls by iteration, not epoch; after a whole epoch's worth of
+            examples none of which loads, :class:`DataLoadError`). Either way
+            this happens in :meth:`next`, for the batch the example is in.
         shared_memory (bool): pass arrays through /dev/shm (default) or
             pickle them through pipes.
         timeout (float): seconds to wait for one batch before raising
@@ -89,8 +88,12 @@ class MultiprocessIterator(iterator_module.Iterator):
             here.
         warn_draws (bool): warn (once) at the first example a worker loads
             that draws random numbers (below), naming the generators; set by
-            ``fastchain.enable`` where it takes a SerialIterator's place
-            (under ``-W error`` that batch is lost to the error).
+            ``fastchain.enable`` where it takes a SerialIterator's place.
+
+    .. note::
+       The batch size and the dataset's length are fixed (changing either is
+       refused, naming the fix); the workers hold the dataset as it was when
+       they started (as Chainer's MultiprocessIterator's do).
 
     .. note::
        With workers and shared memory, the first examples of the order are
@@ -112,6 +115,7 @@ class MultiprocessIterator(iterator_module.Iterator):
 
     _pool = None
     _drew = None
+    batch_size = FixedBatchSize()
 
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None, seed=None,
                  n_workers=None, prefetch=None, on_error='raise',
@@ -157,6 +161,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         # converted); the epoch counters cover every batch taken.
         before, at_start, tried = self.epoch_detail, self.epoch, 0
         skipped_before = len(self.skipped)
+        check_same_length(self, self._schedule.n)
         if self._pool is not None and self._worker_tuner is not None:
             self._worker_tuner.step(self._pool)         # once a step
         while True:
@@ -317,15 +322,10 @@ class MultiprocessIterator(iterator_module.Iterator):
             pool.seek(self.epoch, self.current_position)
 
     def tune_workers(self):
-        """Let autotune choose how many of the workers load (all of them, or a
-        power of two below, measured over whole steps; :mod:`fastchain.data._tune`): the
-        batches and their order are the same whatever it picks."""
-        from fastchain.data._tune import WorkerTuner
-        if self._pool is None or self.n_workers < 2:
-            return
-        key = (type(self.dataset).__name__, len(self.dataset), self.batch_size, self.n_workers)
-        self._worker_tuner = WorkerTuner(key, self.n_workers, self.prefetch, (
-            'loader of {} ({} examples, batch {}) with up to {} workers'.format(*key)))
+        """Let autotune choose how many of the workers load (:mod:`fastchain.data._tune`):
+        the batches and their order are the same whatever it picks."""
+        from fastchain.data._tune import tuner_for
+        self._worker_tuner = tuner_for(self) or self._worker_tuner
 
     # -- loading -------------------------------------------------------------
 
@@ -337,7 +337,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         with KeptGenerators(self._own):     # an example may draw from them
             for index in self._schedule.order(self.epoch)[:SIZING_TRIES]:
                 try:
-                    return self.dataset[int(index)]
+                    return self.dataset[numpy.intp(index)]
                 except Exception as e:
                     first = first or (int(index), e)
         index, error = first
@@ -378,7 +378,7 @@ class MultiprocessIterator(iterator_module.Iterator):
             if seed is not None:
                 seed_example(seed, self._own)
             try:
-                batch.append(self.dataset[index])
+                batch.append(self.dataset[numpy.intp(index)])     # Chainer's index type
             except Exception as e:
                 kind, message, path = _workers.describe_error(e)
                 self._on_bad_example(index, kind, message, path, '')

@@ -14,7 +14,6 @@ draws it) is fetched and converted by the training loop's own call, at the
 moment SerialIterator would fetch it; the thread then starts again after it.
 """
 
-import contextlib
 import queue
 import threading
 
@@ -25,6 +24,7 @@ from chainer.dataset import convert
 from chainer.dataset import iterator as iterator_module
 
 from fastchain.data import _follow
+from fastchain.data._edge import cuda_edge as _cuda_edge
 from fastchain.data._transforms import Normalize
 
 _END = object()
@@ -53,7 +53,7 @@ class _Passthrough(convert.Converter):
         self.edge = edge
 
     def __call__(self, batch, device=None):
-        if isinstance(batch, PreparedBatch):
+        if isinstance(batch, PreparedBatch) and batch.arrays is not None:
             if batch.event is not None:     # CUDA: the copy must be done
                 self.edge.consume(batch)
             return batch.arrays
@@ -76,6 +76,13 @@ class DevicePrefetcher(iterator_module.Iterator):
         converter: the converter to run ahead (default ``concat_examples``).
         device: where the arrays go (default: the current device).
         depth (int): batches prepared ahead, >= 1 (default 1).
+        convert_ahead (bool): run the converter ahead, in the prefetch
+            thread (default); False: only the batches are fetched ahead and
+            the converter runs in the training loop, as in Chainer (for a
+            converter that draws random numbers or keeps state: ahead, its
+            draws would interleave with the model's otherwise). The thread
+            sees the training thread's ``chainer.config`` as it was when it
+            started.
 
     Attributes:
         skipped (list): with an iterator that skips bad examples, the ones
@@ -93,7 +100,7 @@ class DevicePrefetcher(iterator_module.Iterator):
     """
 
     def __init__(self, iterator, converter=convert.concat_examples, device=None,
-                 depth=1):
+                 depth=1, convert_ahead=True):
         if not self.can_wrap(iterator):
             raise TypeError(
                 'DevicePrefetcher needs an iterator with next(), serialize(), reset() '
@@ -114,7 +121,7 @@ class DevicePrefetcher(iterator_module.Iterator):
         self.converter = _Passthrough(converter, self._edge)
         self._convert = converter
         self.depth = depth
-        self.batch_size = iterator.batch_size
+        self.convert_ahead = bool(convert_ahead)
         # what the batches taken left out (an iterator skipping bad examples
         # also lists those of batches fetched ahead and given back)
         self.skipped = []
@@ -137,6 +144,14 @@ class DevicePrefetcher(iterator_module.Iterator):
         return all(callable(getattr(iterator, name, None))
                    for name in ('next', 'serialize', 'reset', 'seek'))
 
+    @property
+    def batch_size(self):
+        return self.iterator.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value):
+        self.iterator.batch_size = value        # (fastchain's refuses another)
+
     def _copy_state(self, state=None):
         state = state or _state_of(self.iterator)
         (self.epoch, self.current_position, self.is_new_epoch,
@@ -149,6 +164,8 @@ class DevicePrefetcher(iterator_module.Iterator):
         self._thread = None
         if not self._may_fetch_ahead():
             return
+        # chainer.config is per thread: the thread starts with this one's
+        self._config = dict(vars(chainer.config._local))
         self._thread = threading.Thread(target=self._run, name='fastchain-prefetch', daemon=True)
         self._thread.start()
 
@@ -159,6 +176,7 @@ class DevicePrefetcher(iterator_module.Iterator):
     def _run(self):
         it = self.iterator
         edge = self._edge
+        vars(chainer.config._local).update(self._config)
         try:
             while not self._stop.is_set():
                 if not self._may_fetch_ahead():
@@ -171,10 +189,11 @@ class DevicePrefetcher(iterator_module.Iterator):
                     self._put(_END)
                     return
                 skipped = _left_out(it, skipped)
-                with edge() as done:
-                    batch.arrays = convert._call_converter(self._convert, batch,
-                                                           self.device)
-                batch.event = done.event
+                if self.convert_ahead:
+                    with edge() as done:
+                        batch.arrays = convert._call_converter(self._convert, batch,
+                                                               self.device)
+                    batch.event = done.event
                 # Chainer's reporter is per thread: what the iterator reported
                 # here is reported again where the batch is taken
                 if not self._put((batch, _state_of(it), skipped)):
@@ -191,7 +210,8 @@ class DevicePrefetcher(iterator_module.Iterator):
             batch = PreparedBatch.of(it.next())
         except StopIteration:
             return _END         # (and again at the next call)
-        batch.arrays = convert._call_converter(self._convert, batch, self.device)
+        if self.convert_ahead:
+            batch.arrays = convert._call_converter(self._convert, batch, self.device)
         item = batch, _state_of(it), _left_out(it, skipped)
         self._start()
         return item
@@ -303,78 +323,6 @@ def _left_out(it, before):
 def _state_of(it):
     return (it.epoch, it.current_position, it.is_new_epoch, it.epoch_detail,
             it.previous_epoch_detail)
-
-
-@contextlib.contextmanager
-def _no_edge():
-    yield _Done()
-
-
-class _Done:
-    event = None
-
-
-def _cuda_edge(device):
-    """The GPU edge for ``device``, or a no-op one on the CPU."""
-    if device is None or device.xp is numpy or device.xp is not _cupy():
-        return _no_edge
-    import cupy
-    return CudaEdge(cupy, device.device.id)
-
-
-class CudaEdge:
-    """A prefetcher's GPU edge (not run on a GPU yet: tested with a stand-in).
-
-    - The copies run on a side stream made on the target device (each
-      data-parallel rank has its own, ``@cupy:<local rank>``), under that
-      device, and each batch's copy ends with an event that the training
-      stream waits on before using the arrays (:meth:`consume`).
-    - A batch's memory comes from CuPy's pool for the side stream, so once
-      freed it goes to the next copy with no ordering against the steps that
-      read it. So the arrays of each batch handed out are held here until the
-      side stream has waited on an event of the training stream recorded
-      after that batch's step was enqueued: when batch k is consumed, an
-      event is recorded (step k-1 is enqueued by then) and batch k-1 is
-      retired with it; before its next copy, the side stream waits on the
-      newest retirement event and only then lets go of those arrays.
-    """
-
-    def __init__(self, cupy, device_id):
-        self.cupy = cupy
-        self.device_id = device_id
-        with cupy.cuda.Device(device_id):
-            self.stream = cupy.cuda.Stream(non_blocking=True)
-        self._held = None           # the arrays of the batch in use
-        self._retired = []          # (event, arrays) the side stream has not waited on
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def __call__(self):
-        """In the prefetch thread: convert and copy one batch."""
-        done = _Done()
-        with self.cupy.cuda.Device(self.device_id), self.stream:
-            with self._lock:
-                retired, self._retired = self._retired, []
-            if retired:
-                self.stream.wait_event(retired[-1][0])
-            del retired                 # their memory may be reused from here on
-            yield done
-            done.event = self.stream.record()
-
-    def consume(self, batch):
-        """In the training loop, on its stream: wait for ``batch``'s copy."""
-        stream = self.cupy.cuda.get_current_stream()
-        stream.wait_event(batch.event)
-        event = stream.record()
-        with self._lock:
-            if self._held is not None:
-                self._retired.append((event, self._held))
-            self._held = batch.arrays
-
-
-def _cupy():
-    from chainer.backends import cuda
-    return cuda.cupy if cuda.available else None
 
 
 class ImageConverter(convert.Converter):

@@ -75,3 +75,14 @@ class WorkerTuner:
         pool.depth = int(self.depth_turns.step(
             'loader_prefetch', self.key + (active,), names,
             lambda: '{}, {} loading: batches in flight'.format(self.label, active)))
+
+
+def tuner_for(iterator):
+    """A tuner of how many of ``iterator``'s workers load (all of them, or a
+    power of two below, measured over whole steps), or None without two."""
+    if iterator._pool is None or iterator.n_workers < 2:
+        return None
+    key = (type(iterator.dataset).__name__, len(iterator.dataset), iterator.batch_size,
+           iterator.n_workers)
+    return WorkerTuner(key, iterator.n_workers, iterator.prefetch, (
+        'loader of {} ({} examples, batch {}) with up to {} workers'.format(*key)))

@@ -212,7 +212,7 @@ def _load(dataset, task, shm, layout, own=(), watch=None):
         else:
             seed_example(seed, own)
         try:
-            example = dataset[index]
+            example = dataset[numpy.intp(index)]     # Chainer's index type
         except Exception as e:
             kind, message, path = describe_error(e)
             errors.append((j, int(index), kind, message, path,
@@ -220,7 +220,7 @@ def _load(dataset, task, shm, layout, own=(), watch=None):
             continue
         if watching and drew is None:
             try:
-                names = watch.drew(lambda: dataset[index])
+                names = watch.drew(lambda: dataset[numpy.intp(index)])
             except Exception:
                 names = []      # (the example loaded: what the watch cannot tell is let be)
             drew = (int(index), names) if names else None

@@ -666,3 +666,27 @@ def test_a_worker_that_stops_answering_is_not_said_to_have_exited():
     how, why = _pool._death(None)           # its pipe closed, the process still running
     assert 'still running' in how and 'sys.exit' not in why
     assert 'SIGTERM' in _pool._death(-15)[0] and 'run out of memory' in _pool._death(-9)[1]
+
+
+class IndexTypes(chainer.dataset.DatasetMixin):
+    """Each example is the type of the index it was given, and a value
+    computed with it (NEP 50: float64 for NumPy's int64, float32 for an int)."""
+
+    def __len__(self):
+        return 10
+
+    def get_example(self, i):
+        return (numpy.float32(1 / 7) + i * 0.1).astype(numpy.float32), type(i).__name__
+
+
+@pytest.mark.parametrize('workers', [0, 1])
+def test_the_dataset_gets_the_index_type_chainers_iterators_give(workers):
+    # (a review: a Python int, where Chainer's iterators pass numpy.int64)
+    expected = chainer.iterators.SerialIterator(IndexTypes(), 4, shuffle=False)
+    it = data.MultiprocessIterator(IndexTypes(), 4, shuffle=False, n_workers=workers)
+    try:
+        for _ in range(4):
+            assert [(x.tobytes(), kind) for x, kind in it.next()] == \
+                [(x.tobytes(), kind) for x, kind in expected.next()]
+    finally:
+        it.finalize()

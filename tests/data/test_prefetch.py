@@ -302,7 +302,8 @@ class _Arrays:
 
 def test_the_gpu_edge_copies_on_the_target_device_and_frees_no_batch_early():
     import weakref
-    from fastchain.data._prefetch import CudaEdge, PreparedBatch
+    from fastchain.data._edge import CudaEdge
+    from fastchain.data._prefetch import PreparedBatch
     fake = _FakeCuda()
     edge = CudaEdge(fake, 1)            # made where device 0 is current
     assert edge.stream.device == 1      # ... but the stream belongs to device 1
