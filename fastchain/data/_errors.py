@@ -81,7 +81,12 @@ class FixedBatchSize:
     back the new value, a review found.)"""
 
     def __get__(self, iterator, owner=None):
-        return self if iterator is None else iterator.__dict__['_batch_size']
+        if iterator is None:
+            return self
+        try:
+            return iterator.__dict__['_batch_size']
+        except KeyError:        # (not set yet: hasattr() says no)
+            raise AttributeError('batch_size') from None
 
     def __set__(self, iterator, value):
         old = iterator.__dict__.get('_batch_size')
@@ -89,8 +94,8 @@ class FixedBatchSize:
             raise ValueError(
                 "fastchain's loader lays out its batches ahead at batch_size {}, and cannot "
                 'change it to {!r} mid-run. Fix: make a new iterator (and updater) with the '
-                'new batch size, or keep Chainer\'s iterator for this script: '
-                'fastchain.enable(..., loader_workers=0)'.format(old, value))
+                "new batch size, or use Chainer's SerialIterator, which takes a new one (under "
+                'fastchain.enable(), loader_workers=0 keeps it)'.format(old, value))
         iterator.__dict__['_batch_size'] = value
 
 
@@ -98,8 +103,9 @@ def check_same_length(iterator, n):
     """The dataset still has the ``n`` examples the loader was made for."""
     if len(iterator.dataset) != n:
         raise ValueError(
-            "the dataset has {} examples now, and fastchain's loader was made for {}: its "
-            'workers hold the dataset as it was when they started, as Chainer\'s '
-            'MultiprocessIterator\'s do. Fix: make a new iterator (and updater) after changing '
-            'the dataset, or keep Chainer\'s SerialIterator for this script: '
-            'fastchain.enable(..., loader_workers=0)'.format(len(iterator.dataset), n))
+            "the dataset has {} examples now, and fastchain's loader was made for {} (it "
+            'lays out its epochs ahead, and its workers hold the dataset as it was when they '
+            "started, as Chainer's MultiprocessIterator's do). Fix: make a new iterator (and "
+            "updater) after changing the dataset, or use Chainer's SerialIterator, which "
+            'follows it (under fastchain.enable(), loader_workers=0 keeps it)'.format(
+                len(iterator.dataset), n))

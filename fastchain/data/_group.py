@@ -168,12 +168,14 @@ def converts_alike_ahead(converter):
     its own arguments) and fastchain's :class:`ImageConverter`. A script's
     own converter runs in the training loop, as in Chainer: one that draws
     random numbers (mixup, noise) or counts its calls would otherwise draw
-    ahead, between the model's draws, and for batches never used."""
+    ahead, between the model's draws, and for batches never used. So does an
+    ImageConverter given a ``normalize`` of the script's own (a jitter)."""
     from chainer.dataset import convert
-    from fastchain.data._prefetch import ImageConverter
+    from fastchain.data._prefetch import ImageConverter, Normalize
     if isinstance(converter, functools.partial):
         converter = converter.func
-    return converter is convert.concat_examples or type(converter) is ImageConverter
+    return converter is convert.concat_examples or (
+        type(converter) is ImageConverter and type(converter.normalize) is Normalize)
 
 
 def in_memory(dataset):

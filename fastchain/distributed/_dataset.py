@@ -67,7 +67,8 @@ def scatter_dataset(dataset, comm, shuffle=False, seed=None, root=0):
     if comm.rank == root:
         for r in range(comm.size):
             if r != root:
-                shard = [dataset[int(i)] for i in order[r * per_rank:(r + 1) * per_rank]]
+                # indexed with NumPy's ints, as the root's SubDataset and Chainer index
+                shard = [dataset[i] for i in order[r * per_rank:(r + 1) * per_rank]]
                 comm.send_obj(shard, r, what='scatter_dataset (shard to rank {})'.format(r))
         start = root * per_rank
         return chainer.datasets.SubDataset(dataset, start, start + per_rank, order=order)

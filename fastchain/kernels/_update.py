@@ -25,6 +25,8 @@ With ``autotune`` the fused kernel is used only for the rule kinds, dtypes
 and sizes where it measured faster than Chainer's (:mod:`fastchain.tune`).
 """
 
+import sys
+
 import numpy
 
 from chainer.optimizers.momentum_sgd import MomentumSGDRule
@@ -33,11 +35,19 @@ from chainer.optimizers.sgd import SGDRule
 from fastchain.config import _patches
 from fastchain.tune import _tuner
 
-# Chainer's own kernels, as imported: the fused one stands in for these only
-# (a kernel patched on the class, by the script or a library, before or after
-# the optimizer's set-up, runs as it is: it was skipped, a review found).
-_CHAINERS = {True: MomentumSGDRule.__dict__['update_core_cpu'],
-             False: SGDRule.__dict__['update_core_cpu']}
+# Chainer's own kernels, known by where they were defined: the fused one
+# stands in for these only. A kernel patched on the class (by the script or a
+# library, before fastchain's import or after the set-up; functools.wraps
+# copies names, not code) runs as it is: it was skipped, a review found.
+_CHAINERS = {True: MomentumSGDRule, False: SGDRule}
+
+
+def _is_chainers(kernel, momentum):
+    code = getattr(kernel, '__code__', None)
+    cls = _CHAINERS[momentum]
+    return code is not None and code.co_name == 'update_core_cpu' and \
+        code.co_filename == sys.modules[cls.__module__].__file__ and \
+        getattr(kernel, '__qualname__', None) == cls.__name__ + '.update_core_cpu'
 
 # Elements per block: 256 KiB of float32 per operand (the best of 2**12 to
 # 2**18 measured on the 2-core development machine).
@@ -76,7 +86,7 @@ def fused_layer(rule, momentum, next_, param):
     """The ``fused_update`` layer of ``rule.update_core_cpu`` (``momentum``:
     it is a MomentumSGD rule)."""
     grad = param.grad
-    if type(rule).update_core_cpu is not _CHAINERS[momentum]:
+    if not _is_chainers(type(rule).update_core_cpu, momentum):
         return next_(param)
     if grad is None:
         return
@@ -129,9 +139,9 @@ def _is_momentum(rule):
 
 def supported(rule):
     """True if ``rule`` is an SGD or MomentumSGD rule using Chainer's CPU kernel."""
-    for momentum, cls in ((True, MomentumSGDRule), (False, SGDRule)):
+    for momentum, cls in _CHAINERS.items():
         if isinstance(rule, cls):
-            return type(rule).update_core_cpu is _CHAINERS[momentum]
+            return _is_chainers(type(rule).update_core_cpu, momentum)
     return False
 
 

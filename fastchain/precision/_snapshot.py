@@ -9,23 +9,25 @@ import chainer
 
 
 def saved_before_first_update(optimizer, serializer):
-    """Loading: the update rules with no state that the snapshot says had
-    none either (saved with ``t == 0``: the scaler skipped every step before
-    it). Chainer's ``UpdateRule.serialize`` looks for their state and raises
-    ``KeyError`` ('W/m is not a file in the archive'); such a rule is to stay
-    as it is, its state made at its first update, as in the run saved."""
+    """Loading: the update rules the snapshot says had no state (saved with
+    ``t == 0``: the scaler skipped every step before it). Chainer's
+    ``UpdateRule.serialize`` looks for their state and raises ``KeyError``
+    ('W/m is not a file in the archive'); such a rule is to be as in the run
+    saved: without state (dropped, where a run going back to the snapshot
+    has made some since), its state made at its first update."""
     if not isinstance(serializer, chainer.serializer.Deserializer):
         return []
     out = []
     for name, param in optimizer.target.namedparams():
         rule = getattr(param, 'update_rule', None)
-        if rule is None or not rule.enabled or rule.state is not None or rule in out:
+        if rule is None or not rule.enabled or rule in out:
             continue
         try:
             t = serializer[name[1:]]('t', None)
         except (KeyError, ValueError):
             continue
         if t is not None and int(t) == 0:
+            rule._state = None
             out.append(rule)
     return out
 

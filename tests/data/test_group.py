@@ -678,3 +678,19 @@ def test_a_new_batch_size_or_dataset_length_mid_run_is_refused_naming_the_fix():
                 updater.update()
     finally:
         updater.finalize()
+
+
+def test_only_converters_known_to_draw_nothing_are_run_ahead():
+    from fastchain.data._group import converts_alike_ahead
+
+    def jitter(x):      # a normalize of the script's own (a review: run ahead)
+        return x + numpy.random.normal(0, 1, x.shape).astype(numpy.float32)
+    concat = chainer.dataset.concat_examples
+    assert converts_alike_ahead(concat)
+    assert converts_alike_ahead(functools.partial(concat, padding=0))
+    assert converts_alike_ahead(data.ImageConverter())
+    assert converts_alike_ahead(data.ImageConverter(data.Normalize(mean=0.0, std=1.0)))
+    assert not converts_alike_ahead(data.ImageConverter(jitter))
+    assert not converts_alike_ahead(noise_converter)
+    assert not converts_alike_ahead(chainer.dataset.converter()(noise_converter))
+    assert not converts_alike_ahead(lambda batch, device=None: concat(batch, device))

@@ -201,3 +201,39 @@ def test_a_kernel_patched_on_chainers_class_runs_as_patched(when, monkeypatch):
     assert any(numpy.abs(expected[n] - clean[n]).max() > 1e-3 for n in clean)   # it clamps
     for name in expected:
         numpy.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_a_kernel_patched_before_fastchain_is_imported_runs_as_patched(tmp_path):
+    # Chainer's kernel was taken to be whatever the class held when the
+    # fused update's module was imported (at enable(), after the script's
+    # own patch at its top): the patch was skipped, 0.65 off (a review)
+    script = tmp_path / 'patched_first.py'
+    script.write_text(
+        'import functools, numpy, chainer, chainer.links as L\n'
+        'from chainer.optimizers.momentum_sgd import MomentumSGDRule\n'
+        'chainers = MomentumSGDRule.update_core_cpu\n'
+        '@functools.wraps(chainers)\n'          # names copied: not Chainer's code
+        'def halving(self, param):\n'
+        '    chainers(self, param)\n'
+        '    param.data *= 0.5\n'
+        'MomentumSGDRule.update_core_cpu = halving\n'
+        'import fastchain\n'
+        'def run(fused):\n'
+        '    numpy.random.seed(0)\n'
+        '    m = L.Linear(3, 2)\n'
+        '    h = fastchain.enable(fused_update=True, loader_workers=0) if fused else None\n'
+        '    opt = chainer.optimizers.MomentumSGD(0.1).setup(m)\n'
+        '    for _ in range(3):\n'
+        '        m.cleargrads()\n'
+        '        chainer.functions.sum(m(numpy.ones((2, 3), "f"))).backward()\n'
+        '        opt.update()\n'
+        '    if h:\n'
+        '        h.disable()\n'
+        '    return m.W.array.tobytes()\n'
+        'assert run(False) == run(True)\n'
+        'print("same")\n')
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and 'same' in r.stdout, r.stderr[-2000:]
