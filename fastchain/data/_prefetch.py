@@ -126,6 +126,7 @@ class DevicePrefetcher(iterator_module.Iterator):
         # also lists those of batches fetched ahead and given back)
         self.skipped = []
         self._finalized = False
+        self._ended = None          # the error the loading stopped at
         self._copy_state()
         self._start()
 
@@ -229,18 +230,31 @@ class DevicePrefetcher(iterator_module.Iterator):
         if self._finalized:
             raise RuntimeError('fastchain: this DevicePrefetcher was finalized; '
                                'make a new one')
+        if self._ended is not None:
+            raise RuntimeError(
+                "fastchain: the loader stopped at the error above ({}: {}) and does not go on "
+                "past it, where Chainer's SerialIterator goes on with the next batch. Fix: "
+                "leave bad examples out with fastchain.data.MultiprocessIterator(..., "
+                "on_error='skip'), or keep Chainer's iterator (under fastchain.enable(), "
+                'loader_workers=0)'.format(type(self._ended).__name__,
+                                           str(self._ended).split('\n')[0])) from self._ended
         item = _HERE if self._thread is None else self._get()
         if item is _HERE:
             if self._thread is not None:
                 self._thread.join()
                 self._thread = None
-            item = self._fetch_here()
+            try:
+                item = self._fetch_here()
+            except Exception as e:
+                self._ended = e
+                raise
         if item is _END:
             if self._thread is not None:
                 self._put(_END)     # keep answering StopIteration
             self.previous_epoch_detail = self.epoch_detail      # as Chainer's iterators say
             raise StopIteration
         if isinstance(item, BaseException):
+            self._ended = item
             raise item
         batch, state, skipped = item
         self._copy_state(state)

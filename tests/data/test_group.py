@@ -694,3 +694,31 @@ def test_only_converters_known_to_draw_nothing_are_run_ahead():
     assert not converts_alike_ahead(noise_converter)
     assert not converts_alike_ahead(chainer.dataset.converter()(noise_converter))
     assert not converts_alike_ahead(lambda batch, device=None: concat(batch, device))
+
+
+class BadSeventh(Offset):
+    def get_example(self, i):
+        if i == 7:
+            raise ValueError('bad example 7')
+        return super().get_example(i)
+
+
+def test_after_a_bad_example_the_next_batches_say_the_loader_stopped_and_the_fix():
+    # Chainer's SerialIterator goes on with the next batch after a dataset's
+    # error a script catches; the loader stops: each later update said "the
+    # prefetch thread ended without a batch or an error" (a review)
+    with fastchain.enable(loader_workers=1):
+        model = L.Classifier(L.Linear(3, 2))
+        updater = chainer.training.StandardUpdater(
+            chainer.iterators.SerialIterator(BadSeventh(), 4, shuffle=False),
+            chainer.optimizers.SGD(0.1).setup(model))
+    try:
+        updater.update()
+        with pytest.raises(data.DataLoadError, match='example 7: ValueError: bad example 7'):
+            updater.update()
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=r"stopped at the error above \(DataLoadError: "
+                               r"example 7.*on_error='skip'.*loader_workers=0"):
+                updater.update()
+    finally:
+        updater.finalize()
