@@ -181,7 +181,7 @@ class BlockMomentum(Learner):
         start = time.perf_counter()
         weights = self._weights()
         persistents = [v for _, v in self._persistents()]
-        arrays = [w.astype(g.dtype) if w.dtype != g.dtype else w
+        arrays = [w.astype(g.dtype, copy=False)
                   for w, g in zip(weights, self.global_model)] + persistents
         mean, nbytes = _average(self.comm, arrays, 'block momentum: averaging the models')
         for v, m in zip(persistents, mean[len(weights):]):

@@ -43,11 +43,19 @@ _CHAINERS = {True: MomentumSGDRule, False: SGDRule}
 
 
 def _is_chainers(kernel, momentum):
-    code = getattr(kernel, '__code__', None)
-    cls = _CHAINERS[momentum]
-    return code is not None and code.co_name == 'update_core_cpu' and \
-        code.co_filename == sys.modules[cls.__module__].__file__ and \
-        getattr(kernel, '__qualname__', None) == cls.__name__ + '.update_core_cpu'
+    # once per kernel function: it is asked for every parameter at every step
+    known = _KNOWN.get((kernel, momentum))
+    if known is None:
+        code = getattr(kernel, '__code__', None)
+        cls = _CHAINERS[momentum]
+        known = _KNOWN[(kernel, momentum)] = (
+            code is not None and code.co_name == 'update_core_cpu' and
+            code.co_filename == sys.modules[cls.__module__].__file__ and
+            getattr(kernel, '__qualname__', None) == cls.__name__ + '.update_core_cpu')
+    return known
+
+
+_KNOWN = {}     # (kernel function, momentum) -> whether it is Chainer's
 
 # Elements per block: 256 KiB of float32 per operand (the best of 2**12 to
 # 2**18 measured on the 2-core development machine).
