@@ -36,6 +36,7 @@ class Annotator:
         self._domain = nvtx.get_domain(DOMAIN)
         self._attributes = {}
         self._lock = threading.Lock()
+        self._local = threading.local()     # depth, generation: per thread
         self.timeline = None
 
     def _attrs(self, message, category):
@@ -50,15 +51,44 @@ class Annotator:
 
     def push(self, message, category):
         self._domain.push_range(self._attrs(message, category))
+        local = self._local
+        local.depth = getattr(local, 'depth', 0) + 1
         timeline = self.timeline
         if timeline is not None:
             timeline.push(message, category)
 
     def pop(self):
+        local = self._local
+        depth = getattr(local, 'depth', 0)
+        if depth == 0:          # nothing of fastchain's is open in this thread
+            return
+        local.depth = depth - 1
         self._domain.pop_range()
         timeline = self.timeline
         if timeline is not None:
             timeline.pop()
+
+    def depth(self):
+        """How many of fastchain's ranges are open in this thread."""
+        return getattr(self._local, 'depth', 0)
+
+    def generation(self):
+        """Counts the :meth:`unwind` calls that closed something in this
+        thread: a range recorded under an older generation was closed by one."""
+        return getattr(self._local, 'generation', 0)
+
+    def unwind(self, depth):
+        """Close this thread's ranges down to ``depth``: where an exception
+        went through code that opens a range in one call and closes it in
+        another (a link's forward, the backward range of ``update``), those
+        left open are closed by the range around them, so the ranges after
+        it nest as they would have."""
+        if self.depth() <= depth:
+            return
+        while self.depth() > depth:
+            self.pop()
+        local = self._local
+        local.generation = getattr(local, 'generation', 0) + 1
 
     def mark(self, message, category='mark'):
         self._domain.mark(self._attrs(message, category))
@@ -69,10 +99,13 @@ class Annotator:
     @contextlib.contextmanager
     def range(self, message, category):
         self.push(message, category)
+        depth = self.depth()
         try:
             yield
         finally:
-            self.pop()
+            if self.depth() >= depth:       # not closed by a range around it
+                self.unwind(depth)          # those left open inside
+                self.pop()
 
 
 _annotator = None

@@ -22,12 +22,8 @@ from fastchain.nvtx._annotator import annotator
 
 def _data_layer(next_):
     """The iterator's ``next()`` inside a 'data' range."""
-    ann = annotator()
-    ann.push('data', 'data')
-    try:
+    with annotator().range('data', 'data'):
         return next_()
-    finally:
-        ann.pop()
 
 
 def capture_window():
@@ -62,12 +58,13 @@ def _step_layer(ref, window, next_):
     iteration = updater.iteration + 1
     if window is not None and iteration == window[0]:
         ann.push('capture', 'step')
-    ann.push('step', 'step')
+    depth = ann.depth()
     try:
-        return next_()
+        with ann.range('step', 'step'):
+            return next_()
     finally:
-        ann.pop()
         if window is not None and iteration == window[1]:
+            ann.unwind(depth)
             ann.pop()
         if updater.is_new_epoch:
             ann.mark('epoch {}'.format(updater.epoch))
@@ -123,12 +120,14 @@ def annotate_optimizer(optimizer, changes):
                 state['backward'] = True
                 return loss
             lossfun._fastchain_nvtx = True
+        depth = ann.depth()
         try:
             return next_(lossfun, *args, **kwds)
         finally:
-            if state['backward']:       # an exception inside backward
-                state['backward'] = False
-                ann.pop()
+            # An exception inside the forward, backward or update: close what
+            # it left open (the backward range, the update range, a link's).
+            state['backward'] = False
+            ann.unwind(depth)
 
     def annotated_reallocate(next_):
         if state['backward']:
@@ -244,7 +243,13 @@ class LinkPaths:
 
 
 class LinkRanges(chainer.LinkHook):
-    """Per-link forward ranges; tags each function node with its link."""
+    """Per-link forward ranges; tags each function node with its link.
+
+    A link's forward that raises never reaches its postprocess: the range
+    around it (the step, ``optimizer.update``) closes the link's range. One
+    that raises in a script's own forward outside both, and is caught, stays
+    open: nothing around it knows of it (Chainer's hooks see no exception).
+    """
 
     name = 'fastchain_nvtx_links'
 
@@ -253,20 +258,41 @@ class LinkRanges(chainer.LinkHook):
         self.stack = []
 
     def forward_preprocess(self, args):
+        ann = annotator()
+        generation = ann.generation()
+        _drop_stale(self.stack, generation)
         path = self.paths.get(args.link)
-        self.stack.append(path)
+        self.stack.append((path, generation))
         if path is not None:
-            annotator().push(path, 'link')
+            ann.push(path, 'link')
 
     def forward_postprocess(self, args):
-        if self.stack.pop() is not None:
+        if _pop_current(self.stack) is not None:
             annotator().pop()
 
     def current(self):
-        for path in reversed(self.stack):
+        _drop_stale(self.stack, annotator().generation())
+        for path, _ in reversed(self.stack):
             if path is not None:
                 return path
         return None
+
+
+def _drop_stale(stack, generation):
+    """A link's forward (or a function's backward) that raised never reached
+    its postprocess: its entry stays, and the range around the step closed its
+    range (:meth:`Annotator.unwind`). Entries of an older generation go."""
+    while stack and stack[-1][1] != generation:
+        stack.pop()
+
+
+def _pop_current(stack):
+    """The path of the entry this postprocess closes (None: nothing to close:
+    no range, or one an unwind closed already)."""
+    if not stack:
+        return None
+    path, generation = stack.pop()
+    return path if generation == annotator().generation() else None
 
 
 class FunctionLinkRanges(chainer.FunctionHook):
@@ -289,13 +315,16 @@ class FunctionLinkRanges(chainer.FunctionHook):
                 pass
 
     def backward_preprocess(self, function, in_data, out_grad):
+        ann = annotator()
+        generation = ann.generation()
+        _drop_stale(self.pushed, generation)
         path = self.owner.get(function)
-        self.pushed.append(path)
+        self.pushed.append((path, generation))
         if path is not None:
-            annotator().push(path + ' backward', 'link')
+            ann.push(path + ' backward', 'link')
 
     def backward_postprocess(self, function, in_data, out_grad):
-        if self.pushed and self.pushed.pop() is not None:
+        if _pop_current(self.pushed) is not None:
             annotator().pop()
 
 

@@ -147,3 +147,93 @@ def test_each_allreduce_bucket_is_a_range(nvtx_tool, tmp_path):
     nest(events)        # balanced on every thread
     categories = {e[6] for e in events if e[0] == 'category'}
     assert 'allreduce' in categories
+
+
+RAISES = textwrap.dedent('''
+    import warnings
+    import numpy as np, chainer, chainer.links as L, chainer.functions as F
+    from chainer import training
+    import fastchain
+    warnings.simplefilter('ignore')
+    handle = fastchain.enable(loader_workers=0, nvtx='links')
+    fail = {{'step': 0}}
+
+    class Boom(Exception):
+        pass
+
+    class Fails(chainer.FunctionNode):
+        """Identity; its backward raises on the step 'backward' names."""
+        def forward(self, inputs):
+            return inputs[0].copy(),
+        def backward(self, indexes, grads):
+            if fail['step'] == {backward}:
+                raise Boom('backward')
+            return grads[0],
+
+    class Block(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.conv = L.Convolution2D(3, 4, 3)
+        def forward(self, x):
+            h = self.conv(x)
+            if fail['step'] == {forward}:
+                raise Boom('forward')
+            return Fails().apply((h,))[0]
+
+    class Net(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.block = Block()
+                self.fc = L.Linear(None, 2)
+        def forward(self, x):
+            return self.fc(F.relu(self.block(x)))
+
+    def hook(optimizer):
+        if fail['step'] == {update}:
+            raise Boom('update')
+
+    x = np.random.RandomState(0).randn(16, 3, 6, 6).astype('f')
+    t = np.arange(16, dtype='i') % 2
+    model = L.Classifier(Net())
+    opt = chainer.optimizers.SGD(0.01).setup(model)
+    opt.add_hook(hook, name='fails')
+    it = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(x, t), 8)
+    updater = training.StandardUpdater(it, opt)
+    for step in range(1, 6):
+        fail['step'] = step
+        try:
+            updater.update()
+        except Boom as e:
+            print('caught', e)
+    handle.disable()
+''')
+
+
+def test_a_step_that_raises_leaves_no_range_open_for_the_steps_after(nvtx_tool, tmp_path):
+    # A script that catches an exception from a step (an out-of-memory retry)
+    # goes on with ranges that nest as before: the ranges the exception left
+    # open (a link's, the backward range, the update range) close with the
+    # step's. Before, each was left open and every later range nested in it.
+    log = str(tmp_path / 'nvtx.log')
+    env = dict(os.environ, NVTX_INJECTION64_PATH=nvtx_tool, FASTCHAIN_NVTX_LOG=log)
+    code = RAISES.format(forward=2, backward=3, update=4)
+    r = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split('\n')[:3] == ['caught forward', 'caught backward', 'caught update']
+    roots, _ = nest(read_log(log))          # balanced, or it asserts
+    roots = [r for r in roots if not r['name'].startswith('!')]     # epoch marks
+
+    def shape(node):
+        return (node['name'], [shape(c) for c in node['children']])
+
+    assert [r['name'] for r in roots] == ['step'] * 5
+    first, last = roots[0], roots[4]
+    assert shape(last) == shape(first)
+    forward = next(c for c in last['children'] if c['name'] == 'forward')
+    assert [shape(c) for c in forward['children']] == [('block', [('block/conv', [])]),
+                                                      ('fc', [])]
+    for failed in roots[1:4]:
+        assert names(failed)[:3] == ['data', 'convert', 'forward']
