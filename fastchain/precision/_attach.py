@@ -9,6 +9,7 @@ owning handle's :class:`~fastchain.config._patches.Changes`, so disabling
 that handle takes exactly them off again.
 """
 
+import functools
 import threading
 import warnings
 import weakref
@@ -18,10 +19,8 @@ import numpy
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
 from fastchain.precision._scaler import FP16_SAFE_SCALE
-from fastchain.precision._snapshot import saved_before_first_update, serialize_masters
+from fastchain.precision import _snapshot
 
-SERIAL_KEY = 'fastchain_loss_scaler'
-SERIAL_MASTERS = 'fastchain_fp32_masters'
 SCALER = 'loss_scaler'              # attachment key: the optimizer's scaler
 ALL_RANKS_ANY = 'all_ranks_any'     # attachment key: data-parallel agreement
 
@@ -39,11 +38,15 @@ def attach(optimizer, scaler, changes, fp32_update=True):
     target = optimizer.target
     if fp32_update:
         _use_fp32_update(optimizer, target, changes)
+    ref = weakref.ref(optimizer)
     if scaler is None:
+        if fp32_update:         # fp32 masters only: they go into snapshots all the same
+            changes.wrap(optimizer, 'serialize', 'fp16', lambda next_, serializer:
+                         _snapshot.serialize(ref(), None, next_, serializer))
+            changes.wrap(optimizer, 'update', 'fp16', functools.partial(_update, ref))
         return
     changes.attach(optimizer, SCALER, scaler)
     _set_loss_scale(optimizer, scaler, changes)
-    ref = weakref.ref(optimizer)
 
     step = {'fp16_grads': [], 'warned': False, 'stats_warned': False, 'own_warned': False}
 
@@ -51,7 +54,8 @@ def attach(optimizer, scaler, changes, fp32_update=True):
         opt = ref()
         if not step['own_warned']:
             step['own_warned'] = _warn_own_scaling(opt, scaler)
-        params = [p for p in opt.target.params() if p.grad is not None]
+        # A parameter two links hold is listed twice: unscaled once.
+        params = list({id(p): p for p in opt.target.params() if p.grad is not None}.values())
         # Unscale here, before the optimizer's hooks (GradientClipping,
         # WeightDecay, ...) see the gradients, with the arithmetic Chainer's
         # UpdateRule would apply later (fp16: astype(float32), then /= scale;
@@ -64,6 +68,16 @@ def attach(optimizer, scaler, changes, fp32_update=True):
         scaler.cap = FP16_SAFE_SCALE if getattr(_local, 'fp16_loss', False) else None
         scaler.step((p.grad for p in params),
                     reduce=_patches.attached(opt, ALL_RANKS_ANY))
+
+    def call_hooks(next_, timing='pre'):
+        if timing != 'pre' or not step['fp16_grads']:
+            return next_(timing)
+        kept = _masters_in(step['fp16_grads'])
+        try:
+            return next_(timing)
+        finally:
+            for param, array in kept:
+                param.array = array
 
     def is_safe_to_update(next_):
         return bool(scaler.stepped)
@@ -83,39 +97,41 @@ def attach(optimizer, scaler, changes, fp32_update=True):
 
     def serialize(next_, serializer):
         opt = ref()
-        unstarted = saved_before_first_update(opt, serializer)
-        for rule in unstarted:      # Chainer's load: missing state raises unless disabled
-            rule.enabled = False
-        try:
-            next_(serializer)
-        finally:
-            for rule in unstarted:
-                rule.enabled = True
-        missing = []
-        try:
-            scaler.serialize(serializer[SERIAL_KEY])
-        except KeyError:
-            missing.append('loss-scaler state (going on from {!r})'.format(scaler))
-        try:
-            absent = serialize_masters(opt, serializer[SERIAL_MASTERS])
-        except KeyError:
-            absent = True
-        if absent:
-            missing.append('fp32 master weights (copied from the fp16 weights, as plain '
-                           'Chainer would: the resumed run is not bit for bit)')
-        if missing:
-            # A snapshot written without fastchain's fp16 (or before it kept
-            # the masters): keep what is here for what it lacks.
-            warnings.warn('fastchain: the snapshot has no ' + ' and no '.join(missing),
-                          FastchainWarning, stacklevel=_patches.user_stacklevel())
+        _snapshot.serialize(opt, scaler, next_, serializer)
         opt._loss_scale = scaler.scale
 
-    for name, fn in (('update', _name_dtype_errors),
+    for name, fn in (('update', functools.partial(_update, ref)),
                      ('check_nan_in_grads', check_nan_in_grads),
+                     ('call_hooks', call_hooks),
                      ('is_safe_to_update', is_safe_to_update),
                      ('update_loss_scale', update_loss_scale),
                      ('serialize', serialize)):
         changes.wrap(optimizer, name, 'fp16', fn)
+
+
+def _update(ref, next_, *args, **kwargs):
+    """``update``: masters kept through a load are checked first
+    (:func:`verify_masters`); dtype errors named (:func:`_name_dtype_errors`)."""
+    _snapshot.verify_masters(ref())
+    return _name_dtype_errors(next_, *args, **kwargs)
+
+
+def _masters_in(replaced):
+    """For the optimizer's 'pre' hooks: each fp16 parameter given an fp32
+    gradient holds its fp32 master weight (the one its rule updates; where
+    the rule has none yet, the fp16 weight in float32, as the rule makes it),
+    so that a hook sees the weight and the gradient the update uses, of one
+    dtype (Chainer's WeightDecay and Lasso kernels on a GPU take one type for
+    both; on the CPU, rate * weight in float16 is subnormal for a typical
+    rate). Returns [(parameter, its fp16 array)] to put back."""
+    kept = []
+    for param, _ in replaced:
+        fp32 = param.update_rule._fp32_param
+        master = fp32.array if fp32 is not None and fp32.array is not None else \
+            param.array.astype(numpy.float32)
+        kept.append((param, param.array))
+        param.array = master
+    return kept
 
 
 def _warn_own_scaling(optimizer, scaler):

@@ -1,6 +1,7 @@
 """Dynamic loss scaling that never lets inf/NaN reach the weights."""
 
 import math
+import numbers
 import warnings
 
 from fastchain.config._warning import FastchainWarning
@@ -54,18 +55,17 @@ class DynamicLossScaler:
     def __init__(self, init_scale=FP16_SAFE_SCALE, growth_factor=2.0,
                  backoff_factor=0.5, growth_interval=1000, min_scale=1.0,
                  max_scale=2.0 ** 24):
-        _positive('init_scale', init_scale)
-        _positive('min_scale', min_scale)
-        _positive('max_scale', max_scale)
-        if not growth_factor > 1:
-            raise ValueError('growth_factor must be > 1, got {!r}'.format(growth_factor))
-        if not 0 < backoff_factor < 1:
-            raise ValueError('backoff_factor must be in (0, 1), got {!r}'.format(
-                backoff_factor))
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-                or growth_interval < 1:
+        init_scale = _positive('init_scale', init_scale)
+        min_scale = _positive('min_scale', min_scale)
+        max_scale = _positive('max_scale', max_scale)
+        growth_factor = _real('growth_factor', growth_factor, lambda v: v > 1, '> 1')
+        backoff_factor = _real('backoff_factor', backoff_factor, lambda v: 0 < v < 1,
+                               'in (0, 1)')
+        if isinstance(growth_interval, bool) or \
+                not isinstance(growth_interval, numbers.Integral) or growth_interval < 1:
             raise ValueError('growth_interval must be an int >= 1, got {!r}'.format(
                 growth_interval))
+        growth_interval = int(growth_interval)
         if not min_scale <= init_scale <= max_scale:
             raise ValueError('need min_scale <= init_scale <= max_scale, got '
                              '{} <= {} <= {}'.format(min_scale, init_scale, max_scale))
@@ -171,11 +171,22 @@ STUCK = ('fastchain fp16: {} steps in a row were skipped at the smallest loss sc
          'or train in fp32 (fp16=False)')
 
 
+def _real(name, value, check, what):
+    """``value`` as a float (a NumPy scalar too), checked; otherwise a
+    ValueError naming the option and what it takes."""
+    try:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError
+        number = float(value)
+    except (TypeError, OverflowError):
+        number = None
+    if number is None or not math.isfinite(number) or not check(number):
+        raise ValueError('{} must be a finite number {}, got {!r}'.format(name, what, value))
+    return number
+
+
 def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
-        raise ValueError('{} must be a positive finite number, got {!r}'.format(
-            name, value))
+    return _real(name, value, lambda v: v > 0, '> 0')
 
 
 def _any_nonfinite(grads):

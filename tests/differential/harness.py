@@ -14,10 +14,11 @@ fastchain claims (README, "The same training"):
   fp32 master weights) at the loss scale fastchain's scaler used at each step
   (from FP16_SCALE, or FP16_HOOKS_SCALE with optimizer hooks, kept or grown
   every ``growth_interval`` steps); with hooks, the reference script unscales
-  the gradients into fp32 before the hooks run (unscale_before_hooks): what
-  fastchain does for every fp16 script, so that the hooks see true gradients
-  (under Chainer's own loss scaling, GradientClipping would clip the scaled
-  ones; WeightDecay scales its rate to match, in fp16).
+  the gradients into fp32 before the hooks run and gives them the fp32
+  master weights (unscale_before_hooks): what fastchain does for every fp16
+  script, so that the hooks see true gradients and the weights the update
+  uses (under Chainer's own loss scaling, GradientClipping would clip the
+  scaled ones; WeightDecay scales its rate to match, in fp16).
 """
 
 import contextlib
@@ -74,13 +75,19 @@ def unscale_before_hooks(optimizer):
     for a plain ``backward()``), every gradient alike (one the backward did
     not reach too: Chainer's ``reallocate_cleared_grads`` gave it zeros), and
     gives the fp16 parameters their own gradients back after the update.
-    Instance patches of Chainer's own template methods."""
+    While the 'pre' hooks run, each fp16 parameter given an fp32 gradient
+    holds its fp32 master weight (the fp16 weight in float32 before the
+    rule has one), so a hook sees a weight and a gradient of one dtype (a
+    weight decay adds rate times the master). A parameter two links hold is
+    unscaled once. Instance patches of Chainer's own template methods."""
     check, update_loss_scale = optimizer.check_nan_in_grads, optimizer.update_loss_scale
+    call_hooks = optimizer.call_hooks
     kept = []
 
     def unscaling_check():
         scale = optimizer._loss_scale
-        for param in optimizer.target.params():
+        unique = {id(p): p for p in optimizer.target.params()}
+        for param in unique.values():
             param._loss_scale = None        # the rule must not divide again
             if param.grad is None or scale is None:
                 continue
@@ -93,6 +100,20 @@ def unscale_before_hooks(optimizer):
                 param.grad /= scale
         return check()
 
+    def hooks_on_masters(timing='pre'):
+        if timing != 'pre':
+            return call_hooks(timing)
+        arrays = []
+        for param, _ in kept:
+            fp32 = param.update_rule._fp32_param
+            arrays.append((param, param.array))
+            param.array = param.array.astype(numpy.float32) if fp32 is None else fp32.array
+        try:
+            return call_hooks(timing)
+        finally:
+            for param, array in arrays:
+                param.array = array
+
     def giving_back():
         for param, grad in kept:
             param._set_grad_without_check(grad)
@@ -100,6 +121,7 @@ def unscale_before_hooks(optimizer):
         return update_loss_scale()
     optimizer.check_nan_in_grads = unscaling_check
     optimizer.update_loss_scale = giving_back
+    optimizer.call_hooks = hooks_on_masters
 
 
 def state(model, optimizer, loss, grads):

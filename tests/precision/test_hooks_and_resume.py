@@ -143,20 +143,26 @@ class LazyCNN(CNN):
             self.fc = chainer.links.Linear(None, 3)
 
 
-@pytest.mark.parametrize('make, optimizer_first', [
-    (CNN, False), (LazyCNN, False), (LazyCNN, True)],
-    ids=['sized', 'lazy, the model loaded first', 'lazy, the optimizer loaded first'])
-def test_a_resumed_fp16_run_continues_bit_for_bit(tmp_path, make, optimizer_first):
+@pytest.mark.parametrize('make, optimizer_first, loss_scale', [
+    (CNN, False, 'dynamic'), (LazyCNN, False, 'dynamic'), (LazyCNN, True, 'dynamic'),
+    (CNN, False, False)],
+    ids=['sized', 'lazy, the model loaded first', 'lazy, the optimizer loaded first',
+         'loss_scale=False'])
+def test_a_resumed_fp16_run_continues_bit_for_bit(tmp_path, make, optimizer_first,
+                                                  loss_scale):
     """The optimizer loaded first, as StandardUpdater.serialize does, meets
     the lazy layer's parameters not made yet: their masters in the snapshot
-    were left unread, and made anew from the fp16 weights (a new-user trial)."""
+    were left unread, and made anew from the fp16 weights (a new-user trial).
+    With loss_scale=False (fp32 masters only) the snapshot held no masters:
+    the resumed run made them from the fp16 weights, 1.9e-4 off after 3
+    steps, nothing said (a review)."""
     def fresh():
         numpy.random.seed(0)
         model = make()
         return model, chainer.optimizers.MomentumSGD(0.1).setup(model)
 
     data = list(batches(8, seed=3))
-    with fp16_enable():
+    with fp16_enable(loss_scale=loss_scale):
         model, opt = fresh()
         for x, t in data:
             step(model, opt, x, t)
@@ -448,3 +454,203 @@ def test_the_scripts_own_loss_scaling_is_replaced_and_said_once(own):
                 step(model, opt, x, t)
         assert opt._loss_scale == scaler_of(opt).scale and scaler_of(opt).steps == 4
     assert sum('replaced by its scale' in str(w.message) for w in caught) == 1
+
+
+class Spy(optimizer_hooks.WeightDecay):
+    """A weight decay that records the dtypes of the weight and gradient it
+    is given, per parameter."""
+
+    def __init__(self, rate):
+        super().__init__(rate)
+        self.seen = {}
+
+    def __call__(self, rule, param):
+        self.seen[param.name] = (param.array.dtype, param.grad.dtype)
+        return super().__call__(rule, param)
+
+
+@pytest.mark.parametrize('hook', ['WeightDecay', 'Lasso'])
+def test_a_per_parameter_hook_sees_the_fp32_master_and_decays_it_exactly(hook):
+    """The hooks saw the fp16 weight with the fp32 gradient: on a GPU,
+    Chainer's WeightDecay and Lasso kernels take one type for both and
+    raise; on the CPU, rate * weight in float16 is subnormal (a weight decay
+    2% off per element, 2.4% of them lost; a review). They now see the fp32
+    master: a step of a zero data gradient is the decay alone, computed in
+    float32 as an fp32 run's would be."""
+    rate = 1e-4
+    with fp16_enable(loss_scale={'init_scale': 1024.0}):
+        numpy.random.seed(0)
+        import chainer.links as L
+        model = L.Linear(64, 64, nobias=True, initialW=chainer.initializers.Normal(0.01))
+        assert model.W.dtype == numpy.float16
+        opt = chainer.optimizers.SGD(1.0).setup(model)
+        spy = Spy(rate) if hook == 'WeightDecay' else None
+        opt.add_hook(spy if spy is not None else optimizer_hooks.Lasso(rate))
+        x = numpy.zeros((2, 64), numpy.float16)
+        w0 = model.W.array.astype(numpy.float32)
+        opt.update(lambda: F.sum(model(x)) * 0)     # zero data gradient
+        first = model.W.update_rule._fp32_param.array.copy()
+        opt.update(lambda: F.sum(model(x)) * 0)
+    if spy is not None:
+        assert spy.seen == {'W': (numpy.dtype(numpy.float32), numpy.dtype(numpy.float32))}
+    for master, start in ((first, w0), (model.W.update_rule._fp32_param.array, first)):
+        grad = numpy.zeros_like(start)
+        grad += rate * (start if hook == 'WeightDecay' else numpy.sign(start))
+        numpy.testing.assert_array_equal(master, start - 1.0 * grad)
+    assert model.W.array.dtype == numpy.float16       # its own array back after the hooks
+
+
+def test_a_parameter_two_links_hold_is_unscaled_once():
+    """target.params() lists a tied parameter twice: its fp32 gradient was
+    divided by the scale a second time (a step 1/scale of Chainer's). Against
+    Chainer's own fp16 at the same fixed scale: bitwise."""
+    import chainer.links as L
+
+    class Tied(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.a = L.Linear(4, 4)
+                self.b = L.Linear(4, 4)
+                self.b.W = self.a.W
+
+        def forward(self, x):
+            return self.b(F.relu(self.a(x)))
+
+    scale = 1024.0
+    rng = numpy.random.RandomState(1)
+    data = [(rng.normal(size=(8, 4)).astype(numpy.float16),
+             rng.randint(0, 4, 8).astype(numpy.int32)) for _ in range(3)]
+
+    def run(fast):
+        numpy.random.seed(0)
+        if fast:
+            handle = fp16_enable(loss_scale={'init_scale': scale, 'min_scale': scale,
+                                             'max_scale': scale})
+            model = Tied()
+            opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        else:
+            handle = None
+            with chainer.using_config('dtype', chainer.mixed16):
+                model = Tied()
+            opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+            opt.use_fp32_update()
+            opt.set_loss_scale(scale)
+        assert sum(p is model.a.W for p in model.params()) == 2
+        for x, t in data:
+            opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+        if handle is not None:
+            handle.disable()
+        return {n: (p.array, p.update_rule._fp32_param.array) for n, p in model.namedparams()}
+
+    plain, fast = run(False), run(True)
+    for name in plain:
+        numpy.testing.assert_array_equal(fast[name][0], plain[name][0], err_msg=name)
+        numpy.testing.assert_array_equal(fast[name][1], plain[name][1], err_msg=name)
+
+
+def test_going_back_to_a_snapshot_without_masters_takes_its_weights(tmp_path):
+    """A snapshot without masters (plain Chainer's) loaded into objects that
+    trained on, the optimizer first and then the model, as StandardUpdater
+    does: the masters of the run going on were kept, and the next update
+    undid the load (W jumped back to the run's weights, said 'copied from
+    the fp16 weights'; a review). Now the next update goes on from the
+    snapshot's weights as a fresh process's load would."""
+    model, x, t = plain_fp16_snapshot(str(tmp_path / 'opt.npz'))
+    serializers.save_npz(str(tmp_path / 'model.npz'), model)
+    after = {}
+    for going_back in (False, True):
+        with fp16_enable():
+            numpy.random.seed(1)
+            model = CNN()
+            opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+            if going_back:
+                for x2, t2 in batches(3, seed=5):
+                    step(model, opt, x2, t2)
+            with pytest.warns(FastchainWarning, match='no fp32 master weights of conv/W'):
+                serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
+            serializers.load_npz(str(tmp_path / 'model.npz'), model)
+            step(model, opt, x, t)
+        after[going_back] = {n: p.array.copy() for n, p in model.namedparams()}
+    for name, array in after[False].items():
+        numpy.testing.assert_array_equal(after[True][name], array, err_msg=name)
+
+
+def test_a_master_missing_for_one_parameter_leaves_the_others_loaded(tmp_path):
+    """One parameter without a master in the snapshot (a lazy layer made
+    after it was taken) stopped the load of every master after it: those
+    kept the run's values under the snapshot's fp16 weights (0.32 apart)."""
+    import chainer.links as L
+
+    class Net(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.l1 = L.Linear(None, 5)
+                self.l2 = L.Linear(5, 3)
+
+        def forward(self, h):
+            return self.l2(F.relu(self.l1(h)))
+
+    rng = numpy.random.RandomState(0)
+    x = rng.normal(size=(8, 4)).astype(numpy.float16)
+    t = rng.randint(0, 3, 8).astype(numpy.int32)
+    with fp16_enable():
+        numpy.random.seed(0)
+        model = Net()
+        opt = chainer.optimizers.SGD(0.5).setup(model)
+        serializers.save_npz(str(tmp_path / 'model.npz'), model)
+        serializers.save_npz(str(tmp_path / 'opt.npz'), opt)    # l1 not made yet
+        for _ in range(3):
+            opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+        serializers.load_npz(str(tmp_path / 'model.npz'), model)
+        with pytest.warns(FastchainWarning, match=r'no fp32 master weight of l1/W \('):
+            serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
+        for name in ('W', 'b'):
+            p = getattr(model.l2, name)
+            numpy.testing.assert_array_equal(p.update_rule._fp32_param.array,
+                                             p.array.astype(numpy.float32), err_msg=name)
+
+
+@pytest.mark.parametrize('options, message', [
+    ({'growth_factor': '2'}, 'growth_factor must be a finite number > 1'),
+    ({'init_scale': 2 ** 1100}, 'init_scale must be a finite number > 0'),
+    ({'backoff_factor': 1.0}, r'backoff_factor must be a finite number in \(0, 1\)'),
+    ({'growth_interval': 10.0}, 'growth_interval must be an int >= 1'),
+])
+def test_a_wrong_scaler_setting_names_the_setting(options, message):
+    with pytest.raises(ValueError, match=message):
+        fastchain.enable(fp16=True, loss_scale=options)
+
+
+def test_numpy_numbers_are_scaler_settings_as_python_numbers_are():
+    """numpy.float32(1024) was refused as 'must be a positive finite number'
+    and numpy.int64(10) as 'must be an int' (a review)."""
+    from fastchain.precision import DynamicLossScaler
+    scaler = DynamicLossScaler(init_scale=numpy.float32(1024), growth_interval=numpy.int64(10),
+                               backoff_factor=numpy.float32(0.5))
+    assert (scaler.scale, scaler.growth_interval, scaler.backoff_factor) == (1024.0, 10, 0.5)
+    assert type(scaler.growth_interval) is int and type(scaler.scale) is float
+
+
+@pytest.mark.gpu
+def test_weight_decay_and_lasso_run_on_a_gpu_under_fp16():
+    """Chainer's WeightDecay and Lasso kernels on a GPU take the weight and
+    the gradient as one type: given the fp16 weight and the fp32 gradient
+    they raised TypeError at the first update (found reading the code; the
+    hooks now see the fp32 master)."""
+    import chainer.links as L
+    import cupy
+    rate = 1e-4
+    with fp16_enable(loss_scale={'init_scale': 1024.0}):
+        model = L.Linear(64, 64, nobias=True, initialW=chainer.initializers.Normal(0.01))
+        model.to_device('@cupy:0')
+        opt = chainer.optimizers.SGD(1.0).setup(model)
+        opt.add_hook(optimizer_hooks.WeightDecay(rate))
+        opt.add_hook(optimizer_hooks.Lasso(rate))
+        x = cupy.zeros((2, 64), cupy.float16)
+        w0 = model.W.array.astype(cupy.float32)
+        opt.update(lambda: F.sum(model(x)) * 0)
+        master = model.W.update_rule._fp32_param.array
+    expected = w0 - (rate * w0 + rate * cupy.sign(w0))
+    assert float(cupy.abs(master - expected).max()) <= 1e-9
