@@ -35,11 +35,15 @@ machine: 4 ms per switch, a ResNet-50 step at batch 16 twice as slow). With
 one BLAS thread, what stays on NumPy (fully connected layers, the kernels
 autotune may still pick) runs single-threaded; ``disable()`` gives the BLAS
 its threads back (each library its own count). PyTorch's own thread
-count stays as set.
+count stays as set. What stays Chainer's is then Chainer's code on one BLAS
+thread: bitwise its results there, not those of a multi-threaded BLAS, which
+splits a product's sums otherwise (a float64 convolution 4.3e-14 and
+F.linear 4.6e-5 off, on 2 threads; a review).
 
 Float32 only, and only where Chainer's CPU code would run the operation
 (``groups`` 1, no ``cover_all``, standard layouts, NumPy arrays, BatchNorm
-over every axis but the channel axis 1); anything else stays Chainer's.
+over every axis but the channel axis 1, outputs with rows and columns);
+anything else stays Chainer's.
 Autotune: oneDNN's kernels run for every call they qualify for; the
 autotuner does not measure them against fastchain's and Chainer's per key
 (it still chooses among those for the calls oneDNN leaves). Measured on the
@@ -167,7 +171,7 @@ def _convolution_grad_w(node, inputs):
 def _output_padding(node, x, W):
     """Deconvolution: PyTorch's output_padding for Chainer's outsize, or None
     where PyTorch has none that gives it."""
-    if node.outh is None or node.outw is None:
+    if node.outh is None or node.outw is None or node.outh <= 0 or node.outw <= 0:
         return None
     (ih, iw), (kh, kw) = x.shape[2:], W.shape[2:]
     oph = node.outh - ((ih - 1) * node.sy - 2 * node.ph + node.dy * (kh - 1) + 1)
@@ -205,6 +209,8 @@ def convolution_kernel(node, inputs):
     arrays)."""
     if not enabled or not _float32(*inputs):
         return None
+    if any(0 in a.shape[2:] for a in inputs[:2]):
+        return None     # no rows or columns: PyTorch raises where Chainer gives empty arrays
     name = type(node).__name__
     if name in ('Convolution2DFunction', 'Convolution2DGradW') and not _positive(node, inputs):
         return None     # a kernel larger than the padded input: Chainer's code raises
