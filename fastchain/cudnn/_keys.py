@@ -131,7 +131,7 @@ def conv_key(op, node, x_shape, w_shape, y_shape, dtype, tensor_cores, determini
                    None if workspace is None else int(workspace))
 
 
-def bn_refusal(x, gamma, axis, layouts=None, running=(None, None)):
+def bn_refusal(x, gamma, axis, layouts=None, running=(None, None), beta=None):
     """Why a BatchNormalization call cannot take a graph (None when it can)."""
     if layouts and any(layout is not None for layout in layouts):
         return 'a non-standard memory layout (chainer.memory_layouts) on an input'
@@ -146,7 +146,7 @@ def bn_refusal(x, gamma, axis, layouts=None, running=(None, None)):
         return 'gamma is {} and x {}'.format(gamma.dtype.name, x.dtype.name)
     if not x.flags.c_contiguous:
         return 'a non-contiguous input'
-    if not aligned(x, gamma, *running):
+    if not aligned(x, gamma, beta, *running):
         return 'an input not 16-byte aligned (a view into another array)'
     if x.size // max(1, gamma.size) < 2:
         return 'one value per channel (the variance of one value)'

@@ -174,12 +174,12 @@ def bn_mode():
     return {'1': 'graphs', 'stats': 'stats'}.get(os.environ.get(BN_ENV))
 
 
-def _bn_refusal(x, gamma, axis, layouts, running):
+def _bn_refusal(x, gamma, axis, layouts, running, beta):
     if _setting() == 'never':
         return "use_cudnn='never'"
     if bn_mode() != 'graphs':
         return BN_OFF
-    return _keys.bn_refusal(x, gamma, axis, layouts, running)
+    return _keys.bn_refusal(x, gamma, axis, layouts, running, beta)
 
 
 class StatsImpl(_bn.GeneralBatchNormalizationImpl):
@@ -239,8 +239,9 @@ class GraphImpl(StatsImpl):
         reason = None
         if _setting() == 'never':
             reason = "use_cudnn='never'"
-        elif gy.dtype != x.dtype or not gy.flags.c_contiguous:
-            reason = 'an output gradient of another dtype or layout than x'
+        elif gy.dtype != x.dtype or not gy.flags.c_contiguous or not _keys.aligned(gy):
+            reason = 'an output gradient of another dtype or layout than x, or not 16-byte ' \
+                'aligned'
         if reason is None:
             key = _keys.bn_key(op, x, gamma, eps, False, _device_id(x))
             reason = _graphs.refused(key)
@@ -264,13 +265,13 @@ def _select(func, inputs, base=_bn._impl_selector):
     impl = base(func, inputs)
     if type(impl) is not _bn.GeneralBatchNormalizationImpl:
         return impl
-    x, gamma, _ = inputs
+    x, gamma, beta = inputs
     if not _is_cupy(x):
         return impl
     if bn_mode() == 'stats' and _setting() != 'never' and _bn_stats.usable(x, func.axis):
         return _STATS
     reason = _bn_refusal(x, gamma, func.axis, getattr(func, 'input_layouts', None),
-                         (func.running_mean, func.running_var))
+                         (func.running_mean, func.running_var), beta)
     if reason is not None:
         _paths.record('batchnorm forward', 'chainer', reason)
         return impl

@@ -129,6 +129,8 @@ class BlockMomentum(Learner):
     # them, else the parameters; and the persistent float arrays.
 
     def _weights(self):
+        from fastchain.precision._snapshot import verify_masters
+        verify_masters(self.optimizer)      # a master kept through a load, checked first
         out = []
         for p in self.params:
             rule = getattr(p, 'update_rule', None)

@@ -23,6 +23,6 @@ def describe(key):
     return '{} {} {} stride {},{} pad {},{}{}'.format(
         {'Convolution2DFunction': 'forward', 'Convolution2DGradW': 'weight-grad',
          'Deconvolution2DFunction': 'input-grad/deconv'}.get(name, name), shapes,
-        numpy.dtype(arrays[0][1]).name if arrays else '', geometry['sy'], geometry['sx'], geometry['ph'],
-        geometry['pw'], '' if (geometry['dy'], geometry['dx']) == (1, 1) else
+        numpy.dtype(arrays[0][1]).name if arrays else '', geometry['sy'], geometry['sx'],
+        geometry['ph'], geometry['pw'], '' if (geometry['dy'], geometry['dx']) == (1, 1) else
         ' dilation {},{}'.format(geometry['dy'], geometry['dx']))

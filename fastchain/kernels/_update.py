@@ -26,6 +26,7 @@ and sizes where it measured faster than Chainer's (:mod:`fastchain.tune`).
 """
 
 import sys
+import weakref
 
 import numpy
 
@@ -88,6 +89,10 @@ def _sgd_blocks(p, g, lr):
 
 def _plain_arrays(*arrays):
     return all(type(a) is numpy.ndarray for a in arrays)
+
+
+def _fused_layer_of(rule_ref, momentum, next_, param):
+    return fused_layer(rule_ref(), momentum, next_, param)
 
 
 def fused_layer(rule, momentum, next_, param):
@@ -170,8 +175,11 @@ def fuse(optimizer, changes=None):
         if rule is None or not supported(rule) or is_fused(rule) \
                 or 'update_core_cpu' in vars(rule):
             continue        # not Chainer's kernel, fused already, or the user's own
+        # The rule weakly: the layer is kept with the rule's dispatch point,
+        # which a strong reference would keep alive, state and all, after
+        # its model and optimizer are gone (a review).
         changes.wrap(rule, 'update_core_cpu', 'fused_update',
-                     functools.partial(fused_layer, rule, _is_momentum(rule)))
+                     functools.partial(_fused_layer_of, weakref.ref(rule), _is_momentum(rule)))
         changed += 1
     return changes.undo, changed
 

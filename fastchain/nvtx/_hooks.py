@@ -49,22 +49,27 @@ def updater_layer(setting, next_, updater, *args, **kwargs):
     next_(updater, *args, **kwargs)
     changes.wrap(updater._iterators['main'], 'next', 'nvtx', _data_layer)
     changes.wrap(updater, 'update', 'nvtx',
-                 functools.partial(_step_layer, weakref.ref(updater), window))
+                 functools.partial(_step_layer, weakref.ref(updater), window, {}))
 
 
-def _step_layer(ref, window, next_):
+def _step_layer(ref, window, capture, next_):
+    """A 'step' range; the capture window's range (``capture``: its depth,
+    while open) opens before the first step of the window that runs and
+    closes after its last step done: a step that raised and is run again
+    (a script's retry) stays inside the one range."""
     updater = ref()
     ann = annotator()
     iteration = updater.iteration + 1
-    if window is not None and iteration == window[0]:
+    if window is not None and 'depth' not in capture and \
+            window[0] <= iteration <= window[1]:
+        capture['depth'] = ann.depth()
         ann.push('capture', 'step')
-    depth = ann.depth()
     try:
         with ann.range('step', 'step'):
             return next_()
     finally:
-        if window is not None and iteration == window[1]:
-            ann.unwind(depth)
+        if 'depth' in capture and updater.iteration >= window[1]:
+            ann.unwind(capture.pop('depth') + 1)
             ann.pop()
         if updater.is_new_epoch:
             ann.mark('epoch {}'.format(updater.epoch))

@@ -16,6 +16,8 @@ import weakref
 
 import numpy
 
+import chainer
+
 from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
 from fastchain.precision._scaler import FP16_SAFE_SCALE
@@ -72,12 +74,17 @@ def attach(optimizer, scaler, changes, fp32_update=True):
     def call_hooks(next_, timing='pre'):
         if timing != 'pre' or not step['fp16_grads']:
             return next_(timing)
-        kept = _masters_in(step['fp16_grads'])
+        step['masters'] = {id(param): param for param, _ in step['fp16_grads']}
         try:
             return next_(timing)
         finally:
-            for param, array in kept:
-                param.array = array
+            step['masters'] = None
+
+    def call_hook(next_, hook):
+        masters = step.get('masters')
+        if not masters or not getattr(hook, 'call_for_each_param', False):
+            return next_(hook)
+        return next_(_OnMasters(hook, masters))
 
     def is_safe_to_update(next_):
         return bool(scaler.stepped)
@@ -103,6 +110,7 @@ def attach(optimizer, scaler, changes, fp32_update=True):
     for name, fn in (('update', functools.partial(_update, ref)),
                      ('check_nan_in_grads', check_nan_in_grads),
                      ('call_hooks', call_hooks),
+                     ('call_hook', call_hook),
                      ('is_safe_to_update', is_safe_to_update),
                      ('update_loss_scale', update_loss_scale),
                      ('serialize', serialize)):
@@ -116,22 +124,40 @@ def _update(ref, next_, *args, **kwargs):
     return _name_dtype_errors(next_, *args, **kwargs)
 
 
-def _masters_in(replaced):
-    """For the optimizer's 'pre' hooks: each fp16 parameter given an fp32
-    gradient holds its fp32 master weight (the one its rule updates; where
-    the rule has none yet, the fp16 weight in float32, as the rule makes it),
-    so that a hook sees the weight and the gradient the update uses, of one
-    dtype (Chainer's WeightDecay and Lasso kernels on a GPU take one type for
-    both; on the CPU, rate * weight in float16 is subnormal for a typical
-    rate). Returns [(parameter, its fp16 array)] to put back."""
-    kept = []
-    for param, _ in replaced:
-        fp32 = param.update_rule._fp32_param
-        master = fp32.array if fp32 is not None and fp32.array is not None else \
-            param.array.astype(numpy.float32)
-        kept.append((param, param.array))
-        param.array = master
-    return kept
+class _OnMasters:
+    """A per-parameter 'pre' hook (WeightDecay, Lasso, GradientHardClipping,
+    GradientLARS) given, for each fp16 parameter whose gradient the
+    unscaling made fp32, its fp32 master (the rule's, made now where the
+    rule has none yet, as its update would make it) holding that gradient:
+    the weight and gradient the update uses, of one dtype, as Chainer gives
+    its rule-level hooks. With the fp16 weight, Chainer's WeightDecay and
+    Lasso kernels on a GPU, which take one type for both, raise, and on the
+    CPU rate * weight in float16 is subnormal for a typical rate. A gradient
+    the hook replaces is the parameter's after it. Hooks called with the
+    optimizer see the model as it is (a forward works)."""
+
+    call_for_each_param = True
+
+    def __init__(self, hook, masters):
+        self.hook = hook
+        self.masters = masters
+
+    def __call__(self, rule, param):
+        if id(param) not in self.masters or rule is None:
+            return self.hook(rule, param)
+        master = rule._fp32_param
+        if master is None or master.array is None:
+            master = chainer.Parameter(param.array.astype(numpy.float32), name=param.name)
+            if rule.enabled:
+                rule._fp32_param = master       # (what its update would make)
+        grad = param.grad
+        master._set_grad_without_check(grad)
+        try:
+            return self.hook(rule, master)
+        finally:
+            if master.grad is not grad:
+                param._set_grad_without_check(master.grad)
+            master._set_grad_without_check(None)
 
 
 def _warn_own_scaling(optimizer, scaler):

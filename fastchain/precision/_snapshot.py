@@ -16,7 +16,7 @@ from fastchain.config._warning import FastchainWarning
 SERIAL_KEY = 'fastchain_loss_scaler'
 SERIAL_MASTERS = 'fastchain_fp32_masters'
 
-# rule -> parameter: masters kept through a load of a snapshot without them
+# rules whose master was kept through a load of a snapshot without it
 _unverified = weakref.WeakKeyDictionary()
 
 
@@ -36,7 +36,7 @@ def serialize(opt, scaler, next_, serializer):
     if scaler is not None:
         try:
             scaler.serialize(serializer[SERIAL_KEY])
-        except KeyError:
+        except (KeyError, ValueError):      # (HDF5: 'Inexistent group is specified')
             missing.append('loss-scaler state (going on from {!r})'.format(scaler))
     try:
         masters = serializer[SERIAL_MASTERS]
@@ -88,6 +88,8 @@ def serialize_masters(optimizer, serializer):
     names of the parameters whose master a loaded snapshot lacked (a master
     the rule has is then checked at the next update: :func:`verify_masters`)."""
     loading = serializer is None or isinstance(serializer, chainer.serializer.Deserializer)
+    if not loading:
+        verify_masters(optimizer)       # a save right after such a load
     absent = []
     for name, param in optimizer.target.namedparams():
         rule = getattr(param, 'update_rule', None)
@@ -105,13 +107,13 @@ def serialize_masters(optimizer, serializer):
             if serializer is not None:
                 try:
                     master = serializer(key, None)
-                except KeyError:        # (a strict load of a snapshot without it)
-                    pass
+                except (KeyError, ValueError):      # a strict load without it (HDF5:
+                    pass                            # 'Inexistent group is specified')
             if master is None:
                 if made:
                     absent.append(name.lstrip('/'))
                     if rule._fp32_param is not None:
-                        _unverified[rule] = param
+                        _unverified[rule] = True
                 continue
             # its own array: a snapshot read from memory (a dict) hands out
             # its own, which the next update would change under it

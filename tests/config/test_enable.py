@@ -408,3 +408,58 @@ def test_a_single_link_set_up_before_static_graph_is_named_as_after():
     finally:
         handle.disable()
     del single, opt
+
+
+@pytest.mark.parametrize('options', [
+    {}, {'fused_update': True}, {'fp16': True}, {'static_graph': True}, {'nvtx': 'links'},
+    {'autotune': True}, {'loader_workers': 2}],
+    ids=['defaults', 'fused_update', 'fp16', 'static_graph', 'nvtx links', 'autotune',
+         'loader workers'])
+def test_a_model_and_optimizer_let_go_are_freed_while_the_handle_is_in_force(options):
+    """The fused update's layer on each update rule held the rule strongly,
+    and the rule's dispatch point kept it: every optimizer a process made
+    and let go kept its rules and their state (MomentumSGD's velocity, the
+    model's size) while fused_update was in force (a review: a sweep of
+    models in one process grows by a model each)."""
+    import weakref
+
+    import numpy
+    import chainer.functions as F
+    from chainer import training
+
+    class Net(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.c = L.Convolution2D(1, 4, 3)
+                self.bn = L.BatchNormalization(4)
+                self.fc = L.Linear(None, 3)
+
+        def forward(self, x):
+            return self.fc(F.relu(self.bn(self.c(x))))
+
+    options = dict({'loader_workers': 0}, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        handle = fastchain.enable(**options)
+    try:
+        x = numpy.random.RandomState(1).randn(16, 1, 6, 6).astype(chainer.get_dtype())
+        t = numpy.arange(16, dtype=numpy.int32) % 3
+        refs = []
+        for _ in range(2):
+            model = L.Classifier(Net())
+            opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+            it = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(x, t), 8)
+            updater = training.StandardUpdater(it, opt)
+            for _ in range(3):
+                updater.update()
+            refs += [('model', weakref.ref(model)), ('optimizer', weakref.ref(opt)),
+                     ('update rule', weakref.ref(model.predictor.c.W.update_rule)),
+                     ('updater', weakref.ref(updater))]
+            if hasattr(it, 'finalize'):
+                it.finalize()
+            del model, opt, it, updater
+        gc.collect()
+        assert sorted({name for name, ref in refs if ref() is not None}) == []
+    finally:
+        handle.disable()

@@ -767,3 +767,16 @@ def test_the_graphs_keep_their_own_workspace_limit_which_enable_sets(monkeypatch
         assert _layers._key('conv forward', node, (2, 4, 6, 6), (8, 4, 3, 3), (2, 8, 6, 6),
                             'f', 0).workspace == 64 << 20
     assert get() == 8 << 20
+
+
+def test_an_unaligned_beta_stays_chainers():
+    """beta was not in BatchNormalization's alignment check (x, gamma and
+    the running statistics were): a view at an odd offset would reach cuDNN
+    as a misaligned pointer (a review)."""
+    x = dev(numpy.zeros((2, 8, 2, 2), 'f'))
+    gamma = dev(numpy.ones(8, 'f'))
+    beta = dev(numpy.zeros(9, 'f'))[1:]
+    assert beta.data.ptr % 16
+    assert _keys.bn_refusal(x, gamma, (0, 2, 3)) is None
+    assert _keys.bn_refusal(x, gamma, (0, 2, 3), beta=beta).startswith(
+        'an input not 16-byte aligned')

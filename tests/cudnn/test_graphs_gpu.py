@@ -106,9 +106,10 @@ def took_graphs(before, ops):
                if n > was['reasons'].get(r, 0)}
         # cuDNN's own refusals only: an error of fastchain's (a TypeError, an
         # AttributeError) is wrapped in the same words and must fail here
-        refusals = [r for r in new if r.startswith(('no cuDNN engine', 'cuDNN could'))
+        # at build time only: a failure to run a built graph must fail here
+        refusals = [r for r in new if r.startswith('no cuDNN engine')
                     and any(sign in r for sign in CUDNN_REFUSALS)]
-        if refusals:
+        if refusals and len(refusals) == len(new):
             pytest.xfail('{}: cuDNN refused the key: {}'.format(op, '; '.join(refusals)))
         assert taken == 1, (op, now)        # else both sides were Chainer's, for no reason
 
@@ -352,7 +353,9 @@ def test_resnet50_runs_every_key_on_graphs(graphs, dtype, bn, monkeypatch):
         op = 'batchnorm forward'    # the backward follows the forward
         assert summary[op]['paths'] == {'chainer': summary[op]['paths']['chainer']}, summary
         assert set(summary[op]['reasons']) == {_layers.BN_OFF}, summary
+    # any path but the graph's ('chainer', or 'statistics' where a key a
+    # graph refused or failed fell to the two-level statistics)
     left = {op: summary.get(op, {}).get('reasons') for op in ops
-            if summary.get(op, {'paths': {}})['paths'].get('chainer', 0)}
+            if set(summary.get(op, {'paths': {}})['paths']) - {'graph'}}
     assert not left, 'keys left to Chainer: {}'.format(left)
     assert all(summary[op]['paths'].get('graph', 0) > 0 for op in ops), summary

@@ -75,14 +75,16 @@ def unscale_before_hooks(optimizer):
     for a plain ``backward()``), every gradient alike (one the backward did
     not reach too: Chainer's ``reallocate_cleared_grads`` gave it zeros), and
     gives the fp16 parameters their own gradients back after the update.
-    While the 'pre' hooks run, each fp16 parameter given an fp32 gradient
-    holds its fp32 master weight (the fp16 weight in float32 before the
-    rule has one), so a hook sees a weight and a gradient of one dtype (a
-    weight decay adds rate times the master). A parameter two links hold is
-    unscaled once. Instance patches of Chainer's own template methods."""
+    A per-parameter 'pre' hook is given, for each fp16 parameter given an
+    fp32 gradient, its fp32 master weight (made from the fp16 weight where
+    the rule has none yet, as its update would) holding that gradient, so it
+    sees a weight and a gradient of one dtype (a weight decay adds rate
+    times the master). A parameter two links hold is unscaled once.
+    Instance patches of Chainer's own template methods."""
     check, update_loss_scale = optimizer.check_nan_in_grads, optimizer.update_loss_scale
-    call_hooks = optimizer.call_hooks
+    call_hooks, call_hook = optimizer.call_hooks, optimizer.call_hook
     kept = []
+    phase = {'pre': False}
 
     def unscaling_check():
         scale = optimizer._loss_scale
@@ -101,18 +103,30 @@ def unscale_before_hooks(optimizer):
         return check()
 
     def hooks_on_masters(timing='pre'):
-        if timing != 'pre':
-            return call_hooks(timing)
-        arrays = []
-        for param, _ in kept:
-            fp32 = param.update_rule._fp32_param
-            arrays.append((param, param.array))
-            param.array = param.array.astype(numpy.float32) if fp32 is None else fp32.array
+        phase['pre'] = timing == 'pre'
         try:
             return call_hooks(timing)
         finally:
-            for param, array in arrays:
-                param.array = array
+            phase['pre'] = False
+
+    def per_parameter_on_masters(hook):
+        if not phase['pre'] or not getattr(hook, 'call_for_each_param', False):
+            return call_hook(hook)
+        fp32_grads = {id(param) for param, _ in kept}
+
+        def on_master(rule, param):
+            if id(param) not in fp32_grads:
+                return hook(rule, param)
+            if rule._fp32_param is None:
+                rule._fp32_param = chainer.Parameter(param.array.astype(numpy.float32),
+                                                     name=param.name)
+            master = rule._fp32_param
+            master.grad = param.grad
+            hook(rule, master)
+            param._set_grad_without_check(master.grad)
+            master.grad = None
+        on_master.call_for_each_param = True
+        return call_hook(on_master)
 
     def giving_back():
         for param, grad in kept:
@@ -122,6 +136,7 @@ def unscale_before_hooks(optimizer):
     optimizer.check_nan_in_grads = unscaling_check
     optimizer.update_loss_scale = giving_back
     optimizer.call_hooks = hooks_on_masters
+    optimizer.call_hook = per_parameter_on_masters
 
 
 def state(model, optimizer, loss, grads):

@@ -203,10 +203,13 @@ RAISES = textwrap.dedent('''
     updater = training.StandardUpdater(it, opt)
     for step in range(1, 6):
         fail['step'] = step
-        try:
-            updater.update()
-        except Boom as e:
-            print('caught', e)
+        for attempt in range({attempts}):
+            try:
+                updater.update()
+                break
+            except Boom as e:
+                print('caught', e)
+                fail['step'] = 0            # the retry goes through
     handle.disable()
 ''')
 
@@ -218,7 +221,7 @@ def test_a_step_that_raises_leaves_no_range_open_for_the_steps_after(nvtx_tool, 
     # step's. Before, each was left open and every later range nested in it.
     log = str(tmp_path / 'nvtx.log')
     env = dict(os.environ, NVTX_INJECTION64_PATH=nvtx_tool, FASTCHAIN_NVTX_LOG=log)
-    code = RAISES.format(forward=2, backward=3, update=4)
+    code = RAISES.format(forward=2, backward=3, update=4, attempts=1)
     r = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -237,3 +240,26 @@ def test_a_step_that_raises_leaves_no_range_open_for_the_steps_after(nvtx_tool, 
                                                       ('fc', [])]
     for failed in roots[1:4]:
         assert names(failed)[:3] == ['data', 'convert', 'forward']
+
+
+def test_a_step_run_again_after_it_raised_stays_in_the_one_capture_range(nvtx_tool, tmp_path):
+    """FASTCHAIN_CAPTURE=2:3, the steps 2 and 3 each raising once and run
+    again: a retry of the window's first step opened a second capture range
+    (the first never closed: nsys records to the process's end), and one of
+    its last step closed it at the failed try."""
+    log = str(tmp_path / 'nvtx.log')
+    env = dict(os.environ, NVTX_INJECTION64_PATH=nvtx_tool, FASTCHAIN_NVTX_LOG=log,
+               FASTCHAIN_CAPTURE='2:3')
+    code = RAISES.format(forward=2, backward=3, update=-1, attempts=2)
+    r = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split('\n')[:2] == ['caught forward', 'caught backward']
+    roots, _ = nest(read_log(log))
+    roots = [r for r in roots if not r['name'].startswith('!')]
+    assert [r['name'] for r in roots] == ['step', 'capture', 'step', 'step']
+    capture = roots[1]
+    inside = [c for c in capture['children'] if not c['name'].startswith('!')]
+    assert [c['name'] for c in inside] == ['step'] * 4     # 2 (failed, again), 3 (the same)
+    assert 'update' not in names(inside[0]) and 'update' in names(inside[1])
+    assert 'update' not in names(inside[2]) and 'update' in names(inside[3])

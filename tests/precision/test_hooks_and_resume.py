@@ -654,3 +654,81 @@ def test_weight_decay_and_lasso_run_on_a_gpu_under_fp16():
         master = model.W.update_rule._fp32_param.array
     expected = w0 - (rate * w0 + rate * cupy.sign(w0))
     assert float(cupy.abs(master - expected).max()) <= 1e-9
+
+
+@pytest.mark.parametrize('loss_scale', ['dynamic', False])
+def test_an_hdf5_snapshot_without_masters_loads_and_says_so(tmp_path, loss_scale):
+    """HDF5's deserializer gives a missing section as one that raises
+    ValueError ('Inexistent group is specified') when read, not KeyError:
+    a plain Chainer HDF5 snapshot did not load (a review)."""
+    pytest.importorskip('h5py')
+    model, x, t = plain_fp16_snapshot(str(tmp_path / 'unused.npz'))
+    plain = chainer.optimizers.MomentumSGD(0.1).setup(model)
+    plain.use_fp32_update()
+    step(model, plain, x, t)
+    serializers.save_hdf5(str(tmp_path / 'opt.h5'), plain)
+    with fp16_enable(loss_scale=loss_scale):
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        with pytest.warns(FastchainWarning, match='no .*fp32 master weights of conv/W'):
+            serializers.load_hdf5(str(tmp_path / 'opt.h5'), opt)
+        step(model, opt, x, t)
+    assert opt.t == 2
+
+
+def test_a_hook_called_with_the_optimizer_sees_the_model_as_it_is():
+    """A 'pre' hook that runs the model (a probe) worked on the fp16 model;
+    the masters must not be put in the model for hooks (a review: an
+    InvalidType once they were)."""
+    seen = []
+
+    def probe(optimizer):
+        model = optimizer.target
+        seen.append(model(numpy.ones((2, 1, 8, 8), numpy.float16)).dtype)
+
+    with fp16_enable():
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        opt.add_hook(probe, name='probe')
+        opt.add_hook(optimizer_hooks.WeightDecay(1e-4))
+        for x, t in batches(2):
+            step(model, opt, x, t)
+    assert seen == [numpy.dtype(numpy.float16)] * 2
+
+
+def test_a_save_right_after_going_back_keeps_the_loaded_weights(tmp_path):
+    """Loaded without masters (optimizer, then model) and saved before the
+    next update: the run's master was saved beside the loaded weight, and a
+    run resumed from that snapshot undid the load (1.21 off; a review). The
+    check of a kept master runs at a save too; a rule let go is not kept
+    alive by it."""
+    import gc
+    import weakref
+    from fastchain.precision import _snapshot
+    model, x, t = plain_fp16_snapshot(str(tmp_path / 'opt.npz'))
+    serializers.save_npz(str(tmp_path / 'model.npz'), model)
+    with fp16_enable():
+        numpy.random.seed(1)
+        model = CNN()
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        for x2, t2 in batches(3, seed=5):
+            step(model, opt, x2, t2)
+        with pytest.warns(FastchainWarning):
+            serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
+        serializers.load_npz(str(tmp_path / 'model.npz'), model)
+        serializers.save_npz(str(tmp_path / 'again.npz'), opt)
+        saved = numpy.load(str(tmp_path / 'again.npz'))
+        for name, p in model.namedparams():
+            key = 'fastchain_fp32_masters/' + name.lstrip('/').replace('/', '.')
+            if p.dtype == numpy.float16:
+                numpy.testing.assert_array_equal(saved[key].astype(numpy.float16), p.array,
+                                                 err_msg=name)
+        # a load lacking masters into rules that have some, then the objects let go
+        step(model, opt, x, t)
+        with pytest.warns(FastchainWarning):
+            serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
+        assert len(_snapshot._unverified) > 0
+        rule = weakref.ref(model.fc.W.update_rule)
+        del model, opt, p
+        gc.collect()
+        assert rule() is None and len(_snapshot._unverified) == 0
