@@ -8,7 +8,7 @@
 #   make bench      the quick form of every benchmark -> benchmarks/results/
 #   make gpu-check  on a GPU machine: GPU tests, then the GPU benchmarks -> benchmarks/results/gpu/
 #   make test-differential  the differential suite at full size (>= 2,000 cases; SEED=... repeats)
-#   make mutation-check     shows the differential suite fails on four known defects put back
+#   make mutation-check     shows the differential suite fails on five known defects put back
 #   make wheelhouse         dist/wheelhouse/: fastchain, Chainer and what an offline GPU node lacks
 #   make wheelhouse-check   a clean Python 3.12 venv with the node's packages installs from it offline
 #   make cupy14-check       Chainer and fastchain beside CuPy 14 and CUDA 13's libraries, GPU or not

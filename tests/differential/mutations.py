@@ -1,4 +1,4 @@
-"""Puts known defects back, one at a time (three from the issues, one found
+"""Puts known defects back, one at a time (three from the issues, two found
 in review), and shows the differential suite fails on each
 (``make mutation-check``).
 
@@ -72,11 +72,23 @@ def unscale_by_the_optimizers_scale():
     _attach._backward_scales = optimizers_scale
 
 
+def hooks_see_the_fp16_weight():
+    """Found by review (2026-12-03): a per-parameter hook (WeightDecay) given
+    the fp16 parameter beside its fp32 gradient: rate * weight in float16,
+    subnormal for a typical rate (and a type error on a GPU)."""
+    from fastchain.precision import _attach
+
+    def as_given(self, rule, param):
+        return self.hook(rule, param)
+    _attach._OnMasters.__call__ = as_given
+
+
 MUTATIONS = {
     'hooks-see-scaled-gradients': hooks_see_scaled_gradients,
     'unconditional-undo': unconditional_undo,
     'padding-blind-buffers': padding_blind_buffers,
     'unscale-by-the-optimizers-scale': unscale_by_the_optimizers_scale,
+    'hooks-see-the-fp16-weight': hooks_see_the_fp16_weight,
 }
 
 
