@@ -151,13 +151,20 @@ class _OnMasters:
             if rule.enabled:
                 rule._fp32_param = master       # (what its update would make)
         grad = param.grad
+        if grad is not None and grad.dtype != master.dtype:
+            # refilled by reallocate_cleared_grads after an earlier hook's
+            # cleargrad (float16 zeros): one dtype for the hook
+            grad = grad.astype(master.dtype)
+            param._set_grad_without_check(grad)
         master._set_grad_without_check(grad)
+        master.update_rule = rule       # (a hook may read it, as on the parameter)
         try:
             return self.hook(rule, master)
         finally:
             if master.grad is not grad:
                 param._set_grad_without_check(master.grad)
             master._set_grad_without_check(None)
+            master.update_rule = None
 
 
 def _warn_own_scaling(optimizer, scaler):

@@ -83,7 +83,10 @@ def _take_up(optimizer, loss_scale, changes):
         return False
     scaler = None
     if loss_scale is not False:
-        scaler = DynamicLossScaler(**carried['settings'])
+        # (the carried scale as init_scale: a fixed scale below the default
+        # one was refused by min_scale <= init_scale <= max_scale; a review)
+        scaler = DynamicLossScaler(init_scale=carried['state']['scale'],
+                                   **carried['settings'])
         scaler.load_state_dict(carried['state'])
         mine = _carried(scaler)
         if any(own.get(name) != mine[name] for name in CHAINERS):

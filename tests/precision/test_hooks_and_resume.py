@@ -732,3 +732,47 @@ def test_a_save_right_after_going_back_keeps_the_loaded_weights(tmp_path):
         del model, opt, p
         gc.collect()
         assert rule() is None and len(_snapshot._unverified) == 0
+
+
+def test_a_per_parameter_hook_reads_the_rule_and_gets_one_dtype_after_a_cleargrad():
+    """The master given to a per-parameter hook had no update_rule (a hook
+    reading the learning rate raised AttributeError), and after an earlier
+    hook's cleargrad Chainer refills float16 zeros: the next hook got an fp32
+    weight with an fp16 gradient (a review)."""
+    seen = []
+
+    def scaled_by_lr(rule, param):
+        param.grad *= param.update_rule.hyperparam.lr
+        seen.append((param.array.dtype, param.grad.dtype))
+    scaled_by_lr.call_for_each_param = True
+
+    def clears(rule, param):
+        if param.name == 'W':
+            param.cleargrad()
+    clears.call_for_each_param = True
+
+    with fp16_enable():
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainer.optimizers.SGD(0.1).setup(model)
+        opt.add_hook(clears, name='clears')
+        opt.add_hook(scaled_by_lr, name='scaled')
+        for x, t in batches(1):
+            step(model, opt, x, t)
+    assert seen and all(w == g for w, g in seen), seen
+
+
+def test_a_copy_of_an_optimizer_with_a_fixed_scale_below_the_default_updates():
+    """A copy took up its scaler with the default init_scale (2**15) and a
+    fixed min_scale = max_scale = 1024: refused at its first update."""
+    import copy
+    scale = 1024.0
+    with fp16_enable(loss_scale={'init_scale': scale, 'min_scale': scale, 'max_scale': scale}):
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        (x, t), = batches(1)
+        step(model, opt, x, t)
+        other = copy.deepcopy(opt)
+        step(model, other, x, t)
+        assert other._loss_scale == scale
