@@ -17,7 +17,9 @@ Reads the ``fastchain`` domain's push/pop ranges from ``NVTX_EVENTS``
 (eventType 59; the domain from its NvtxDomainCreate row, eventType 75;
 category names from NvtxCategory rows, eventType 33; registered strings
 through ``StringIds``) and, when present, device kernels from
-``CUPTI_ACTIVITY_KIND_KERNEL`` to measure how long the device sat idle;
+``CUPTI_ACTIVITY_KIND_KERNEL`` (with the copies and memsets of
+``CUPTI_ACTIVITY_KIND_MEMCPY`` and ``_MEMSET``) to measure how long the
+device sat idle;
 NCCL's kernels among them (short name ``nccl...``) give the allreduce time on
 the device per step, each counted in the step that launched it (its launch
 call's start in ``CUPTI_ACTIVITY_KIND_RUNTIME``, matched by correlationId;
@@ -26,8 +28,12 @@ Prints the median time of each phase of a step, its share, the one-off
 events (a snapshot, an evaluation: see ``fastchain/nvtx/_summary.py``) by
 name and duration, the device's idle share and a one-line diagnosis.
 
-Exit status 2, with one line on stderr, for a file that is missing or is not
-the SQLite export of an nsys report of a fastchain run.
+An export of several processes (a data-parallel job under one ``nsys
+profile``) gets a breakdown a process, from its own ranges and kernels.
+
+Exit status 2, with one line on stderr, for a file that is missing, is not
+the SQLite export of an nsys report of a fastchain run, or holds no closed
+'step' range.
 """
 
 import argparse
@@ -39,7 +45,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
-from fastchain.nvtx import _summary  # noqa: E402
+from fastchain.nvtx import _chart, _summary  # noqa: E402
 
 NVTX_CATEGORY, NVTX_PUSH_POP, NVTX_DOMAIN_CREATE = 33, 59, 75
 EXPECTED = ('expected the SQLite export of an Nsight Systems report; make one with '
@@ -76,32 +82,66 @@ def check_file(path):
             'an empty file' if not head else 'not an SQLite file', EXPECTED))
 
 
+def process_of(global_tid):
+    """The process part of an nsys ``globalTid``/``globalPid`` (its bits above
+    the thread id's 24), None where the row has none."""
+    return None if global_tid is None else global_tid >> 24
+
+
+def pid_of(process):
+    """The operating system's process id within :func:`process_of`'s key."""
+    return process & 0xFFFFFF
+
+
 def read_ranges(db, domain='fastchain'):
-    """fastchain's ranges as summary Ranges (thread = globalTid)."""
+    """fastchain's closed push/pop ranges as summary Ranges (thread =
+    globalTid), and notes on what the export lacked.
+
+    An export of several processes (``nsys profile mpiexec ...``) holds each
+    process's domain under its own id: the domain and its categories are
+    matched per process (a row with no globalTid stands for every process).
+    Where the category names are missing (they are registered at the first
+    range of each, before a capture window opens), each range's category is
+    found from its name, as fastchain names them."""
     tables = _tables(db)
     if 'NVTX_EVENTS' not in tables:
         raise ReportError('no NVTX_EVENTS table: not an nsys export, or the report was '
                           'taken without --trace=nvtx ({})'.format(EXPECTED))
-    row = db.execute('SELECT domainId FROM NVTX_EVENTS WHERE eventType = ? AND text = ?',
-                     (NVTX_DOMAIN_CREATE, domain)).fetchone()
-    if row is None:
+    domains = {(did, process_of(tid)) for did, tid in db.execute(
+        'SELECT domainId, globalTid FROM NVTX_EVENTS WHERE eventType = ? AND text = ?',
+        (NVTX_DOMAIN_CREATE, domain))}
+    if not domains:
         raise ReportError('no {!r} NVTX domain in this report: run the training with '
                           'fastchain.enable(nvtx=True) (on by default under nsys)'
                           .format(domain))
-    domain_id = row[0]
+
+    def ours(did, tid):
+        return (did, process_of(tid)) in domains or (did, None) in domains
+
     strings = dict(db.execute('SELECT id, value FROM StringIds')) \
         if 'StringIds' in tables else {}
-    categories = {cid: name for cid, name in db.execute(
-        'SELECT category, text FROM NVTX_EVENTS WHERE eventType = ? AND domainId = ?',
-        (NVTX_CATEGORY, domain_id))}
+    categories = {}
+    for cid, name, did, tid in db.execute(
+            'SELECT category, text, domainId, globalTid FROM NVTX_EVENTS WHERE eventType = ?',
+            (NVTX_CATEGORY,)):
+        if ours(did, tid):
+            categories[(did, process_of(tid), cid)] = name
     rows = db.execute(
-        'SELECT start, end, text, textId, category, globalTid FROM NVTX_EVENTS '
-        'WHERE eventType = ? AND domainId = ? AND end IS NOT NULL ORDER BY start',
-        (NVTX_PUSH_POP, domain_id)).fetchall()
+        'SELECT start, end, text, textId, category, globalTid, domainId FROM NVTX_EVENTS '
+        'WHERE eventType = ? AND end IS NOT NULL ORDER BY start',
+        (NVTX_PUSH_POP,)).fetchall()
     by_thread = collections.defaultdict(list)
-    for start, end, text, text_id, category, tid in rows:
+    unnamed = 0
+    for start, end, text, text_id, category, tid, did in rows:
+        if not ours(did, tid):
+            continue
         name = text if text is not None else strings.get(text_id, '')
-        by_thread[tid].append((start, end, name, categories.get(category, '')))
+        found = categories.get((did, process_of(tid), category),
+                               categories.get((did, None, category)))
+        if found is None:
+            unnamed += 1
+            found = _summary.category_from_name(name)
+        by_thread[tid].append((start, end, name, found))
     ranges = []
     for tid, items in by_thread.items():
         items.sort(key=lambda r: (r[0], -r[1]))
@@ -111,7 +151,13 @@ def read_ranges(db, domain='fastchain'):
                 stack.pop()
             ranges.append(_summary.Range(name, category, tid, start, end, len(stack)))
             stack.append(end)
-    return ranges
+    notes = []
+    if unnamed:
+        notes.append('note: {} of the {} fastchain ranges have a category this report does '
+                     'not name (no NvtxCategory row for it): their categories were taken '
+                     'from their names, as fastchain names its ranges'.format(
+                         unnamed, sum(len(v) for v in by_thread.values())))
+    return ranges, notes
 
 
 def is_recorder_log(path):
@@ -167,23 +213,43 @@ def read_recorder_log(path, domain='fastchain'):
     return ranges
 
 
-def read_kernels(db):
-    if 'CUPTI_ACTIVITY_KIND_KERNEL' not in _tables(db):
+DEVICE_WORK = ('CUPTI_ACTIVITY_KIND_KERNEL', 'CUPTI_ACTIVITY_KIND_MEMCPY',
+               'CUPTI_ACTIVITY_KIND_MEMSET')
+
+
+def read_kernels(db, process=None):
+    """(start, end) of the device's work: its kernels, copies and memsets (of
+    ``process``, a :func:`process_of` key, where given); None where the
+    export has none, or where it cannot say which process did them."""
+    tables = [t for t in DEVICE_WORK if t in _tables(db)]
+    if 'CUPTI_ACTIVITY_KIND_KERNEL' not in tables:
         return None
-    return [tuple(r) for r in db.execute('SELECT start, end FROM CUPTI_ACTIVITY_KIND_KERNEL')]
+    work = []
+    for table in tables:
+        if process is None:
+            work += db.execute('SELECT start, end FROM {}'.format(table))
+        elif 'globalPid' in _columns(db, table):
+            work += db.execute('SELECT start, end FROM {} WHERE (globalPid >> 24) = ?'
+                               .format(table), (process,))
+        elif table == 'CUPTI_ACTIVITY_KIND_KERNEL':
+            return None
+    return [tuple(r) for r in work]
 
 
 def _columns(db, table):
     return {r[1] for r in db.execute('PRAGMA table_info({})'.format(table))}
 
 
-def read_device(db):
-    """NCCL's kernels as summary DeviceRanges (category 'allreduce'), or None."""
+def read_device(db, process=None):
+    """NCCL's kernels (of ``process``, where given) as summary DeviceRanges
+    (category 'allreduce'), or None."""
     tables = _tables(db)
     if 'CUPTI_ACTIVITY_KIND_KERNEL' not in tables or 'StringIds' not in tables:
         return None
     kernel = _columns(db, 'CUPTI_ACTIVITY_KIND_KERNEL')
     if not {'shortName', 'correlationId'} <= kernel:
+        return None
+    if process is not None and 'globalPid' not in kernel:
         return None
     launch = 'k.start'
     join = ''
@@ -195,10 +261,13 @@ def read_device(db):
         if 'globalPid' in kernel and 'globalTid' in _columns(db, 'CUPTI_ACTIVITY_KIND_RUNTIME'):
             # Correlation ids are per process: a report of several ranks repeats them.
             join += ' AND (r.globalTid >> 24) = (k.globalPid >> 24)'
+    where, params = "s.value LIKE 'nccl%'", ()
+    if process is not None:
+        where, params = where + ' AND (k.globalPid >> 24) = ?', (process,)
     rows = db.execute(
         'SELECT s.value, k.deviceId, k.streamId, k.start, k.end, {} '
         'FROM CUPTI_ACTIVITY_KIND_KERNEL AS k JOIN StringIds AS s ON s.id = k.shortName {} '
-        "WHERE s.value LIKE 'nccl%' ORDER BY k.start".format(launch, join)).fetchall()
+        'WHERE {} ORDER BY k.start'.format(launch, join, where), params).fetchall()
     return [_summary.DeviceRange(name, 'allreduce', 'GPU {} stream {}'.format(dev, stream),
                                  start, end, launched)
             for name, dev, stream, start, end, launched in rows]
@@ -207,12 +276,18 @@ def read_device(db):
 def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split('\n\n')[0],
-        epilog='Exit status: 0, or 2 for a usage error or a file that is not an nsys '
-               'SQLite export of a fastchain run (one line on stderr says why).')
+        epilog='An export of several processes (a data-parallel job profiled whole, '
+               '`nsys profile mpiexec -n 2 ...`) gets a breakdown a process, each from its '
+               "own ranges and kernels. Exit status: 0, or 2 for a usage error or a file "
+               'that is not an nsys SQLite export of a fastchain run with a training step '
+               'in it (one line on stderr says why).')
     p.add_argument('sqlite', help='the file written by `nsys export --type sqlite` (or the '
                                   "NVTX injection recorder's log)")
     p.add_argument('--skip', type=int, default=1, help='warm-up steps to leave out')
-    p.add_argument('--png', help='also draw the breakdown here (a .png path)')
+    p.add_argument('--png', help='also draw the breakdown here (a .png path; with several '
+                                 'processes, one a process: PATH.pidN.png)')
+    p.add_argument('--process', type=int, metavar='PID',
+                   help='only this process of an export of several (its process id)')
     args = p.parse_args(argv)
     if args.skip < 0:
         p.error('--skip {}: give how many leading steps to leave out, 0 or more'.format(
@@ -224,29 +299,83 @@ def main(argv=None):
         if not os.path.isdir(folder):
             p.error('--png {}: the folder {} does not exist'.format(args.png, folder))
     try:
-        if is_recorder_log(args.sqlite):
-            return _report(args, read_recorder_log(args.sqlite), None, None)
-        check_file(args.sqlite)
-        path = pathlib.Path(args.sqlite).resolve().as_uri() + '?mode=ro'
-        db = sqlite3.connect(path, uri=True)
-        try:
-            ranges, kernels, device = read_ranges(db), read_kernels(db), read_device(db)
-        finally:
-            db.close()
+        parts, notes = _load(args)
+        results = [(process, _summary.summarize(ranges, kernels=kernels, skip=args.skip,
+                                                device=device or None))
+                   for process, ranges, kernels, device in parts]
+        if not any(r['steps'] for _, r in results):
+            raise ReportError(NO_STEP)
     except ReportError as e:
         _fail('{}: {}'.format(args.sqlite, e))
     except sqlite3.DatabaseError as e:
         _fail('{}: unreadable as SQLite: {} ({})'.format(args.sqlite, e, EXPECTED))
-    return _report(args, ranges, kernels, device)
+    for line in notes:
+        print(line)
+    for n, (process, result) in enumerate(results, 1):
+        png = args.png
+        if len(results) > 1:
+            print('{}== process {} ({} of {}) =='.format('\n' if n > 1 else '',
+                                                       pid_of(process), n, len(results)))
+            png = png and '{}.pid{}.png'.format(png[:-4], pid_of(process))
+        _report(args, result, png)
+    return results[0][1] if len(results) == 1 else \
+        {pid_of(process): result for process, result in results}
 
 
-def _report(args, ranges, kernels, device):
-    result = _summary.summarize(ranges, kernels=kernels, skip=args.skip,
-                                device=device or None)
+NO_STEP = ("no closed 'step' range: fastchain times the update() of Chainer's "
+           'StandardUpdaters (a Trainer, or updater.update() in a loop), and none ended in '
+           "this record (a script's own loop gets forward, backward and update ranges but no "
+           'steps; a run cut off in its first step, or a capture window that closed on no '
+           'step, leaves none)')
+
+
+def _load(args):
+    """([(process, ranges, kernels, device)], notes): a part a process that
+    has fastchain's ranges (``--process``: that one only)."""
+    if is_recorder_log(args.sqlite):
+        return [(None, read_recorder_log(args.sqlite), None, None)], []
+    check_file(args.sqlite)
+    path = pathlib.Path(args.sqlite).resolve().as_uri() + '?mode=ro'
+    db = sqlite3.connect(path, uri=True)
+    try:
+        ranges, notes = read_ranges(db)
+        by_process = collections.defaultdict(list)
+        for r in ranges:
+            by_process[process_of(r.thread)].append(r)
+        processes = sorted(by_process, key=lambda p: (p is None, p))
+        if args.process is not None:
+            chosen = [p for p in processes if p is not None and pid_of(p) == args.process]
+            if not chosen:
+                raise ReportError('--process {}: no fastchain range of that process here; '
+                                  'the processes with some: {}'.format(
+                                      args.process, ', '.join(
+                                          str(pid_of(p)) for p in processes if p is not None)
+                                      or 'none that says its id'))
+            processes = chosen
+        several = len(by_process) > 1
+        says_whose = 'CUPTI_ACTIVITY_KIND_KERNEL' in _tables(db) and \
+            'globalPid' in _columns(db, 'CUPTI_ACTIVITY_KIND_KERNEL')
+        parts = []
+        for process in processes:
+            # A process's own kernels where the export says whose they are;
+            # where it does not, all of them for a process alone, none for
+            # one of several.
+            key = process if says_whose or several else None
+            parts.append((process, by_process[process], read_kernels(db, key),
+                          read_device(db, key)))
+        if several and not says_whose and read_kernels(db) is not None:
+            notes.append("note: the export's kernels do not say which process ran them "
+                         '(no globalPid): no device-idle figure a process')
+        return parts, notes
+    finally:
+        db.close()
+
+
+def _report(args, result, png):
     note = _summary.skip_note(args.skip, result)
     print(_summary.format_summary(result) + ('\n' + note if note else ''))
-    if args.png:
-        drawn = _summary.plot(result, args.png)
+    if png:
+        drawn = _chart.plot(result, png)
         print('chart: ' + (drawn or 'not drawn (no step recorded, or matplotlib missing)'))
     return result
 

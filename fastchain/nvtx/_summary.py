@@ -39,6 +39,28 @@ DeviceRange = collections.namedtuple('DeviceRange', 'name category track start e
 PHASES = ('data', 'convert', 'forward', 'backward', 'loss_scale', 'update', 'other',
           'extension')
 
+# The names fastchain gives its ranges (fastchain/nvtx/_hooks.py), for a
+# record that lost the categories' names: (exact name or prefix, category).
+_NAMED = (('step', 'step'), ('capture', 'step'), ('data', 'data'), ('convert', 'convert'),
+          ('forward', 'forward'), ('backward', 'backward'), ('update', 'update'))
+_PREFIXED = (('extension ', 'extension'), ('allreduce bucket ', 'allreduce'),
+             ('loss_scale ', 'loss_scale'), ('epoch ', 'mark'), ('skipped step', 'mark'))
+
+
+def category_from_name(name):
+    """The category fastchain gives a range of this name: every range it
+    opens is named after its category ('forward'), or starts with it
+    ('extension snapshot', 'allreduce bucket 0'), or is a link's path
+    ('link')."""
+    for exact, category in _NAMED:
+        if name == exact:
+            return category
+    for prefix, category in _PREFIXED:
+        if name.startswith(prefix):
+            return category
+    return 'link'
+
+
 ONE_OFF_FACTOR = 3.0
 ONE_OFF_MIN_SHARE = 0.25
 ONE_OFF_RULE = ("a phase's or an extension's time in a step that is more than {:g}x its "
@@ -79,13 +101,25 @@ def summarize(ranges, kernels=None, skip=1, device=None):
     steps = sorted((r for r in ranges if r.category == 'step' and r.name == 'step'),
                    key=lambda r: r.start)
     skip = skip if len(steps) > skip else 0
+    # A step's extensions run up to the next step of its own thread (another
+    # thread's steps, or another process's in an export of several, do not
+    # end it).
+    following, next_start = [None] * len(steps), {}
+    for i in range(len(steps) - 1, -1, -1):
+        following[i] = next_start.get(steps[i].thread)
+        next_start[steps[i].thread] = steps[i].start
+    at = [a for a, _ in launched]
+    upto = [0]
+    for _, t in launched:
+        upto.append(upto[-1] + t)
     per_step, warmup = [], []
     for i, step in enumerate(steps):
-        following = steps[i + 1].start if i + 1 < len(steps) else None
-        phases = _phases(step, by_thread[step.thread], starts[step.thread], following)
+        phases = _phases(step, by_thread[step.thread], starts[step.thread],
+                         following[i])
         if device is not None:
             lo, hi = phases['window']
-            phases['allreduce_device'] = sum(t for at, t in launched if lo <= at <= hi)
+            phases['allreduce_device'] = \
+                upto[bisect.bisect_right(at, hi)] - upto[bisect.bisect_left(at, lo)]
         phases['index'] = i + 1
         if i < skip:
             warmup.append((i + 1, sum(phases[p] for p in PHASES) / 1e6))
@@ -123,7 +157,6 @@ def _phases(step, thread_ranges, starts, following):
     own: the whole list for every step made saving a long run's timeline
     take minutes)."""
     lo = bisect.bisect_left(starts, step.start)
-    # (the next step may be another thread's, starting before this one ends)
     hi = len(starts) if following is None else \
         bisect.bisect_right(starts, max(step.end, following))
     return _step_figures(step, thread_ranges[lo:hi], following)
@@ -145,7 +178,7 @@ def _step_figures(step, candidates, following):
                 children += r.end - r.start
             if r.category == 'allreduce':
                 out['allreduce'] += r.end - r.start
-        elif r.category == 'extension' and r.depth == step.depth and \
+        elif r.category == 'extension' and r.depth <= step.depth and \
                 r.start >= step.end and (following is None or r.end <= following):
             out['extension'] += r.end - r.start
             events[('extension', r.name)] += r.end - r.start
@@ -183,20 +216,24 @@ def _one_offs(per_step):
 
 
 def _device_idle(per_step, kernels):
-    kernels = sorted(kernels)
+    """The median share of a step's window during which no kernel ran: the
+    kernels' union (streams overlap), found per step by bisection in it."""
+    union = []
+    for k0, k1 in sorted(kernels):
+        if union and k0 <= union[-1][1]:
+            if k1 > union[-1][1]:
+                union[-1][1] = k1
+        else:
+            union.append([k0, k1])
+    ends = [b for _, b in union]
     idle = []
     for s in per_step:
         lo, hi = s['window']
-        busy, cursor = 0, lo
-        for k0, k1 in kernels:
-            if k1 <= cursor or k0 >= hi:
-                if k0 >= hi:
-                    break
-                continue
-            a, b = max(k0, cursor), min(k1, hi)
-            if b > a:
-                busy += b - a
-                cursor = b
+        busy = 0
+        for a, b in union[bisect.bisect_right(ends, lo):]:
+            if a >= hi:
+                break
+            busy += min(b, hi) - max(a, lo)
         idle.append(1 - busy / max(1, hi - lo))
     return statistics.median(idle)
 
@@ -310,77 +347,3 @@ def _unclosed(result):
     return ['warning: {} range(s) never closed ({}): pushed without a pop, so they are '
             'missing and the nesting recorded after them is off'.format(
                 len(result['unclosed']), ', '.join(n for n, _ in result['unclosed']))]
-
-
-BARS_UP_TO = 200    # steps drawn as bars; more as one area a phase
-LABELS = 10         # one-off steps named in the chart (the largest)
-
-
-def plot(result, path):
-    """A PNG: the median time per phase of a step, and each step's phases,
-    one-off events hatched and named. Returns ``path``, or None where
-    matplotlib is missing or no step was recorded."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    from fastchain.nvtx._annotator import CATEGORIES
-    if not result['per_step']:
-        return None
-    colours = {p: '#{:06x}'.format(CATEGORIES.get(p, 0xFF444444) & 0xFFFFFF) for p in PHASES}
-    colours['other'] = '#cccccc'
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5),
-                                      gridspec_kw={'height_ratios': [1, 3]})
-    left = 0.0
-    for p in PHASES:
-        width = result['median_ms'][p]
-        top.barh([0], [width], left=left, color=colours[p], label=p)
-        left += width
-    top.set_yticks([])
-    top.set_xlabel('ms per step (median; one-off events at their median time)')
-    top.set_title(result['diagnosis'], fontsize=10)
-    top.legend(ncol=len(PHASES), fontsize=7, loc='upper center', bbox_to_anchor=(0.5, -0.6))
-    per_step = result['per_step']
-    steps = [s['index'] for s in per_step]
-    acc = [0.0] * len(per_step)
-    layers = []
-    for p in PHASES:
-        values = [s['adjusted'][p] / 1e6 for s in per_step]
-        layers.append(values)
-        if len(per_step) <= BARS_UP_TO:
-            bottom.bar(steps, values, bottom=acc, color=colours[p], width=0.9)
-        acc = [a + v for a, v in zip(acc, values)]
-    if len(per_step) > BARS_UP_TO:
-        # one polygon a phase, not a bar a step and phase (a long run's
-        # tens of thousands of bars took minutes to draw)
-        bottom.stackplot(steps, layers, colors=[colours[p] for p in PHASES], step='mid')
-    extra = [sum(s[p] for p in PHASES) / 1e6 - a for s, a in zip(per_step, acc)]
-    odd = [i for i, s in enumerate(per_step) if s['one_offs']]
-    if odd:
-        # One-offs can dwarf a step: draw them hatched, clipped, and name
-        # the largest (all of them are in the summary).
-        ceiling = 2.5 * max(acc)
-        bottom.bar([steps[i] for i in odd], [min(extra[i], ceiling - acc[i]) for i in odd],
-                   bottom=[acc[i] for i in odd], color='white', edgecolor='#d62728',
-                   hatch='//', width=0.9 if len(per_step) <= BARS_UP_TO else 1.0,
-                   label='one-off events (clipped at 2.5x the tallest step)')
-        named = sorted(odd, key=lambda i: -extra[i])[:LABELS]
-        for i in named:
-            bottom.text(steps[i], acc[i], '\n'.join('{} {:.0f} ms'.format(n, ms)
-                                                    for n, ms in per_step[i]['one_offs']),
-                        rotation=90, va='bottom', ha='center', fontsize=7,
-                        bbox={'facecolor': 'white', 'edgecolor': 'none', 'alpha': 0.8})
-        bottom.set_ylim(0, ceiling * 1.05)
-        bottom.legend(fontsize=7, loc='upper left', title=None if len(named) == len(odd) else
-                      'the {} largest of {} named'.format(len(named), len(odd)),
-                      title_fontsize=7)
-    from matplotlib.ticker import MaxNLocator
-    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
-    bottom.set_xlabel('step')
-    bottom.set_ylabel('ms')
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

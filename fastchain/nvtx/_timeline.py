@@ -23,7 +23,7 @@ import os
 import threading
 import time
 
-from fastchain.nvtx import _summary
+from fastchain.nvtx import _chart, _summary
 from fastchain.nvtx._annotator import CATEGORIES
 
 
@@ -139,7 +139,7 @@ class Timeline:
         base = os.path.splitext(path)[0]
         with open(base + '.txt', 'w') as f:
             f.write(_summary.format_summary(result) + '\n')
-        png = _summary.plot(result, base + '.png')
+        png = _chart.plot(result, base + '.png')
         if png is None and os.path.exists(base + '.png'):
             # an earlier run's chart would sit beside this run's trace and
             # summary as if it were theirs (a new-user trial read it so)

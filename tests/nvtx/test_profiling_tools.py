@@ -34,34 +34,50 @@ def to_sqlite(events, path, kernels=()):
     """The recorded NVTX calls as `nsys export --type sqlite` lays them out."""
     db = sqlite3.connect(path)
     db.executescript(SCHEMA)
-    domains = {'fastchain': 1, 'other': 2}
-    for name, did in domains.items():
-        db.execute('INSERT INTO NVTX_EVENTS (start, eventType, text, domainId) '
-                   'VALUES (0, 75, ?, ?)', (name, did))
-    strings, stacks = {}, {}
-    pid = os.getpid()
+    add_process(db, events, os.getpid(), kernels)
+    db.commit()
+    db.close()
+
+
+def add_process(db, events, pid, kernels=(), ids=None, shift=0, categories=True,
+                process_rows=False):
+    """One process's calls into an export: ``ids`` its domains' ids (nsys
+    numbers them per process), times moved by ``shift`` ns; ``categories``
+    False leaves out the category names; ``process_rows`` gives the domain
+    and category rows the process's globalTid (else none, as for every
+    process)."""
+    ids = ids or {'fastchain': 1, 'other': 2}
+    own = (pid << 24) | 1 if process_rows else None
+    strings = dict(db.execute('SELECT value, id FROM StringIds'))
+
+    def string(message):
+        if message not in strings:
+            strings[message] = len(strings) + 1
+            db.execute('INSERT INTO StringIds VALUES (?, ?)', (strings[message], message))
+        return strings[message]
+    for name, did in ids.items():
+        db.execute('INSERT INTO NVTX_EVENTS (start, eventType, text, domainId, globalTid) '
+                   'VALUES (0, 75, ?, ?, ?)', (name, did, own))
+    stacks = {}
     for kind, tid, t, domain, category, _, message in events:
-        did = domains.get(domain, 0)
-        if kind == 'category':
-            db.execute('INSERT INTO NVTX_EVENTS (start, eventType, category, text, domainId) '
-                       'VALUES (?, 33, ?, ?, ?)', (t, category, message, did))
+        did = ids.get(domain, 0)
+        t += shift
+        if kind == 'category' and categories:
+            db.execute('INSERT INTO NVTX_EVENTS (start, eventType, category, text, domainId, '
+                       'globalTid) VALUES (?, 33, ?, ?, ?, ?)', (t, category, message, did, own))
         elif kind == 'push':
             stacks.setdefault((tid, domain), []).append((t, category, message))
         elif kind == 'pop':
             start, category, message = stacks[(tid, domain)].pop()
-            if message not in strings:
-                strings[message] = len(strings) + 1
-                db.execute('INSERT INTO StringIds VALUES (?, ?)', (strings[message], message))
             db.execute('INSERT INTO NVTX_EVENTS (start, end, eventType, category, textId, '
                        'domainId, globalTid) VALUES (?, ?, 59, ?, ?, ?, ?)',
-                       (start, t, category, strings[message], did, (pid << 24) | tid))
+                       (start, t, category, string(message), did, (pid << 24) | tid))
     # A range in another domain must not count.
     db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, text, domainId, globalTid) "
-               "VALUES (0, 10, 59, 'step', 2, 1)")
-    db.executemany('INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, 0, 1, 7, 0, 0, 1)',
-                   kernels)
-    db.commit()
-    db.close()
+               "VALUES (?, ?, 59, 'step', ?, ?)", (shift, shift + 10, ids['other'],
+                                                   (pid << 24) | 1))
+    db.executemany('INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, 0, 1, 7, 0, ?, 1)',
+                   [(k0 + shift, k1 + shift, pid << 24) for k0, k1 in kernels])
 
 
 def test_summariser_reads_an_nsys_export_of_a_real_run(nvtx_tool, tmp_path):
@@ -414,3 +430,121 @@ def test_nsys_profile_without_nsys_or_the_script_is_a_usage_error_naming_it(tmp_
     out = subprocess.run(tool + [str(tmp_path / 'nope.py')], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and 'nope.py: no such script' in out.stderr
+
+
+def summarize_file(path, *args):
+    return subprocess.run([sys.executable, os.path.join(PROFILING, 'summarize.py'), str(path)]
+                          + list(args), capture_output=True, text=True, timeout=120)
+
+
+def export(path, processes):
+    """An export of several processes: [(events, pid, kwargs of add_process)]."""
+    db = sqlite3.connect(str(path))
+    db.executescript(SCHEMA)
+    for events, pid, kwargs in processes:
+        add_process(db, events, pid, **kwargs)
+    db.commit()
+    db.close()
+    return path
+
+
+def test_summariser_gives_each_process_of_a_data_parallel_export_its_own_breakdown(
+        nvtx_tool, tmp_path):
+    """`nsys profile mpiexec -n 2 ...` records both ranks in one export: each
+    process's steps, extensions and kernels are its own (they were mixed: an
+    extension cut off by the other rank's next step, the other rank's kernels
+    filling this one's idle time), and nsys numbers the domains per process
+    (id 1 is another domain in the second)."""
+    events = run(nvtx_tool, tmp_path, poison=())
+    roots, _ = nest(events)
+    windows = [(s['start'], s['end']) for s in roots if s['name'] == 'step']
+    half = [(a, a + (b - a) // 2) for a, b in windows]
+    first = (events, 1000, dict(kernels=half, process_rows=True))
+    second = (events, 2000, dict(kernels=windows, shift=300_000, process_rows=True,
+                                 ids={'other': 1, 'fastchain': 3}))
+    both = summarize_file(export(tmp_path / 'both.sqlite', [first, second]))
+    alone = [summarize_file(export(tmp_path / 'p{}.sqlite'.format(p[1]), [p]))
+             for p in (first, second)]
+    assert [o.returncode for o in [both] + alone] == [0, 0, 0], both.stderr
+    sections = both.stdout.split('== process ')[1:]
+    assert [s.split('\n', 1)[0] for s in sections] == ['1000 (1 of 2) ==', '2000 (2 of 2) ==']
+    for section, own in zip(sections, alone):
+        assert section.split('\n', 1)[1].strip() == own.stdout.strip()
+    idle = [float(o.stdout.split('device idle: ')[1].split('%')[0]) for o in alone]
+    # (the second's kernels cover its steps: only its extensions leave it idle)
+    assert idle[0] >= 49.9 and idle[1] < idle[0] - 20, idle
+    one = summarize_file(tmp_path / 'both.sqlite', '--process', '2000')
+    assert one.returncode == 0 and one.stdout == alone[1].stdout
+    wrong = summarize_file(tmp_path / 'both.sqlite', '--process', '7')
+    assert wrong.returncode == 2 and 'Traceback' not in wrong.stderr
+    assert 'the processes with some: 1000, 2000' in wrong.stderr
+
+
+def test_summariser_takes_the_categories_from_the_names_where_the_export_lacks_them(
+        nvtx_tool, tmp_path):
+    """A category is named once, at its first range: an export without those
+    rows (a capture window opened later) read as 'no training step'."""
+    events = run(nvtx_tool, tmp_path, poison=())
+    named = summarize_file(export(tmp_path / 'named.sqlite', [(events, 5, {})]))
+    unnamed = summarize_file(export(tmp_path / 'unnamed.sqlite',
+                                    [(events, 5, dict(categories=False))]))
+    assert named.returncode == unnamed.returncode == 0, unnamed.stderr
+    note, rest = unnamed.stdout.split('\n', 1)
+    assert note.startswith('note: ') and 'taken from their names' in note
+    assert rest == named.stdout and '(3 steps, 1 warm-up left out)' in rest
+
+
+def test_summariser_refuses_a_record_without_a_closed_step(nvtx_tool, tmp_path):
+    """A script's own loop (no updater), a run cut off in its first step:
+    exit status 2 saying why, from the export as from the recorder's log
+    (the export said 'no training step was recorded' with status 0)."""
+    events = run(nvtx_tool, tmp_path, poison=())
+    # every 'step' range's push and pop left out
+    kept, stack = [], []
+    for e in events:
+        if e[0] == 'push':
+            stack.append(e[6])
+            if e[6] == 'step':
+                continue
+        elif e[0] == 'pop':
+            if stack.pop() == 'step':
+                continue
+        kept.append(e)
+    assert len(kept) < len(events)
+    path = export(tmp_path / 'nostep.sqlite', [(kept, 5, {})])
+    log = tmp_path / 'nostep.tsv'
+    log.write_text(''.join('\t'.join(str(v) for v in e) + '\n' for e in kept))
+    for out in (summarize_file(path), summarize_file(log)):
+        assert out.returncode == 2 and 'Traceback' not in out.stderr, out.stderr
+        assert "no closed 'step' range" in out.stderr and 'StandardUpdater' in out.stderr
+
+
+def test_the_devices_copies_are_work_not_idle_time(nvtx_tool, tmp_path):
+    """A step whose device copies a batch while no kernel runs was called
+    idle, and the diagnosis said host-bound (try static_graph)."""
+    events = run(nvtx_tool, tmp_path, poison=())
+    roots, _ = nest(events)
+    windows = [(s['start'], s['end']) for s in roots if s['name'] == 'step']
+    path = export(tmp_path / 'copies.sqlite',
+                  [(events, 5, dict(kernels=[(a, a + (b - a) // 2) for a, b in windows]))])
+    before = summarize_file(path)
+    db = sqlite3.connect(str(path))
+    db.execute('CREATE TABLE CUPTI_ACTIVITY_KIND_MEMCPY (start INTEGER NOT NULL, end INTEGER '
+               'NOT NULL, deviceId INTEGER NOT NULL, streamId INTEGER NOT NULL, '
+               'globalPid INTEGER, bytes INTEGER NOT NULL)')
+    db.executemany('INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY VALUES (?, ?, 0, 8, ?, 1024)',
+                   [(a + (b - a) // 2, b, 5 << 24) for a, b in windows] +
+                   [(a, b, 6 << 24) for a, b in windows[:1]])     # another process's
+    db.commit()
+    db.close()
+    after = summarize_file(path)
+    idle = [float(o.stdout.split('device idle: ')[1].split('%')[0]) for o in (before, after)]
+    steps = [i for i, r in enumerate(roots) if r['name'] == 'step']
+    expected = []           # busy through each step: idle in its extensions only
+    for n, i in enumerate(steps[1:], 1):
+        step = roots[i]
+        following = roots[i + 1:steps[n + 1]] if n + 1 < len(steps) else roots[i + 1:]
+        end = max([step['end']] + [r['end'] for r in following if 'end' in r])
+        expected.append(1 - (step['end'] - step['start']) / (end - step['start']))
+    assert idle[1] == pytest.approx(100 * statistics.median(expected), abs=0.06)
+    assert idle[1] < idle[0], idle

@@ -468,3 +468,77 @@ def test_a_run_that_fails_says_nothing_of_the_capture_window(tmp_path, monkeypat
                   extend=lambda trainer: trainer.extend(fail, trigger=(2, 'iteration')))
     for h in fastchain.active_handles():
         h.disable()
+
+
+def test_the_last_step_of_a_capture_window_keeps_its_extensions():
+    """The capture range closes inside the window's last step, before its
+    extensions run: they sit a level above that step and were dropped."""
+    ms = 1_000_000
+    ranges, t = [], 0
+    for i in range(6):
+        rs, t = step(t, PHASES_10MS, extension=5 * ms)
+        inside = 1 <= i <= 4           # the window: steps 2 to 5
+        ranges += [r._replace(depth=r.depth + (inside and (r.category != 'extension'
+                                                           or i < 4)))
+                   for r in rs]
+    # from step 2's start to step 5's end (steps of 10 ms, each with 5 ms of extension)
+    ranges.append(Range('capture', 'step', 1, 15 * ms, 70 * ms, 0))
+    result = _summary.summarize(ranges, skip=0)
+    assert [s['extension'] for s in result['per_step']] == [5 * ms] * 6
+
+
+def test_a_steps_extensions_end_at_the_next_step_of_its_own_thread():
+    """Another thread's steps (a second updater in a thread, another process
+    of an export) do not cut a step's extensions off."""
+    ms = 1_000_000
+    ranges = steps(4, PHASES_10MS, extension=3 * ms)
+    for i in range(4):       # thread 3's steps start while thread 1's extensions run
+        rs, _ = step(i * 13 * ms + 11 * ms, [('forward', 1 * ms)], thread=3)
+        ranges += rs
+    result = _summary.summarize(ranges, skip=0)
+    ones = [s for s in result['per_step'] if s['window'][0] % (13 * ms) == 0]
+    assert [s['extension'] for s in ones] == [3 * ms] * 4
+
+
+def _idle_by_scanning(per_step, kernels):
+    """The device-idle figure as it was computed: every kernel for every step."""
+    import statistics
+    kernels = sorted(kernels)
+    idle = []
+    for s in per_step:
+        lo, hi = s['window']
+        busy, cursor = 0, lo
+        for k0, k1 in kernels:
+            if k0 >= hi:
+                break
+            a, b = max(k0, cursor), min(k1, hi)
+            if b > a:
+                busy += b - a
+                cursor = b
+        idle.append(1 - busy / max(1, hi - lo))
+    return statistics.median(idle)
+
+
+@given(st.lists(st.tuples(st.integers(1, 20), st.integers(0, 6)), min_size=1, max_size=10),
+       st.lists(st.tuples(st.integers(-5, 250), st.integers(0, 30)), max_size=30),
+       st.lists(st.tuples(st.integers(-5, 250), st.integers(0, 9)), max_size=12))
+@settings(max_examples=150, deadline=None)
+def test_device_idle_and_allreduce_on_device_by_bisection_as_by_scanning(
+        shapes, kernels, launches):
+    """Each step looks only at the kernels and launches in its window (the
+    scan of all of them for every step grew with the square of a run's
+    steps: seconds for a thousand, minutes for ten thousand)."""
+    from fastchain.nvtx._summary import DeviceRange
+    ranges, t = [], 0
+    for forward, extension in shapes:
+        rs, t = step(t, [('forward', forward)], extension=extension)
+        ranges += rs
+    kernels = [(a, a + n) for a, n in kernels]
+    device = [DeviceRange('nccl', 'allreduce', 'GPU 0', a, a + n, a) for a, n in launches]
+    result = _summary.summarize(ranges, kernels=kernels or None, skip=0, device=device)
+    if kernels:
+        assert result['device_idle'] == pytest.approx(
+            _idle_by_scanning(result['per_step'], kernels), abs=1e-12)
+    for s in result['per_step']:
+        lo, hi = s['window']
+        assert s['allreduce_device'] == sum(n for a, n in launches if lo <= a <= hi)
