@@ -108,10 +108,18 @@ def make_demo_dataset(root, n_train=100, n_val=20, size=(96, 160), seed=0,
     stamp = os.path.join(root, 'dataset.json')
     out = {'root': root, 'train': os.path.join(root, 'train.txt'),
            'val': os.path.join(root, 'val.txt'), 'classes': list(CLASSES[:classes])}
-    if os.path.exists(stamp):
+    try:
         with open(stamp) as f:
             if json.load(f) == spec:
                 return out
+    except (OSError, ValueError):
+        pass                # none yet, or one cut off: made again
+    # The stamp goes first and comes back last, and each file is written under
+    # a temporary name and renamed: a run stopped part way leaves no stamp (the
+    # next run makes the set again, not a mix of two), and a run reading the
+    # set while another makes it never meets a half-written file.
+    if os.path.exists(stamp):
+        os.remove(stamp)
     for split, per_class, offset in (('train', n_train, 0), ('val', n_val, 1)):
         lines = []
         for label in range(classes):
@@ -122,10 +130,16 @@ def make_demo_dataset(root, n_train=100, n_val=20, size=(96, 160), seed=0,
                 w, h = rng.randint(size[0], size[1] + 1, 2)
                 image = make_image(rng, label, (int(w), int(h)))
                 name = '{:05d}.jpg'.format(k)
-                image.save(os.path.join(folder, name), quality=int(rng.randint(75, 96)))
+                path = os.path.join(folder, name)
+                image.save(path + '.part', format='JPEG', quality=int(rng.randint(75, 96)))
+                os.replace(path + '.part', path)
                 lines.append('{}/{}/{} {}'.format(split, CLASSES[label], name, label))
-        with open(out[split], 'w') as f:
-            f.write('\n'.join(lines) + '\n')
-    with open(stamp, 'w') as f:
-        json.dump(spec, f)
+        _write(out[split], '\n'.join(lines) + '\n')
+    _write(stamp, json.dumps(spec))
     return out
+
+
+def _write(path, text):
+    with open(path + '.part', 'w') as f:
+        f.write(text)
+    os.replace(path + '.part', path)

@@ -60,29 +60,35 @@ def parse_args(argv=None):
     g.add_argument('--image-size', type=int, default=224, help='training crop size')
     g.add_argument('--demo-per-class', type=int, default=300,
                    help='--data demo: training images per class (validation: a fifth)')
-    g.add_argument('--demo-root', default=os.path.join(HERE, '.data', 'demo'),
-                   help='--data demo: where the generated files go')
+    g.add_argument('--demo-root', default=None,
+                   help='--data demo: where the generated files go (default: '
+                        'recipes/resnet50/.data/demo-<image size>px-<per class>, one set '
+                        'each, so runs at two sizes do not remake each other\'s)')
     g.add_argument('--skip-bad-images', action='store_true',
                    help='leave images that cannot be read out of their batch (counted in '
                         'the log as skipped_examples) instead of stopping')
     g.add_argument('--batch-size', type=int, default=32, help='per process')
-    g.add_argument('--val-batch-size', type=int, default=64)
+    g.add_argument('--val-batch-size', type=int, default=64, help='per process')
 
     g = p.add_argument_group('model')
-    g.add_argument('--depth', type=int, default=50, choices=(18, 34, 50, 101, 152))
+    g.add_argument('--depth', type=int, default=50, choices=(18, 34, 50, 101, 152),
+                   help='layers')
     g.add_argument('--width', type=int, default=64, help='channels of the first stage')
 
     g = p.add_argument_group('optimisation')
-    g.add_argument('--epochs', type=float, default=90)
+    g.add_argument('--epochs', type=float, default=90, help='length of the run (and of its '
+                   'learning-rate schedule)')
     g.add_argument('--iterations', type=int, default=None,
                    help='stop after this many iterations instead')
     g.add_argument('--lr', type=float, default=0.1, help='for a global batch of 256; '
                    'scaled linearly with the global batch')
-    g.add_argument('--momentum', type=float, default=0.9)
-    g.add_argument('--weight-decay', type=float, default=5e-5)
-    g.add_argument('--warmup-epochs', type=float, default=1.0)
-    g.add_argument('--schedule', choices=('cosine', 'step'), default='cosine')
-    g.add_argument('--label-smoothing', type=float, default=0.0)
+    g.add_argument('--momentum', type=float, default=0.9, help="MomentumSGD's momentum")
+    g.add_argument('--weight-decay', type=float, default=5e-5, help='L2, as a WeightDecay hook')
+    g.add_argument('--warmup-epochs', type=float, default=1.0,
+                   help='linear learning-rate warm-up from 0')
+    g.add_argument('--schedule', choices=('cosine', 'step'), default='cosine',
+                   help='learning-rate decay after the warm-up')
+    g.add_argument('--label-smoothing', type=float, default=0.0, help='epsilon (0: none)')
 
     g = p.add_argument_group('accelerators')
     g.add_argument('--all', action='store_true',
@@ -107,11 +113,17 @@ def parse_args(argv=None):
                    help="record fastchain's ranges; write a Chrome trace, PNG and summary")
 
     g = p.add_argument_group('run')
-    g.add_argument('--out', default='result/resnet50')
+    g.add_argument('--out', default='result/resnet50',
+                   help='folder of the log, plots, config.json, speed.txt and snapshots')
     g.add_argument('--device', default=None,
                    help="Chainer device ('@numpy', '@cupy:0'); default: GPU 0 if present")
-    g.add_argument('--seed', type=int, default=0)
-    g.add_argument('--resume', help='a snapshot to continue from')
+    g.add_argument('--seed', type=int, default=0,
+                   help='of the weights, the data order and the augmentation')
+    g.add_argument('--resume', help='a snapshot to continue from, with the options of the '
+                   'run that wrote it (--epochs and --iterations may change)')
+    g.add_argument('--resume-with-changes', action='store_true',
+                   help='--resume with other training options than the run that wrote it '
+                        '(refused without this)')
     g.add_argument('--snapshot-every', type=float, default=1.0,
                    help='epochs between snapshots (and one at the end of every run)')
     g.add_argument('--keep-snapshots', type=int, default=2,
@@ -120,7 +132,7 @@ def parse_args(argv=None):
                    help='write none (a ResNet-50 snapshot is about 190 MB: weights, '
                    'momentum, and fp32 masters with --fp16)')
     g.add_argument('--log-every', type=int, default=10, help='iterations')
-    g.add_argument('--no-progress', action='store_true')
+    g.add_argument('--no-progress', action='store_true', help='no progress bar')
 
     args, _ = p.parse_known_args(argv)
     if args.config:
@@ -219,7 +231,12 @@ def enable_accelerators(args):
     if args.nvtx:
         options['nvtx'] = True
     if args.timeline:
-        os.makedirs(os.path.dirname(os.path.abspath(args.timeline)), exist_ok=True)
+        folder = os.path.dirname(os.path.abspath(args.timeline))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            sys.exit('--timeline {}: cannot make the folder {} ({})'.format(
+                args.timeline, folder, e.strerror or e))
         options['timeline'] = args.timeline
     # The recipe builds its own iterators; only the updater-level loader
     # switch would apply to a plain script.
@@ -229,7 +246,12 @@ def enable_accelerators(args):
         if options.pop(name) is not None and not args.all:
             warnings.warn('--{}: not available in this version of fastchain yet; '
                           'running without it'.format(name.replace('_', '-')))
-    return fastchain.enable(**options)
+    try:
+        return fastchain.enable(**options)
+    except (ValueError, OSError) as e:
+        if 'timeline' not in options:
+            raise
+        sys.exit('--timeline {}: {}'.format(args.timeline, e))
 
 
 # --- data ----------------------------------------------------------------------
@@ -246,8 +268,9 @@ def make_datasets(args):
         ds = chainer.datasets.TupleDataset(x, t)
         return ds, ds, 1000
     if args.data == 'demo':
-        root = args.demo_root
         per_class = args.demo_per_class
+        root = args.demo_root or os.path.join(HERE, '.data', 'demo-{}px-{}'.format(
+            size, per_class))
         side = (max(size, int(size * 1.5)), max(size, int(size * 2.5)))
         paths = data.make_demo_dataset(root, n_train=per_class,
                                        n_val=max(1, per_class // 5), size=side)
@@ -433,6 +456,61 @@ class LogTrigger:
         pass
 
 
+# What a run trains with: a resume with other values would go on as another
+# run (its schedule, batch or model from there on), so it is refused unless
+# asked for. --epochs and --iterations may change (a longer run stretches the
+# schedule, as documented); --seed only drew what the snapshot holds.
+TRAINING_OPTIONS = ('batch_size', 'image_size', 'depth', 'width', 'lr', 'momentum',
+                    'weight_decay', 'warmup_epochs', 'schedule', 'label_smoothing')
+
+
+class RunRecord(training.Extension):
+    """Keeps ``record`` (the training options, the number of processes, the
+    dataset's size and classes) in the snapshots, read back by
+    :func:`recorded_run`; it does nothing in the loop."""
+
+    name = 'run_record'
+    KEY = 'extensions/run_record/json'
+
+    def __init__(self, record):
+        self.record = record
+
+    def __call__(self, trainer):
+        pass
+
+    def serialize(self, serializer):
+        if isinstance(serializer, chainer.serializer.Serializer):       # saving
+            text = json.dumps(self.record, sort_keys=True).encode()
+            serializer('json', numpy.frombuffer(text, dtype=numpy.uint8))
+
+
+def recorded_run(path):
+    """The record a snapshot keeps, or None (one of an older recipe, or a
+    file :func:`chainer.serializers.load_npz` will name as unreadable)."""
+    try:
+        with numpy.load(path) as npz:
+            if RunRecord.KEY not in npz.files:
+                return None
+            return json.loads(bytes(npz[RunRecord.KEY]).decode())
+    except Exception:
+        return None
+
+
+def record_of(args, world, examples, n_classes):
+    record = {name: getattr(args, name) for name in TRAINING_OPTIONS}
+    record.update(processes=world, training_examples=examples, classes=n_classes)
+    return record
+
+
+def changes(recorded, record):
+    """'--lr 0.1 there, 0.5 here'-like lines for what differs."""
+    labels = {'processes': 'processes', 'training_examples': 'training examples',
+              'classes': 'classes'}
+    return ['{} {} there, {} here'.format(labels.get(k, '--' + k.replace('_', '-')),
+                                          recorded[k], record[k])
+            for k in sorted(record) if k in recorded and recorded[k] != record[k]]
+
+
 class SpeedMeter(training.Extension):
     """Median time per iteration (evaluation gaps do not move a median)."""
 
@@ -460,6 +538,22 @@ def launched_by_mpi():
     """True under mpiexec (MPICH, Open MPI or MVAPICH set one of these)."""
     return any(int(os.environ.get(v, '1')) > 1 for v in
                ('PMI_SIZE', 'OMPI_COMM_WORLD_SIZE', 'MV2_COMM_WORLD_SIZE'))
+
+
+# The recipe's flag for each accelerator it can turn on.
+FLAGS = {'fp16': '--fp16, or --all where a GPU has TensorCores', 'autotune': '--autotune',
+         'static_graph': '--static-graph or --all', 'nvtx': '--nvtx (or run under nsys)'}
+
+
+def loader_state(args):
+    """The recipe's own input pipeline (it builds its iterators itself, so
+    ``enable()``'s loader, for updaters that it builds, is off)."""
+    if args.loaderjobs:
+        return {'active': True, 'note': '{} worker process{} + device prefetch (the '
+                'recipe\'s own MultiprocessIterator and DevicePrefetcher)'.format(
+                    args.loaderjobs, 'es' if args.loaderjobs > 1 else '')}
+    return {'active': False, 'why': 'loading in the main process (--loaderjobs 0)',
+            'note': 'device prefetch (the recipe\'s own DevicePrefetcher)'}
 
 
 def speed_report(args, handle, meter, log, device, n_classes, world=1):
@@ -498,13 +592,12 @@ def speed_report(args, handle, meter, log, device, n_classes, world=1):
         elif not s['available']:
             status = 'unavailable: {} (fix: {})'.format(s['why'], s['fix'])
         else:
-            status = 'off' + (' ({})'.format(s['why']) if s['why'] else '')
+            status = 'off ({})'.format(s['why'] or 'not asked for' + (
+                ': ' + FLAGS[name] if name in FLAGS else ''))
         lines.append('  {:18s} {}'.format(name, status))
-    lines.append('  {:18s} {}'.format('loader', 'active: {} worker process{} + device '
-                                      'prefetch'.format(args.loaderjobs, 'es' if
-                                                        args.loaderjobs > 1 else '')
-                                      if args.loaderjobs
-                                      else 'off: loading in the main process'))
+    loader = loader_state(args)
+    lines.append('  {:18s} {}'.format('loader', 'active: ' + loader['note'] if loader['active']
+                                      else 'off: ' + loader['why']))
     for name in getattr(args, 'not_available', []):
         lines.append('  {:18s} not in this version of fastchain yet'.format(name))
     paths = report.get('cudnn', {}).get('calls')
@@ -543,7 +636,11 @@ def main(argv=None):
         sys.exit('--keep-snapshots {}: give how many snapshots to keep (0: all)'.format(
             args.keep_snapshots))
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:
+            sys.exit('--out {}: cannot make the folder ({}); give a folder path that can be '
+                     'created'.format(args.out, e.strerror or e))
 
     numpy.random.seed(args.seed)
     from fastchain.backends import cuda
@@ -569,6 +666,19 @@ def main(argv=None):
         train, val, n_classes = make_datasets(args)
     except (ValueError, OSError) as e:      # a dataset folder or list that cannot be used
         sys.exit('--data {}: {}'.format(args.data, e))
+    except KeyboardInterrupt:
+        if comm is not None:
+            raise           # fastchain's hooks end every rank (status 130)
+        print('\ninterrupted while reading or making the data{}'.format(
+            ' (the demo set is made again by the next run)' if args.data == 'demo' else ''),
+            file=sys.stderr, flush=True)
+        sys.exit(130)
+    record = record_of(args, world, len(train), n_classes)
+    if args.batch_size * world > len(train):
+        sys.exit('--batch-size {}: the global batch ({} process(es) x {}) is larger than the '
+                 '{} training examples, so each batch would hold some of them several times; '
+                 'give at most {}'.format(args.batch_size, world, args.batch_size, len(train),
+                                          max(1, len(train) // world)))
     if comm is not None:
         if rank == 0 and args.data == 'demo':
             comm.barrier(what='waiting for rank 0 to make the demo data')
@@ -646,10 +756,28 @@ def main(argv=None):
         trainer.extend(snapshot, trigger=snapshot_trigger(args, iters_per_epoch, total))
     if rank == 0:
         add_reporting(trainer, args, total, iters_per_epoch)
+    trainer.extend(RunRecord(record), trigger=lambda trainer: False)
     if args.resume:
         if not os.path.isfile(args.resume):
-            sys.exit('--resume {}: no such snapshot file (they are {}/snapshot_iter_N)'.format(
-                args.resume, args.out))
+            sys.exit(missing_snapshot(args.resume))
+        recorded = recorded_run(args.resume)
+        changed = changes(recorded, record) if recorded else []
+        config = os.path.join(os.path.dirname(os.path.abspath(args.resume)), 'config.json')
+        if changed and not args.resume_with_changes:
+            sys.exit('--resume {}: the run that wrote it trained with other settings: {}. '
+                     'A resumed run goes on as that run only with the same ones{}: give '
+                     'them, or --resume-with-changes to go on with these (the run then '
+                     'differs from an uninterrupted one from here on)'.format(
+                         args.resume, '; '.join(changed),
+                         ' (they are in {})'.format(config) if os.path.exists(config)
+                         else ''))
+        if rank == 0 and changed:
+            print('note: --resume-with-changes: going on from {} with {}'.format(
+                args.resume, '; '.join(changed)), file=sys.stderr, flush=True)
+        if rank == 0 and recorded is None:
+            print('note: {} records no settings (a snapshot of an older recipe): whether '
+                  'this run trains as the one that wrote it is not checked'.format(
+                      args.resume), file=sys.stderr, flush=True)
         try:
             chainer.serializers.load_npz(args.resume, trainer)     # every rank: same state
         except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, OSError) as e:
@@ -659,7 +787,6 @@ def main(argv=None):
                          args.resume, type(e).__name__, e))
         except (ValueError, KeyError) as e:
             # a model of another shape, or the state of another number of processes
-            config = os.path.join(os.path.dirname(os.path.abspath(args.resume)), 'config.json')
             sys.exit('--resume {}: the snapshot does not fit this run ({}: {}). Resume with '
                      'the options and the number of processes of the run that wrote it{}'
                      .format(args.resume, type(e).__name__, e,
@@ -681,12 +808,15 @@ def main(argv=None):
     try:
         trainer.run(show_loop_exception_msg=False)   # an error is raised (or named) below
     except data.DataLoadError as e:
+        newest = newest_snapshot(args)
+        resume = '; then go on from the newest snapshot: --resume {}'.format(newest) \
+            if newest else ''
         if args.skip_bad_images:
             sys.exit('{}\nfix: check --data {}: with --skip-bad-images, a whole epoch of '
-                     'images failed to load'.format(e, args.data))
+                     'images failed to load{}'.format(e, args.data, resume))
         sys.exit('{}\nfix: replace or remove that file, or run with --skip-bad-images to '
-                 'leave unreadable images out (counted in the log as skipped_examples)'
-                 .format(str(e).split('\nIn the worker:')[0]))
+                 'leave unreadable images out (counted in the log as skipped_examples){}'
+                 .format(str(e).split('\nIn the worker:')[0], resume))
     except data.WorkerDiedError as e:
         sys.exit(str(e))
     except KeyboardInterrupt as e:
@@ -713,12 +843,27 @@ def main(argv=None):
     return log.log if log is not None else None
 
 
+def missing_snapshot(path):
+    """The message for a --resume that is no file: a folder's snapshots, or
+    the folder's where the file is not there."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    found = []
+    if os.path.isdir(folder):
+        found = sorted((n for n in os.listdir(folder) if n.startswith('snapshot_iter_')),
+                       key=lambda n: os.path.getmtime(os.path.join(folder, n)))
+    what = 'a folder; give a snapshot file' if os.path.isdir(path) else 'no such file'
+    return '--resume {}: {} ({})'.format(
+        path, what, 'the newest in {} is {}'.format(folder, os.path.join(folder, found[-1]))
+        if found else 'no snapshot_iter_N in {}'.format(folder))
+
+
 def timeline_line(handle, world):
     """Where --timeline's files went (written at disable())."""
     saved = getattr(handle.resources.get('timeline'), 'saved', None)
     if saved is None:
         return 'timeline: nothing recorded, no files written'
-    return 'timeline: {} (Chrome trace: chrome://tracing or ui.perfetto.dev), summary {}{}{}'.format(
+    return ('timeline: {} (Chrome trace: chrome://tracing or ui.perfetto.dev), summary '
+            '{}{}{}').format(
         saved['json'], saved['txt'], ', chart {}'.format(saved['png']) if saved['png'] else '',
         '; the other ranks beside them (.rank1, ...)' if world > 1 else '')
 
@@ -768,10 +913,17 @@ def write_config(args, handle, world, when):
     """``config.json``: the options of this run (command line and --config),
     what was passed to ``fastchain.enable()`` and resolved from it, and each
     accelerator's state as it was in force ``when``."""
+    accelerators = handle.report()
+    # enable()'s loader is for updaters it builds; the recipe builds its own
+    # pipeline and passes loader_workers=0: its state is the pipeline's.
+    accelerators['loader'] = dict(loader_state(args), enable_loader=accelerators.get('loader'))
+    accelerators.pop('prefetch_to_device', None)
     config = {'args': vars(args), 'processes': world, 'written': when,
-              'enable': {'given': {k: handle.options[k] for k in sorted(handle.explicit)},
+              'enable': {'given': {k: handle.options[k] for k in sorted(handle.explicit)
+                                   if k != 'loader_workers'},
+                         'given_by_the_recipe': {'loader_workers': 0},
                          'resolved': handle.options},
-              'accelerators': handle.report()}
+              'accelerators': accelerators}
     with open(os.path.join(args.out, 'config.json'), 'w') as f:
         json.dump(config, f, indent=2, sort_keys=True, default=repr)
 

@@ -71,8 +71,11 @@ def test_resume_continues_from_the_snapshot(tmp_path):
     whole = {e['iteration']: [e.get(k) for k in keys] for e in log_of(tmp_path)}
     assert [[e.get(k) for k in keys] for e in log[2:]] == [whole[6], whole[8]]
     # another model's snapshot: named, with where the original options are
+    # (asked to go on with other options, the model's shape still refuses it)
     cmd = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'), '--data', 'demo',
            '--out', str(tmp_path / 'wider')] + TINY + ['--width', '16', '--iterations', '8',
+                                                       '--warmup-epochs', '2',
+                                                       '--resume-with-changes',
                                                        '--resume', str(snapshot)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-2000:]
@@ -81,7 +84,8 @@ def test_resume_continues_from_the_snapshot(tmp_path):
     # a snapshot at the end of the run: said so (it trained 0 iterations, and
     # said only that they were too few to time)
     same = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'), '--data', 'demo',
-            '--out', str(tmp_path / 'again')] + TINY + ['--iterations', '8', '--resume',
+            '--out', str(tmp_path / 'again')] + TINY + ['--iterations', '8', '--warmup-epochs',
+                                                        '2', '--resume',
                                                         str(tmp_path / 'out' / 'snapshot_iter_8')]
     r = subprocess.run(same, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and 'the snapshot is at iteration 8, the end of this run' \
@@ -299,7 +303,8 @@ def test_a_dataset_without_validation_and_a_missing_snapshot_are_named(tmp_path)
     assert r.returncode == 1 and 'has train but no val' in r.stderr, r.stderr[-1000:]
     r = subprocess.run(cmd + ['--data', 'synthetic', '--resume', str(tmp_path / 'nope')],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and 'nope: no such snapshot file' in r.stderr, r.stderr[-1000:]
+    assert r.returncode == 1 and 'nope: no such file (no snapshot_iter_N in {})'.format(
+        tmp_path) in r.stderr, r.stderr[-1000:]
 
 
 def test_validation_folders_take_the_training_classes(tmp_path):
@@ -487,8 +492,8 @@ def test_an_fp16_snapshot_resumed_in_fp32_starts_from_its_fp32_masters(tmp_path)
     assert train.fp32_masters_into(path, fp16) == 0 and (fp16.l.W.array == before).all()
     # end to end: the recipe says so
     run(tmp_path, '--data', 'demo', '--iterations', '2', '--fp16', '--warmup-epochs', '0')
-    r = run(tmp_path, '--data', 'demo', '--iterations', '3', '--resume',
-            str(tmp_path / 'out' / 'snapshot_iter_2'), out='fp32')
+    r = run(tmp_path, '--data', 'demo', '--iterations', '3', '--warmup-epochs', '0',
+            '--resume', str(tmp_path / 'out' / 'snapshot_iter_2'), out='fp32')
     assert 'was written by an fp16 run: this fp32 run resumes from its' in r.stderr, r.stderr
 
 
@@ -557,7 +562,7 @@ def test_no_image_loading_is_named_with_skip_bad_images_too(tmp_path, jobs):
     for split in ('train', 'val'):
         folder = tmp_path / 'ds' / split / 'a'
         folder.mkdir(parents=True)
-        for i in range(4):
+        for i in range(8):
             (folder / '{}.jpg'.format(i)).write_bytes(b'not a jpeg' * 20)
     r = subprocess.run([sys.executable, RECIPE, '--data', str(tmp_path / 'ds'), '--out',
                         str(tmp_path / 'o'), '--iterations', '4', '--no-snapshots',
@@ -594,3 +599,78 @@ except KeyboardInterrupt as e:
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert ('Exception ignored' in r.stderr) is not release, r.stderr
+
+
+def test_a_resume_with_other_training_options_is_refused_naming_each(tmp_path):
+    """A resumed run took new hyper-parameters without a word (the README's
+    own resume command without its --config changed the learning rate and
+    the warm-up): the snapshot keeps them and a change is named; asked for,
+    it goes on, saying so. --epochs and --iterations may change."""
+    run(tmp_path, '--data', 'demo', '--iterations', '4', '--warmup-epochs', '2',
+        '--label-smoothing', '0.1')
+    snapshot = str(tmp_path / 'out' / 'snapshot_iter_4')
+    base = [sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'), '--data', 'demo',
+            '--iterations', '6', '--resume', snapshot] + TINY
+    r = subprocess.run(base + ['--out', str(tmp_path / 'b'), '--lr', '0.5'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-2000:]
+    assert ('--resume {}: the run that wrote it trained with other settings: --label-smoothing '
+            '0.1 there, 0.0 here; --lr 0.1 there, 0.5 here; --warmup-epochs 2.0 there, 1.0 '
+            'here.'.format(snapshot)) in r.stderr, r.stderr[-2000:]
+    assert '(they are in {})'.format(tmp_path / 'out' / 'config.json') in r.stderr
+    assert not (tmp_path / 'b' / 'log').exists()
+    r = subprocess.run(base + ['--out', str(tmp_path / 'c'), '--lr', '0.5', '--warmup-epochs',
+                               '2', '--label-smoothing', '0.1', '--resume-with-changes'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'note: --resume-with-changes: going on from {} with --lr 0.1 there, 0.5 here'.format(
+        snapshot) in r.stderr
+    run(tmp_path, '--data', 'demo', '--iterations', '6', '--resume', snapshot,
+        '--warmup-epochs', '2', '--label-smoothing', '0.1', out='d')
+    # a snapshot written before the record was kept: said, not refused
+    import numpy
+    with numpy.load(snapshot) as npz:
+        arrays = {k: npz[k] for k in npz.files if k != 'extensions/run_record/json'}
+    numpy.savez(str(tmp_path / 'older.npz'), **arrays)
+    r = run(tmp_path, '--data', 'demo', '--iterations', '6', '--resume',
+            str(tmp_path / 'older.npz'), '--warmup-epochs', '2', '--label-smoothing', '0.1',
+            out='e')
+    assert 'older.npz records no settings' in r.stderr
+    # a folder given: its newest snapshot named
+    r = subprocess.run(base[:-len(TINY) - 1] + [str(tmp_path / 'out')] + TINY +
+                       ['--out', str(tmp_path / 'f')], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and '--resume {}: a folder; give a snapshot file (the newest in ' \
+        '{} is {})'.format(tmp_path / 'out', tmp_path / 'out', snapshot) in r.stderr, r.stderr
+
+
+def test_a_batch_larger_than_the_dataset_and_an_unusable_out_are_refused(tmp_path):
+    """A batch of 1000 from 40 images ran 25 epochs an iteration, each image
+    25 times a batch; an --out or --timeline that cannot be made ended in a
+    traceback."""
+    for extra, said in ((['--batch-size', '1000'], '--batch-size 1000: the global batch (1 '
+                         'process(es) x 1000) is larger than the 40 training examples'),
+                        (['--out', '/dev/null/x'], '--out /dev/null/x: cannot make the '
+                         'folder'),
+                        (['--timeline', '/dev/null/x/t.json'], '--timeline /dev/null/x/t.json: '
+                         'cannot make the folder')):
+        r = subprocess.run([sys.executable, RECIPE, '--demo-root', str(tmp_path / 'demo'),
+                            '--data', 'demo', '--iterations', '2', '--out',
+                            str(tmp_path / 'o')] + TINY + extra, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 1 and said in r.stderr and 'Traceback' not in r.stderr, \
+            r.stderr[-2000:]
+
+
+def test_config_json_and_the_speed_report_agree_on_the_recipes_loader(tmp_path):
+    """config.json said the loader was off (enable()'s, which the recipe
+    turns off to build its own) where the speed report said 2 workers; an
+    accelerator off with no reason said only 'off'."""
+    result = run(tmp_path, '--data', 'synthetic', '--iterations', '2', '--loaderjobs', '1',
+                 '--no-snapshots')
+    config = json.loads((tmp_path / 'out' / 'config.json').read_text())
+    assert config['accelerators']['loader']['active'] is True
+    assert config['accelerators']['loader']['note'].startswith('1 worker process + device')
+    assert 'loader_workers' not in config['enable']['given']
+    assert 'loader             active: 1 worker process + device prefetch' in result.stdout
+    assert 'static_graph       off (not asked for: --static-graph or --all)' in result.stdout
