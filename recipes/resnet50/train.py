@@ -135,22 +135,34 @@ def parse_args(argv=None):
     g.add_argument('--no-progress', action='store_true', help='no progress bar')
 
     args, _ = p.parse_known_args(argv)
+    configured = {}
     if args.config:
-        p.set_defaults(**read_config(p, args.config))
+        configured = read_config(p, args.config)
+        p.set_defaults(**configured)
     args = p.parse_args(argv)
+
+    def where(name):
+        # a value from the --config file is named there
+        value = getattr(args, name)
+        return ' (from --config {})'.format(args.config) if name in configured and \
+            configured[name] == value else ''
     for name in POSITIVE + NON_NEGATIVE:
         value = getattr(args, name)
         if value is not None and not (value > 0 if name in POSITIVE else value >= 0):
-            p.error('--{} {}: expected a number {}'.format(
-                name.replace('_', '-'), value, 'above 0' if name in POSITIVE else '>= 0'))
-    if not args.label_smoothing < 1:
-        p.error('--label-smoothing {}: expected a number below 1'.format(args.label_smoothing))
+            p.error('--{} {}{}: expected a number {}'.format(
+                name.replace('_', '-'), value, where(name),
+                'above 0' if name in POSITIVE else '>= 0'))
+    for name in BELOW_1:
+        if not getattr(args, name) < 1:
+            p.error('--{} {}{}: expected a number below 1'.format(
+                name.replace('_', '-'), getattr(args, name), where(name)))
     return args
 
 
 POSITIVE = ('image_size', 'demo_per_class', 'batch_size', 'val_batch_size', 'width', 'epochs',
             'iterations', 'lr', 'log_every', 'snapshot_every')
 NON_NEGATIVE = ('momentum', 'weight_decay', 'warmup_epochs', 'label_smoothing')
+BELOW_1 = ('momentum', 'label_smoothing')     # a momentum of 1 or more never forgets
 
 
 def read_config(p, path):

@@ -193,6 +193,7 @@ def _recipe_module():
     (['--width', '0'], '--width 0: expected a number above 0'),
     (['--weight-decay', '-0.1'], '--weight-decay -0.1: expected a number >= 0'),
     (['--label-smoothing', '1'], '--label-smoothing 1.0: expected a number below 1'),
+    (['--momentum', '1.5'], '--momentum 1.5: expected a number below 1'),
 ])
 def test_numbers_out_of_range_are_refused_by_name(argv, message, capsys):
     """Before: --iterations 0 trained the default 90 epochs; --epochs 0 or
@@ -674,3 +675,17 @@ def test_config_json_and_the_speed_report_agree_on_the_recipes_loader(tmp_path):
     assert 'loader_workers' not in config['enable']['given']
     assert 'loader             active: 1 worker process + device prefetch' in result.stdout
     assert 'static_graph       off (not asked for: --static-graph or --all)' in result.stdout
+
+
+def test_a_value_out_of_range_from_a_config_file_names_the_file(tmp_path, capsys):
+    config = tmp_path / 'c.yaml'
+    config.write_text('epochs: 0\n')
+    with pytest.raises(SystemExit) as e:
+        _recipe_module().parse_args(['--config', str(config)])
+    assert e.value.code == 2
+    assert '--epochs 0.0 (from --config {}): expected a number above 0'.format(config) in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):         # given on the command line: not the file's
+        _recipe_module().parse_args(['--config', str(config), '--epochs', '-2'])
+    err = capsys.readouterr().err
+    assert '--epochs -2.0: expected' in err and 'from --config' not in err
