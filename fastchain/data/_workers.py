@@ -170,16 +170,30 @@ def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
 
 
 def _alive(pid):
-    """Whether process ``pid`` (the main process) still exists. Not
+    """Whether process ``pid`` (the main process) still runs. Not
     ``getppid()``: under the forkserver start method a worker's parent is the
-    forkserver."""
+    forkserver. A zombie is dead: a main process killed (SIGKILL, the
+    out-of-memory killer) under MPI's process manager stays one until the
+    manager reaps it, which it does once the pipes it reads from close, and
+    its workers hold them: a rank whose workers waited on it held its job
+    until the collective timeout (300 s)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid):
+    try:
+        with open('/proc/{}/stat'.format(pid), 'rb') as f:
+            stat = f.read()
+    except OSError:
+        return False            # no /proc (not Linux): as before
+    # "pid (comm) state ...": comm may hold spaces and parentheses
+    return stat[stat.rfind(b')') + 2:stat.rfind(b')') + 3] in (b'Z', b'X')
 
 
 def unlink_name(shm):

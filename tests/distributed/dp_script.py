@@ -254,6 +254,26 @@ def failing(how):
     done()
 
 
+def kill_with_loader():
+    """Rank 1, whose batches come from a loader worker, is killed (SIGKILL:
+    the out-of-memory killer): its worker must not keep the job waiting (it
+    took the collective timeout: the killed rank stayed a zombie while its
+    worker held the pipes the process manager waits on)."""
+    from fastchain import data as fdata
+    model = L.Classifier(MLP())
+    opt = distributed.create_multi_node_optimizer(chainer.optimizers.SGD(0.1), comm)
+    opt.setup(model)
+    shard = distributed.scatter_dataset(data(), comm)
+    it = fdata.MultiprocessIterator(shard, 4, n_workers=1)
+    for k in range(5):
+        if k == 2 and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, t = chainer.dataset.concat_examples(it.next())
+        opt.update(model, x, t)
+    it.finalize()
+    done()
+
+
 def same_batches():
     """Every rank on the whole dataset, in the same order (scatter_dataset
     forgotten): rank 0 says so once, through update(lossfun, *inputs) and
@@ -564,6 +584,7 @@ SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': eval
              'raise': lambda: failing('raise'), 'kill': lambda: failing('kill'),
              'hang': lambda: failing('hang'), 'exit': lambda: failing('exit'),
              'exit0': lambda: failing('exit0'), 'mismatch': mismatch,
+             'kill_with_loader': kill_with_loader,
              'same_batches': same_batches, 'lazy_loop': lazy_loop,
              'apart': lambda: apart('apart'), 'turns': lambda: apart('turns'),
              'snapshot_rank0': lambda: apart('snapshot')}

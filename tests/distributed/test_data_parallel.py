@@ -74,6 +74,14 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     assert r.seconds < 30
 
 
+def test_a_killed_rank_with_a_loader_worker_ends_the_job_in_seconds(tmp_path):
+    # (its worker held the job until the collective timeout, 300 s by default)
+    r = mpirun('kill_with_loader', tmp_path, env={'FASTCHAIN_COLLECTIVE_TIMEOUT': '60'})
+    assert r.returncode != 0 and r.ok == []
+    assert 'did not complete within' not in r.stderr, r.stderr[-3000:]
+    assert r.seconds < 30, r.stderr[-3000:]
+
+
 def test_a_hung_rank_times_out_naming_rank_and_operation(tmp_path):
     r = mpirun('hang', tmp_path, env={'FASTCHAIN_COLLECTIVE_TIMEOUT': '4'})
     assert r.returncode != 0 and r.ok == []
