@@ -261,6 +261,16 @@ class Learner:
 
     def serialize(self, serializer):
         loading = isinstance(serializer, chainer.serializer.Deserializer)
+        if loading:
+            saved = _saved_name(serializer)
+            if saved is not None and saved != self.name:
+                # (another learner's state went on silently, or failed on a
+                # key of its own)
+                raise ValueError('this snapshot was written with the {!r} learner, and this '
+                                 "optimizer's is {!r}: resume it with the learner it was "
+                                 'written with'.format(saved, self.name))
+        else:
+            serializer('learner', numpy.frombuffer(self.name.encode(), dtype=numpy.uint8))
         self.samples = int(serializer('samples', self.samples))
         self.steps = int(serializer('steps', self.steps))
         self.started = bool(serializer('started', self.started))
@@ -326,6 +336,16 @@ _PARTIAL_LOAD = (
     'fastchain: rank {1} resumes the {0} learner from a snapshot that holds rank 0\'s state '
     'only (written without distributed.multi_node_snapshot): this rank starts from rank '
     '0\'s model and no residual, so the run does not continue identically')
+
+
+def _saved_name(serializer):
+    """The learner's name a snapshot keeps, or None (one written before it
+    was kept: npz raises KeyError, HDF5 ValueError)."""
+    try:
+        value = serializer('learner', None)
+    except (KeyError, ValueError):
+        return None
+    return None if value is None else bytes(numpy.asarray(value, numpy.uint8)).decode()
 
 
 class AllReduce(Learner):

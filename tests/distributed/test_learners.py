@@ -666,3 +666,39 @@ def test_a_data_parallel_optimizer_whose_first_update_failed_is_freed():
     del opt
     gc.collect()
     assert ref() is None
+
+
+LEARNERS = {'allreduce': lambda: distributed.AllReduce(),
+            'quantized': lambda: distributed.QuantizedSGD(1),
+            'block momentum': lambda: distributed.BlockMomentum(8),
+            'model averaging': lambda: distributed.ModelAveraging(8)}
+
+
+@pytest.mark.parametrize('fmt', ['npz', 'hdf5'])
+def test_a_snapshot_resumed_with_another_learner_names_both(fmt, tmp_path):
+    """A 1-bit snapshot resumed with the allreduce learner went on silently,
+    its residuals dropped; a block-momentum one resumed as 1-bit failed on a
+    key of its own (a new-user trial)."""
+    save, load = {'npz': (chainer.serializers.save_npz, chainer.serializers.load_npz),
+                  'hdf5': (chainer.serializers.save_hdf5,
+                           chainer.serializers.load_hdf5)}[fmt]
+    for written, make in LEARNERS.items():
+        path = str(tmp_path / written.replace(' ', '_'))
+        save(path, sgd_on_mlp(make()))
+        load(path, sgd_on_mlp(make()))              # the same learner: as before
+        for other, make_other in LEARNERS.items():
+            if other == written:
+                continue
+            with pytest.raises(ValueError, match="this snapshot was written with the {!r} "
+                               "learner, and this optimizer's is {!r}: resume it with the "
+                               'learner it was written with'.format(written, other)):
+                load(path, sgd_on_mlp(make_other()))
+
+
+def test_a_snapshot_that_keeps_no_learner_name_loads_as_before(tmp_path):
+    chainer.serializers.save_npz(str(tmp_path / 'q.npz'), sgd_on_mlp(distributed.QuantizedSGD(1)))
+    with numpy.load(str(tmp_path / 'q.npz')) as f:
+        kept = {k: f[k] for k in f.files if not k.endswith('fastchain_learner/learner')}
+    numpy.savez(str(tmp_path / 'older.npz'), **kept)
+    chainer.serializers.load_npz(str(tmp_path / 'older.npz'),
+                                 sgd_on_mlp(distributed.QuantizedSGD(1)))
