@@ -42,12 +42,19 @@ def main(argv=None):
     if args.hostfile and not os.path.isfile(args.hostfile):
         p.error('--hostfile {}: no such file (one host per line, optionally host:slots)'
                 .format(args.hostfile))
+    script = None
     if module is not None:
         command = [sys.executable, '-m', module] + rest
     elif re.fullmatch(r'python[0-9.]*', os.path.basename(args.script)):
         command = [args.script] + args.args     # the interpreter named: as given
+        if args.args and not args.args[0].startswith('-'):
+            script = args.args[0]
     else:
         command = [sys.executable, args.script] + args.args
+        script = args.script
+    if script is not None and not args.dry_run and not os.path.isfile(script):
+        # (every rank printed "can't open file" and the job went on to fail)
+        p.error('{}: no such script'.format(script))
     from fastchain.backends import mpi as mpi_backend
     mpiexec = mpi_backend.mpiexec_path()
     if mpiexec is None:

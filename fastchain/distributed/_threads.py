@@ -51,6 +51,14 @@ def plan(own, node, environ):
             raise ValueError('{}={!r} is not a positive number of threads. Fix: set it to '
                              'the BLAS/OpenMP threads each process should use, e.g. '
                              '{}=1'.format(VARIABLE, text, VARIABLE))
+        cores = len(frozenset().union(*map(frozenset, node))) if node else len(own)
+        share = max(1, cores // max(1, len(node)))
+        if n > share:
+            # 64 threads a process on 2 cores x 2 processes: an epoch 140x slower
+            return n, ('from {} (more than this process\'s share of the node, {} of its {} '
+                       'cores for {} process(es): the threads wait for cores, and a step can '
+                       'take many times longer; {}={} fits)'.format(
+                           VARIABLE, share, cores, len(node), VARIABLE, share))
         return n, 'from {}'.format(VARIABLE)
     for name in USER_VARIABLES:
         if environ.get(name):

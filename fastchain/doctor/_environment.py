@@ -38,8 +38,9 @@ def _threads(value):
     from fastchain import _node
     from fastchain.distributed import _threads as threads
     own = _node.own_cores()
-    n, _ = threads.plan(own, [own], os.environ)
-    return '{} BLAS/OpenMP thread(s) a process, in a data-parallel job'.format(n)
+    n, what = threads.plan(own, [own], os.environ)
+    return '{} BLAS/OpenMP thread(s) a process, in a data-parallel job{}'.format(
+        n, '' if what == 'from ' + threads.VARIABLE else ': ' + what)
 
 
 def _keep_malloc(value):

@@ -410,7 +410,10 @@ def test_fastchain_run_is_mpiexec():
     # usage errors name what is missing (status 2), before mpiexec sees them
     for given, message in ((['-n', '2'], 'give the training script to run'),
                            (['-n', '2', '--hostfile', '/no/hosts', 'train.py'],
-                            '--hostfile /no/hosts: no such file')):
+                            '--hostfile /no/hosts: no such file'),
+                           (['-n', '2', '/no/train.py'], '/no/train.py: no such script'),
+                           (['-n', '2', 'python', '/no/train.py', '-x'],
+                            '/no/train.py: no such script')):
         r = subprocess.run([os.path.join(os.path.dirname(sys.executable), 'fastchain-run')]
                            + given, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and message in r.stderr, r.stderr

@@ -26,6 +26,16 @@ def test_the_users_setting_wins():
                          {'FASTCHAIN_THREADS_PER_PROCESS': '4', 'OMP_NUM_THREADS': '3'})[0] == 4
 
 
+def test_more_threads_than_the_processs_share_of_the_node_is_said():
+    # (64 threads a process, 2 processes on 2 cores: an epoch 80 s, not 0.6 s)
+    cores = frozenset(range(2))
+    threads, what = _threads.plan(cores, [cores] * 2, {'FASTCHAIN_THREADS_PER_PROCESS': '64'})
+    assert threads == 64 and 'more than this process\'s share of the node, 1 of its 2 ' \
+        'cores for 2 process(es)' in what and 'FASTCHAIN_THREADS_PER_PROCESS=1 fits' in what
+    assert _threads.plan(cores, [cores] * 2, {'FASTCHAIN_THREADS_PER_PROCESS': '1'})[1] == \
+        'from FASTCHAIN_THREADS_PER_PROCESS'
+
+
 @pytest.mark.parametrize('bad', ['0', 'two', '-1'])
 def test_a_bad_setting_names_the_variable_and_the_fix(bad):
     with pytest.raises(ValueError, match='FASTCHAIN_THREADS_PER_PROCESS=.* Fix: set it'):
