@@ -42,7 +42,6 @@ def main():
     parser = argparse.ArgumentParser(description='Chainer example: MNIST')
     parser.add_argument('--batchsize', '-b', type=int, default=100)
     parser.add_argument('--epoch', '-e', type=int, default=20)
-    parser.add_argument('--device', '-d', default='@numpy')
     parser.add_argument('--out', '-o', default='result')
     parser.add_argument('--unit', '-u', type=int, default=1000)
     parser.add_argument('--data', default='digits',

@@ -199,3 +199,33 @@ def test_readme_shows_the_current_diff():
     diff = ''.join(difflib.unified_diff(plain, ours, 'train_mnist_plain.py',
                                         'train_mnist.py'))
     assert diff in open(os.path.join(HERE, 'README.md')).read()
+
+
+SEEDED = '''
+import os, runpy, sys
+import numpy
+from fastchain import distributed
+scatter = distributed.scatter_dataset
+if sys.argv[1] == 'in order':       # the data order as the plain script has it
+    distributed.scatter_dataset = lambda ds, comm, shuffle=False, **kw: scatter(
+        ds, comm, shuffle=False, **kw)
+script = sys.argv[2]
+sys.argv = [script] + sys.argv[3:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+numpy.random.seed(5)
+runpy.run_path(script, run_name='__main__')
+'''
+
+
+def test_the_fastchain_form_trains_as_the_plain_script_in_the_same_order(tmp_path,
+                                                                          small_mnist):
+    """The README: on one process the logs differ only by scatter_dataset's
+    shuffle; in the plain script's order, bit for bit."""
+    def train(script, how, out):
+        run([sys.executable, '-c', SEEDED, how, os.path.join(HERE, script), '--data',
+             small_mnist, '-e', '2', '-u', '50', '-b', '20', '-o', str(tmp_path / out)])
+        with open(tmp_path / out / 'log') as f:
+            return [{k: v for k, v in e.items() if k != 'elapsed_time'} for e in json.load(f)]
+    plain = train('train_mnist_plain.py', 'as is', 'plain')
+    assert train('train_mnist.py', 'in order', 'ours') == plain
+    assert train('train_mnist.py', 'as is', 'shuffled') != plain
