@@ -76,18 +76,28 @@ def save(serializer, states):
             sub(key, state[key])
 
 
-def read(serializer, comm):
-    """Loading: this rank's own state from the snapshot, or None where it
-    holds none (written before, or by rank 0's snapshot alone: rank 0's
-    stays, as before)."""
+def check_ranks(serializer, comm):
+    """Loading: the number of ranks whose state the snapshot holds (None:
+    it holds none), refused unless it is this job's."""
     try:
         saved = int(serializer('ranks_saved', 0))
-    except KeyError:
+    except (KeyError, ValueError):      # npz, HDF5: not there (a non-strict load: 0)
+        return None
+    if not saved:
         return None
     if saved != comm.size:
         raise ValueError('this snapshot holds the iterators and statistics of {} ranks, and '
                          'this job has {}: resume it with mpiexec -n {}'.format(
                              saved, comm.size, saved))
+    return saved
+
+
+def read(serializer, comm):
+    """Loading: this rank's own state from the snapshot, or None where it
+    holds none (written before, or by rank 0's snapshot alone: rank 0's
+    stays, as before)."""
+    if check_ranks(serializer, comm) is None:
+        return None
     sub = serializer['rank{}'.format(comm.rank)]
     keys = saved_keys(sub)
     return None if keys is None else {k: numpy.asarray(sub(k, None)) for k in keys}

@@ -12,10 +12,53 @@ that holds them all; ``load_npz(path, trainer)`` on every rank then gives
 each rank its own part back.
 """
 
+import threading
+import weakref
+
 import chainer
 from chainer.training import extension
 
+from fastchain.config import _patches
 from fastchain.distributed import _rank_state
+
+_lock = threading.Lock()
+_leases = set()
+
+
+def _trainer():
+    from chainer.training import trainer
+    return trainer.Trainer
+
+
+def _acquire(extension):
+    """``Trainer.serialize``'s layer, in force as long as ``extension`` lives."""
+    token = object()
+    with _lock:
+        _leases.add(token)
+        if len(_leases) == 1:
+            _patches.wrap(_trainer(), 'serialize', 'distributed', _ranks_first)
+    weakref.finalize(extension, _release, token)
+
+
+def _release(token):
+    with _lock:
+        _leases.discard(token)
+        if not _leases:
+            _patches.unwrap(_trainer(), 'serialize', 'distributed')
+
+
+def _ranks_first(next_, trainer, serializer, *args, **kwargs):
+    """Loading a trainer with a multi-node snapshot: the number of ranks the
+    snapshot holds is checked before Chainer restores anything. Chainer
+    restores the updater's iterators first, and another number of ranks
+    failed there, on an order of another shard's length ("could not
+    broadcast input array from shape (748,) into shape (1497,)")."""
+    if isinstance(serializer, chainer.serializer.Deserializer):
+        sections = serializer['extensions']
+        for name, entry in list(trainer._extensions.items()):
+            if isinstance(entry.extension, _MultiNodeSnapshot):
+                _rank_state.check_ranks(sections[name], entry.extension.comm)
+    return next_(trainer, serializer, *args, **kwargs)
 
 
 def multi_node_snapshot(comm, snapshot=None, **kwargs):
@@ -41,7 +84,9 @@ def multi_node_snapshot(comm, snapshot=None, **kwargs):
             'multi_node_snapshot: autoload=True would load the newest snapshot on rank 0 '
             'only (rank 0 writes it); make the snapshot without autoload and load it on '
             'every rank: chainer.serializers.load_npz(path, trainer)')
-    return _MultiNodeSnapshot(comm, snapshot)
+    made = _MultiNodeSnapshot(comm, snapshot)
+    _acquire(made)
+    return made
 
 
 class _MultiNodeSnapshot(extension.Extension):

@@ -62,6 +62,22 @@ def test_two_ranks_and_resume(tmp_path, small_mnist):
     run(base + ['-e', '3', '-o', str(tmp_path / 'b'), '--resume', str(snapshot)])
     with open(tmp_path / 'b' / 'log') as f:
         assert [e['epoch'] for e in json.load(f)] == [1, 2, 3]
+    # resumed by another number of processes: named before Chainer restores
+    # the iterators (it failed there: "could not broadcast input array from
+    # shape (200,) into shape (400,)")
+    one = [sys.executable, SCRIPT, '--data', small_mnist, '-u', '50', '-b', '20', '-e', '3']
+    r = subprocess.run(one + ['-o', str(tmp_path / 'c'), '--resume', str(snapshot)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and 'broadcast' not in r.stderr, r.stderr[-3000:]
+    assert 'this snapshot holds the iterators and statistics of 2 ranks, and this job has ' \
+        '1: resume it with mpiexec -n 2' in r.stderr, r.stderr[-3000:]
+    run(one + ['-e', '1', '-o', str(tmp_path / 'd')])
+    r = subprocess.run(base + ['-e', '3', '-o', str(tmp_path / 'e'), '--resume',
+                               str(tmp_path / 'd' / 'snapshot_iter_20')],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and 'broadcast' not in r.stderr, r.stderr[-3000:]
+    assert 'this snapshot holds the iterators and statistics of 1 ranks, and this job has ' \
+        '2: resume it with mpiexec -n 1' in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.mpi

@@ -60,6 +60,9 @@ point                                      layers
 ``chainer.Variable.backward``              fp16
 ``Trainer.run``                            nvtx, distributed (held while a block
                                            learner lives: its ``finish()`` after a run)
+``Trainer.serialize``                      distributed (held while a
+                                           ``multi_node_snapshot`` lives: a load checks
+                                           the snapshot's number of ranks first)
 ``<Convolution/Deconvolution>._forward_cpu_core``  cpu_conv, onednn (only one of them)
 ``BatchNormalization.forward``,            onednn, cudnn
 ``FixedBatchNormalization.forward``
