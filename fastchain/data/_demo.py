@@ -131,8 +131,9 @@ def make_demo_dataset(root, n_train=100, n_val=20, size=(96, 160), seed=0,
                 image = make_image(rng, label, (int(w), int(h)))
                 name = '{:05d}.jpg'.format(k)
                 path = os.path.join(folder, name)
-                image.save(path + '.part', format='JPEG', quality=int(rng.randint(75, 96)))
-                os.replace(path + '.part', path)
+                part = '{}.{}.part'.format(path, os.getpid())  # two jobs: a name each
+                image.save(part, format='JPEG', quality=int(rng.randint(75, 96)))
+                os.replace(part, path)
                 lines.append('{}/{}/{} {}'.format(split, CLASSES[label], name, label))
         _write(out[split], '\n'.join(lines) + '\n')
     _write(stamp, json.dumps(spec))
@@ -140,6 +141,7 @@ def make_demo_dataset(root, n_train=100, n_val=20, size=(96, 160), seed=0,
 
 
 def _write(path, text):
-    with open(path + '.part', 'w') as f:
+    part = '{}.{}.part'.format(path, os.getpid())
+    with open(part, 'w') as f:
         f.write(text)
-    os.replace(path + '.part', path)
+    os.replace(part, path)

@@ -52,7 +52,8 @@ def main(argv=None):
     else:
         command = [sys.executable, args.script] + args.args
         script = args.script
-    if script is not None and not args.dry_run and not os.path.isfile(script):
+    if script is not None and not args.dry_run and not os.path.exists(script):
+        # (a folder or zip with a __main__.py runs as python runs it)
         # (every rank printed "can't open file" and the job went on to fail)
         p.error('{}: no such script'.format(script))
     from fastchain.backends import mpi as mpi_backend

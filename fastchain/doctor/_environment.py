@@ -38,9 +38,13 @@ def _threads(value):
     from fastchain import _node
     from fastchain.distributed import _threads as threads
     own = _node.own_cores()
-    n, what = threads.plan(own, [own], os.environ)
+    n, _ = threads.plan(own, [own], os.environ)
+    # (how many processes will share the node is the job's to say: a rank
+    # prints its plan when its communicator is made)
     return '{} BLAS/OpenMP thread(s) a process, in a data-parallel job{}'.format(
-        n, '' if what == 'from ' + threads.VARIABLE else ': ' + what)
+        n, '' if n <= len(own) else ': more than the {} cores here, before any other '
+        'process shares them (the threads wait for cores; N processes on this node fit '
+        '{} // N each)'.format(len(own), len(own)))
 
 
 def _keep_malloc(value):

@@ -468,6 +468,17 @@ class LogTrigger:
         pass
 
 
+def batch_too_large(args, world, examples):
+    """The message refusing a global batch larger than the training set, or
+    None. Synthetic data is sized by the batch (8 batches of one process)."""
+    if args.data == 'synthetic' or args.batch_size * world <= examples:
+        return None
+    return ('--batch-size {}: the global batch ({} process(es) x {}) is larger than the {} '
+            'training examples, so each batch would hold some of them several times; give at '
+            'most {}'.format(args.batch_size, world, args.batch_size, examples,
+                             max(1, examples // world)))
+
+
 # What a run trains with: a resume with other values would go on as another
 # run (its schedule, batch or model from there on), so it is refused unless
 # asked for. --epochs and --iterations may change (a longer run stretches the
@@ -496,31 +507,42 @@ class RunRecord(training.Extension):
             serializer('json', numpy.frombuffer(text, dtype=numpy.uint8))
 
 
+UNREADABLE = object()
+
+
 def recorded_run(path):
-    """The record a snapshot keeps, or None (one of an older recipe, or a
-    file :func:`chainer.serializers.load_npz` will name as unreadable)."""
+    """The record a snapshot keeps; None for one of an older recipe, and
+    UNREADABLE for a file :func:`chainer.serializers.load_npz` will name as
+    unreadable."""
     try:
         with numpy.load(path) as npz:
             if RunRecord.KEY not in npz.files:
                 return None
             return json.loads(bytes(npz[RunRecord.KEY]).decode())
     except Exception:
-        return None
+        return UNREADABLE
 
 
 def record_of(args, world, examples, n_classes):
     record = {name: getattr(args, name) for name in TRAINING_OPTIONS}
     record.update(processes=world, training_examples=examples, classes=n_classes)
+    if world > 1:
+        record['seed'] = args.seed      # it also chose each process's shard
     return record
 
 
-def changes(recorded, record):
+# What the snapshot's own state is shaped by: no resume can change it.
+FIXED = ('processes', 'training_examples', 'classes')
+
+
+def changes(recorded, record, keys=None):
     """'--lr 0.1 there, 0.5 here'-like lines for what differs."""
     labels = {'processes': 'processes', 'training_examples': 'training examples',
               'classes': 'classes'}
     return ['{} {} there, {} here'.format(labels.get(k, '--' + k.replace('_', '-')),
                                           recorded[k], record[k])
-            for k in sorted(record) if k in recorded and recorded[k] != record[k]]
+            for k in sorted(record) if k in recorded and recorded[k] != record[k]
+            and (keys is None or k in keys)]
 
 
 class SpeedMeter(training.Extension):
@@ -686,11 +708,9 @@ def main(argv=None):
             file=sys.stderr, flush=True)
         sys.exit(130)
     record = record_of(args, world, len(train), n_classes)
-    if args.batch_size * world > len(train):
-        sys.exit('--batch-size {}: the global batch ({} process(es) x {}) is larger than the '
-                 '{} training examples, so each batch would hold some of them several times; '
-                 'give at most {}'.format(args.batch_size, world, args.batch_size, len(train),
-                                          max(1, len(train) // world)))
+    too_large = batch_too_large(args, world, len(train))
+    if too_large:
+        sys.exit(too_large if rank == 0 else 1)
     if comm is not None:
         if rank == 0 and args.data == 'demo':
             comm.barrier(what='waiting for rank 0 to make the demo data')
@@ -773,16 +793,23 @@ def main(argv=None):
         if not os.path.isfile(args.resume):
             sys.exit(missing_snapshot(args.resume))
         recorded = recorded_run(args.resume)
-        changed = changes(recorded, record) if recorded else []
+        known = isinstance(recorded, dict)
+        changed = changes(recorded, record) if known else []
+        fixed = changes(recorded, record, FIXED) if known else []
         config = os.path.join(os.path.dirname(os.path.abspath(args.resume)), 'config.json')
+        where = ' (they are in {})'.format(config) if os.path.exists(config) else ''
+        # one message, from rank 0: every rank leaves at the same place
+        if fixed:
+            sys.exit('--resume {}: the run that wrote it had {}: a snapshot holds state of '
+                     'that shape, so these cannot change on a resume; resume with the '
+                     'processes and the data of that run{}'.format(
+                         args.resume, '; '.join(fixed), where) if rank == 0 else 1)
         if changed and not args.resume_with_changes:
             sys.exit('--resume {}: the run that wrote it trained with other settings: {}. '
                      'A resumed run goes on as that run only with the same ones{}: give '
                      'them, or --resume-with-changes to go on with these (the run then '
                      'differs from an uninterrupted one from here on)'.format(
-                         args.resume, '; '.join(changed),
-                         ' (they are in {})'.format(config) if os.path.exists(config)
-                         else ''))
+                         args.resume, '; '.join(changed), where) if rank == 0 else 1)
         if rank == 0 and changed:
             print('note: --resume-with-changes: going on from {} with {}'.format(
                 args.resume, '; '.join(changed)), file=sys.stderr, flush=True)

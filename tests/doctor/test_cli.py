@@ -99,6 +99,12 @@ def test_the_environment_variables_set_are_read_as_fastchain_reads_them(monkeypa
         found['FASTCHAIN_CUDNN_BN']['error']
     assert 'set it to 1' in found['FASTCHAIN_KEEP_MALLOC']['error']
     assert found['FASTCHAIN_THREADS_PER_PROCESS']['meaning'].startswith('2 BLAS/OpenMP')
+    cores = len(os.sched_getaffinity(0))
+    assert 'more than' not in found['FASTCHAIN_THREADS_PER_PROCESS']['meaning'] or cores < 2
+    monkeypatch.setenv('FASTCHAIN_THREADS_PER_PROCESS', str(cores + 1))    # too many: said
+    said = {v['name']: v for v in variables()}['FASTCHAIN_THREADS_PER_PROCESS']['meaning']
+    assert 'more than the {} cores here'.format(cores) in said, said
+    monkeypatch.setenv('FASTCHAIN_THREADS_PER_PROCESS', '2')
     assert [n for n, v in found.items() if v['ok']] == ['FASTCHAIN_COLLECTIVE_TIMEOUT',
                                                         'FASTCHAIN_THREADS_PER_PROCESS']
     # every variable the package, its tools and tests read has a reader

@@ -408,6 +408,28 @@ def test_data_parallel_under_mpiexec_with_resume(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     log = log_of(tmp_path, 'dp2')
     assert [e['iteration'] for e in log] == [2, 4, 6]
+    # under mpiexec --seed chose each process's shard: another is refused,
+    # said once; one process cannot go on from two, even when asked to
+    snapshot = str(tmp_path / 'dp' / 'snapshot_iter_4')
+    r = subprocess.run(common + ['--iterations', '6', '--resume', snapshot, '--seed', '7',
+                                 '--out', str(tmp_path / 'dp3')],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and r.stderr.count('--seed 0 there, 7 here') == 1, \
+        r.stderr[-4000:]
+    r = subprocess.run(common[3:] + ['--iterations', '6', '--resume', snapshot,
+                                     '--resume-with-changes', '--out', str(tmp_path / 'one')],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-4000:]
+    assert 'the run that wrote it had processes 2 there, 1 here' in r.stderr
+    assert 'cannot change on a resume' in r.stderr and 'broadcast' not in r.stderr
+    # a file that is no snapshot: one message, not a note about older recipes first
+    cut = tmp_path / 'cut'
+    cut.write_bytes(open(snapshot, 'rb').read()[:5000])
+    r = subprocess.run(common[3:] + ['--iterations', '6', '--resume', str(cut), '--out',
+                                     str(tmp_path / 'cutout')],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and 'not a snapshot this recipe can read' in r.stderr
+    assert 'records no settings' not in r.stderr, r.stderr
 
 
 def test_data_parallel_skip_bad_images_lists_every_processs_images(tmp_path):
@@ -661,6 +683,16 @@ def test_a_batch_larger_than_the_dataset_and_an_unusable_out_are_refused(tmp_pat
                            text=True, timeout=300)
         assert r.returncode == 1 and said in r.stderr and 'Traceback' not in r.stderr, \
             r.stderr[-2000:]
+    # synthetic data is sized by the batch (8 of one process): not refused at any scale
+    # (it was on 9 processes or more)
+    recipe = _recipe_module()
+    args = recipe.parse_args(['--data', 'synthetic', '--batch-size', '4'])
+    train, _, _ = recipe.make_datasets(args)
+    assert len(train) == 32 and recipe.batch_too_large(args, 16, len(train)) is None
+    args.data = 'demo'
+    assert recipe.batch_too_large(args, 16, 32).startswith('--batch-size 4: the global batch '
+                                                           '(16 process(es) x 4)')
+    assert recipe.batch_too_large(args, 8, 32) is None
 
 
 def test_config_json_and_the_speed_report_agree_on_the_recipes_loader(tmp_path):
