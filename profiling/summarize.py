@@ -311,15 +311,25 @@ def main(argv=None):
         _fail('{}: unreadable as SQLite: {} ({})'.format(args.sqlite, e, EXPECTED))
     for line in notes:
         print(line)
+    names = labels([process for process, _ in results])
     for n, (process, result) in enumerate(results, 1):
         png = args.png
         if len(results) > 1:
             print('{}== process {} ({} of {}) =='.format('\n' if n > 1 else '',
-                                                       pid_of(process), n, len(results)))
-            png = png and '{}.pid{}.png'.format(png[:-4], pid_of(process))
+                                                       names[process], n, len(results)))
+            png = png and '{}.pid{}.png'.format(png[:-4], names[process])
         _report(args, result, png)
     return results[0][1] if len(results) == 1 else \
-        {pid_of(process): result for process, result in results}
+        {names[process]: result for process, result in results}
+
+
+def labels(processes):
+    """{process: its process id}, or 'pid-machine' for ids two machines share
+    (nsys's globalPid holds a machine's id above the process's)."""
+    pids = [pid_of(p) for p in processes if p is not None]
+    return {p: ('-' if p is None else str(pid_of(p)) if pids.count(pid_of(p)) == 1
+                else '{}-{}'.format(pid_of(p), p >> 24))
+            for p in processes}
 
 
 NO_STEP = ("no closed 'step' range: fastchain times the update() of Chainer's "

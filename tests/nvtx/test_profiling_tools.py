@@ -548,3 +548,14 @@ def test_the_devices_copies_are_work_not_idle_time(nvtx_tool, tmp_path):
         expected.append(1 - (step['end'] - step['start']) / (end - step['start']))
     assert idle[1] == pytest.approx(100 * statistics.median(expected), abs=0.06)
     assert idle[1] < idle[0], idle
+
+
+def test_processes_of_two_machines_with_one_process_id_are_told_apart(nvtx_tool, tmp_path):
+    events = run(nvtx_tool, tmp_path, poison=())
+    machines = [(events, (m << 24) | 4711, dict(process_rows=True)) for m in (1, 2)]
+    out = summarize_file(export(tmp_path / 'two.sqlite', machines), '--png',
+                         str(tmp_path / 'c.png'))
+    assert out.returncode == 0, out.stderr
+    assert '== process 4711-1 (1 of 2) ==' in out.stdout
+    assert '== process 4711-2 (2 of 2) ==' in out.stdout
+    assert (tmp_path / 'c.pid4711-1.png').exists() and (tmp_path / 'c.pid4711-2.png').exists()
