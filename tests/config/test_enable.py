@@ -20,8 +20,12 @@ def snapshot():
 
     Collects garbage first: a chain cached with fastchain.static_graph holds
     Chainer's static-graph fixes until it is collected, and chains live in
-    reference cycles, so when that happens is up to the collector."""
-    gc.collect()
+    reference cycles, so when that happens is up to the collector; a
+    data-parallel optimizer's learner (and the Trainer layer it holds) is
+    freed by a later collection than the one that frees its optimizer, so
+    collect until nothing more is freed."""
+    while gc.collect():
+        pass
     from chainer.dataset import convert
     from chainer.functions.normalization import batch_normalization as bn
     from chainer.graph_optimizations import static_graph as sg
