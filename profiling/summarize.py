@@ -363,8 +363,8 @@ def _load(args):
                                       or 'none that says its id'))
             processes = chosen
         several = len(by_process) > 1
-        says_whose = 'CUPTI_ACTIVITY_KIND_KERNEL' in _tables(db) and \
-            'globalPid' in _columns(db, 'CUPTI_ACTIVITY_KIND_KERNEL')
+        has_kernels = 'CUPTI_ACTIVITY_KIND_KERNEL' in _tables(db)
+        says_whose = has_kernels and 'globalPid' in _columns(db, 'CUPTI_ACTIVITY_KIND_KERNEL')
         parts = []
         for process in processes:
             # A process's own kernels where the export says whose they are;
@@ -373,7 +373,7 @@ def _load(args):
             key = process if says_whose or several else None
             parts.append((process, by_process[process], read_kernels(db, key),
                           read_device(db, key)))
-        if several and not says_whose and read_kernels(db) is not None:
+        if several and has_kernels and not says_whose:
             notes.append("note: the export's kernels do not say which process ran them "
                          '(no globalPid): no device-idle figure a process')
         return parts, notes

@@ -17,35 +17,13 @@ is ending). A custom loop calls ``distributed.learner_of(opt).finish()`` on
 every rank after its last update.
 """
 
-import threading
-import weakref
-
 from fastchain.config import _patches
-
-_lock = threading.Lock()
-_leases = set()
-
-
-def _trainer():
-    from chainer.training import trainer
-    return trainer.Trainer
+from fastchain.distributed._held import HeldLayer
 
 
 def acquire(learner):
     """The Trainer layer, in force as long as ``learner`` lives."""
-    token = object()
-    with _lock:
-        _leases.add(token)
-        if len(_leases) == 1:
-            _patches.wrap(_trainer(), 'run', 'distributed', _run_then_finish)
-    weakref.finalize(learner, _release, token)
-
-
-def _release(token):
-    with _lock:
-        _leases.discard(token)
-        if not _leases:
-            _patches.unwrap(_trainer(), 'run', 'distributed')
+    _layer.acquire(learner)
 
 
 def _run_then_finish(next_, trainer, *args, **kwargs):
@@ -56,3 +34,6 @@ def _run_then_finish(next_, trainer, *args, **kwargs):
         if learner is not None:
             learner.finish()
     return result
+
+
+_layer = HeldLayer('run', _run_then_finish)

@@ -12,39 +12,11 @@ that holds them all; ``load_npz(path, trainer)`` on every rank then gives
 each rank its own part back.
 """
 
-import threading
-import weakref
-
 import chainer
 from chainer.training import extension
 
-from fastchain.config import _patches
 from fastchain.distributed import _rank_state
-
-_lock = threading.Lock()
-_leases = set()
-
-
-def _trainer():
-    from chainer.training import trainer
-    return trainer.Trainer
-
-
-def _acquire(extension):
-    """``Trainer.serialize``'s layer, in force as long as ``extension`` lives."""
-    token = object()
-    with _lock:
-        _leases.add(token)
-        if len(_leases) == 1:
-            _patches.wrap(_trainer(), 'serialize', 'distributed', _ranks_first)
-    weakref.finalize(extension, _release, token)
-
-
-def _release(token):
-    with _lock:
-        _leases.discard(token)
-        if not _leases:
-            _patches.unwrap(_trainer(), 'serialize', 'distributed')
+from fastchain.distributed._held import HeldLayer
 
 
 def _ranks_first(next_, trainer, serializer, *args, **kwargs):
@@ -85,7 +57,7 @@ def multi_node_snapshot(comm, snapshot=None, **kwargs):
             'only (rank 0 writes it); make the snapshot without autoload and load it on '
             'every rank: chainer.serializers.load_npz(path, trainer)')
     made = _MultiNodeSnapshot(comm, snapshot)
-    _acquire(made)
+    _ranks_first_layer.acquire(made)     # Trainer.serialize's, while it lives
     return made
 
 
@@ -139,3 +111,6 @@ class _MultiNodeSnapshot(extension.Extension):
     def finalize(self):
         if self.comm.rank == 0 and hasattr(self.snapshot, 'finalize'):
             self.snapshot.finalize()
+
+
+_ranks_first_layer = HeldLayer('serialize', _ranks_first)

@@ -886,10 +886,7 @@ def missing_snapshot(path):
     """The message for a --resume that is no file: a folder's snapshots, or
     the folder's where the file is not there."""
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    found = []
-    if os.path.isdir(folder):
-        found = sorted((n for n in os.listdir(folder) if n.startswith('snapshot_iter_')),
-                       key=lambda n: os.path.getmtime(os.path.join(folder, n)))
+    found = snapshots(folder)
     what = 'a folder; give a snapshot file' if os.path.isdir(path) else 'no such file'
     return '--resume {}: {} ({})'.format(
         path, what, 'the newest in {} is {}'.format(folder, os.path.join(folder, found[-1]))
@@ -922,24 +919,24 @@ def release_quietly(tb):
         sys.unraisablehook = previous
 
 
-def snapshots(args):
-    """The snapshots in --out, newest last (by time: Chainer keeps the newest
-    by time, also those of an earlier run in the same --out)."""
-    if not os.path.isdir(args.out):
+def snapshots(folder):
+    """The snapshots in ``folder`` (--out), newest last (by time: Chainer keeps
+    the newest by time, also those of an earlier run in the same --out)."""
+    if not os.path.isdir(folder):
         return []
-    return sorted((n for n in os.listdir(args.out) if n.startswith('snapshot_iter_')),
-                  key=lambda n: os.path.getmtime(os.path.join(args.out, n)))
+    return sorted((n for n in os.listdir(folder) if n.startswith('snapshot_iter_')),
+                  key=lambda n: os.path.getmtime(os.path.join(folder, n)))
 
 
 def newest_snapshot(args):
-    names = [] if args.no_snapshots else snapshots(args)
+    names = [] if args.no_snapshots else snapshots(args.out)
     return os.path.join(args.out, names[-1]) if names else None
 
 
 def snapshot_line(args):
     if args.no_snapshots:
         return 'snapshots: none (--no-snapshots)'
-    names = snapshots(args)
+    names = snapshots(args.out)
     if not names:
         return 'snapshots: none written'
     size = os.path.getsize(os.path.join(args.out, names[-1]))
