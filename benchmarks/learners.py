@@ -89,8 +89,12 @@ def child(args):
     order = chainer.iterators.ShuffleOrderSampler(numpy.random.RandomState(10 + comm.rank))
     it = chainer.iterators.SerialIterator(shard, per_rank, order_sampler=order)
     test = distributed.scatter_dataset(chainer.datasets.TupleDataset(xt, tt), comm)
+    # Each rank's shard in one batch: Chainer's Evaluator averages over
+    # batches, so batches of 60 and 30 (90 a rank at 4 processes) weighed the
+    # short one's examples double (accuracies in 480ths, not 360ths).
     evaluator = distributed.create_multi_node_evaluator(extensions.Evaluator(
-        chainer.iterators.SerialIterator(test, 60, repeat=False, shuffle=False), model), comm)
+        chainer.iterators.SerialIterator(test, len(test), repeat=False, shuffle=False), model),
+        comm)
     reporter = chainer.Reporter()
     reporter.add_observer('main', model)
     steps = int(args.epochs * len(t)) // args.batch

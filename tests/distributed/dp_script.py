@@ -141,6 +141,160 @@ def evaluator():
             full, 5, repeat=False, shuffle=False), model).evaluate()
     for key in ('main/loss', 'main/accuracy'):
         assert abs(result[key] - float(whole[key])) < 1e-5, (key, result[key], whole[key])
+    # Shards of 1 and 3 examples (hand-made): each rank's mean weighs by its
+    # examples (the plain mean of the ranks' means would not be the mean).
+    mine = [full[0]] if rank == 0 else [full[1], full[2], full[3]]
+    ev = distributed.create_multi_node_evaluator(extensions.Evaluator(
+        chainer.iterators.SerialIterator(mine, 5, repeat=False, shuffle=False), model), comm)
+    with reporter.scope({}):
+        result = ev.evaluate()
+        whole = extensions.Evaluator(chainer.iterators.SerialIterator(
+            full[:4], 4, repeat=False, shuffle=False), model).evaluate()
+    for key in ('main/loss', 'main/accuracy'):
+        assert abs(result[key] - float(whole[key])) < 1e-5, (key, result[key], whole[key])
+    # a batch size that does not divide the shard (20): said on rank 0, once
+    ev = distributed.create_multi_node_evaluator(extensions.Evaluator(
+        chainer.iterators.SerialIterator(shard, 6, repeat=False, shuffle=False), model), comm)
+    with warnings.catch_warnings(record=True) as w, reporter.scope({}):
+        warnings.simplefilter('always')
+        ev.evaluate()
+        ev.evaluate()
+    said = [str(x.message) for x in w if 'multi-node evaluator' in str(x.message)]
+    assert len(said) == (0 if rank else 1), said
+    assert rank or said[0].startswith('multi-node evaluator: rank 0 evaluated 20 examples in '
+                                      'batches of 6 down to 2') and \
+        'use a batch size that divides the shard' in said[0], said
+    done()
+
+
+class Noisy(chainer.dataset.DatasetMixin):
+    """A lazy dataset that augments: each read draws from NumPy's generator."""
+
+    def __init__(self, n=12):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def get_example(self, i):
+        return numpy.int64(i), numpy.random.rand()
+
+
+class OwnGenerator(Noisy):
+    """Augments with a generator of its own, seeded differently per rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.rng = numpy.random.RandomState(100 + rank)
+
+    def get_example(self, i):
+        return numpy.int64(i), self.rng.rand()
+
+
+class Unpicklable(Noisy):
+    def __init__(self):
+        super().__init__()
+        self.transform = lambda x: x
+
+
+def _unpickle_on_rank0_only():
+    if rank != 0:
+        raise RuntimeError('no such class here')
+    return BadElsewhere()
+
+
+class BadElsewhere(Noisy):
+    def __reduce__(self):
+        return _unpickle_on_rank0_only, ()
+
+
+def jitter(example):
+    """A transform defined at a module's top level: it pickles."""
+    x, t = example
+    return x + numpy.float32(numpy.random.rand()), t
+
+
+def scatter_root():
+    """Only rank 0 has the dataset: a lazy one is sent whole and read on
+    every rank, a TransformDataset over arrays as its base's examples and
+    its transform (augmentations drawn anew each read on every rank, as in
+    ChainerMN); an in-memory one as examples; one that does not pickle as
+    examples, said; one a rank cannot unpickle is named on every rank."""
+    shard = distributed.scatter_dataset(Noisy() if rank == 0 else None, comm, shuffle=True)
+    assert type(shard) is chainer.datasets.SubDataset and type(shard._dataset) is Noisy
+    assert shard[0][0] == shard[0][0] and shard[0][1] != shard[0][1]
+    mine = [int(shard[i][0]) for i in range(len(shard))]
+    everyone = comm.allgather_obj(mine, what='test gather')
+    assert sorted(sum(everyone, [])) == list(range(12)), everyone
+    full = data(10)
+    order = numpy.random.RandomState(4).permutation(10)
+    shard = distributed.scatter_dataset(full if rank == 0 else None, comm, shuffle=True,
+                                        seed=4)
+    for k in range(5):
+        numpy.testing.assert_array_equal(shard[k][0], full[order[rank * 5 + k]][0])
+    shard = distributed.scatter_dataset(
+        chainer.datasets.TransformDataset(full, jitter) if rank == 0 else None, comm,
+        shuffle=True, seed=4)
+    assert type(shard) is (chainer.datasets.SubDataset if rank == 0
+                           else chainer.datasets.TransformDataset)
+    for k in range(5):
+        x, t = shard[k]
+        assert t == full[order[rank * 5 + k]][1]
+        noise = x - full[order[rank * 5 + k]][0]
+        assert (noise > 0).all() and (noise < 1).all() and numpy.ptp(noise) < 1e-6
+        assert (shard[k][0] != x).all()          # drawn anew on every read
+    for make, what in ((Unpicklable, "rank 0's Unpicklable"),
+                       (lambda: chainer.datasets.TransformDataset(full, lambda e: e),
+                        "the transform of rank 0's TransformDataset")):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            shard = distributed.scatter_dataset(make() if rank == 0 else None, comm)
+        said = [str(x.message) for x in w if 'cannot be pickled' in str(x.message)]
+        assert len(said) == (1 - rank), said
+        assert rank or said[0].startswith('scatter_dataset: ' + what) and \
+            'augmentations are drawn once' in said[0], said
+        assert len(shard) == (6 if make is Unpicklable else 5)
+    try:
+        distributed.scatter_dataset(BadElsewhere() if rank == 0 else None, comm)
+    except ValueError as e:
+        assert "rank 1 could not unpickle rank 0's dataset (RuntimeError: no such class " \
+            "here)" in str(e), str(e)
+    else:
+        raise AssertionError('a dataset rank 1 cannot unpickle was accepted')
+    done()
+
+
+def scatter_same():
+    """Every rank passes a dataset: copies that differ are refused on every
+    rank, without reading an example; identical ones pass, sets and objects
+    in them too; one of the script's own kind cannot be told and passes."""
+    full = data(20)
+    split, _ = chainer.datasets.split_dataset_random(full, 12, seed=rank)
+    try:
+        distributed.scatter_dataset(split, comm)
+    except ValueError as e:
+        assert "rank 1's differs from rank 0's" in str(e) and \
+            'split_dataset_random(data, n, seed=0)' in str(e), str(e)
+    else:
+        raise AssertionError('different copies were accepted')
+    try:
+        distributed.scatter_dataset(data(20 + rank), comm)
+    except ValueError as e:
+        assert 'the ranks have datasets of [20, 21] examples' in str(e), str(e)
+    else:
+        raise AssertionError('copies of different lengths were accepted')
+    split, _ = chainer.datasets.split_dataset_random(full, 12, seed=0)
+    assert len(distributed.scatter_dataset(split, comm, shuffle=True, seed=2)) == 6
+    # sets iterate in each process's own hash order; object arrays hold addresses
+    tags = numpy.empty(20, object)
+    tags[:] = [{'cat', 'dog', str(i)} for i in range(20)]
+    assert len(distributed.scatter_dataset(
+        chainer.datasets.TupleDataset(full._datasets[0], tags), comm)) == 10
+    numpy.random.seed(5)
+    before = numpy.random.get_state()[1].copy()
+    assert len(distributed.scatter_dataset(Noisy(), comm, shuffle=True, seed=2)) == 6
+    numpy.testing.assert_array_equal(numpy.random.get_state()[1], before)
+    assert len(distributed.scatter_dataset(OwnGenerator(), comm)) == 6
     done()
 
 
@@ -576,6 +730,7 @@ def mismatch():
 
 
 SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': evaluator,
+             'scatter_root': scatter_root, 'scatter_same': scatter_same,
              'snapshot_resume': snapshot_resume, 'rank0_extensions': rank0_extensions,
              'no_gradient': no_gradient, 'loss_scale_agreement': loss_scale_agreement,
              'average': average, 'tied_overlap': tied_overlap,

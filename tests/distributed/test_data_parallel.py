@@ -37,7 +37,9 @@ def test_n_ranks_equal_one_process_with_n_times_the_batch(how, tmp_path):
 
 @pytest.mark.parametrize('scenario', [
     'sharding',             # disjoint, equal-size shards
-    'evaluator',            # metrics are the mean over ranks
+    'scatter_root',         # rank 0's lazy dataset read on every rank; unpicklable: said
+    'scatter_same',         # every rank's copy: different copies refused, nothing read
+    'evaluator',            # metrics are the mean over examples of all ranks
     'rank0_extensions',     # reporting on rank 0 only
     'snapshot_resume',      # a snapshot from rank 0 restores every rank exactly
     'no_gradient',          # a parameter with no gradient: zero-filled, no hang

@@ -25,3 +25,11 @@ def test_scatter_dataset_refuses_a_root_that_is_not_a_rank():
     for root in (1, -1, '0', numpy.int64(3)):
         with pytest.raises(ValueError, match=r"root=.* is not a rank of this job \(0 to 0\)"):
             distributed.scatter_dataset(list(range(8)), OneRank(), root=root)
+
+
+def test_scatter_dataset_refuses_options_given_by_position():
+    # ChainerMN's order is (dataset, comm, root, shuffle, seed): by position,
+    # scatter_dataset(ds, comm, 0, True) ran as shuffle=0, seed=True.
+    with pytest.raises(TypeError, match=r'scatter_dataset\(dataset, comm, 0, True\): give '
+                                        r'shuffle, seed and root by name'):
+        distributed.scatter_dataset(list(range(8)), OneRank(), 0, True)
