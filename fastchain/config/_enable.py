@@ -204,26 +204,37 @@ def enable(**options):
             raise RuntimeError('fastchain.enable() could not apply its options: '
                                + '; '.join(errors))
 
-    for state in handle.states.values():
-        if state.requested and not state.available:
-            warnings.warn(
-                'fastchain: {} cannot take effect here: {}. To get it: {}'
-                .format(state.name, state.why, state.fix),
-                FastchainWarning, stacklevel=2)
-        elif state.requested and not state.active:
-            # Available, asked for, yet not in force: another option in force
-            # (this handle's or an earlier one's) keeps it out.
-            warnings.warn('fastchain: {} is not in force: {}{}'.format(
-                state.name, state.why or 'another option in force keeps it out',
-                '. To get it: {}'.format(state.fix) if state.fix else ''),
-                FastchainWarning, stacklevel=2)
-        elif state.requested and state.active and state.note:
-            warnings.warn('fastchain: {}: {}'.format(state.name, state.note),
-                          FastchainWarning, stacklevel=2)
-    for group in _options.groups():
-        for message in group.unused(_of(group, _effective()[0]), handle.explicit):
-            warnings.warn('fastchain: ' + message, FastchainWarning, stacklevel=2)
-    _set_up_before.warn(handle)
+    # Warnings turned into errors (-W error, a test suite's filterwarnings)
+    # raise here: the options are taken out again, not left in force with
+    # no handle to disable them.
+    try:
+        for state in handle.states.values():
+            if state.requested and not state.available:
+                warnings.warn(
+                    'fastchain: {} cannot take effect here: {}. To get it: {}'
+                    .format(state.name, state.why, state.fix),
+                    FastchainWarning, stacklevel=2)
+            elif state.requested and not state.active:
+                # Available, asked for, yet not in force: another option in force
+                # (this handle's or an earlier one's) keeps it out.
+                warnings.warn('fastchain: {} is not in force: {}{}'.format(
+                    state.name, state.why or 'another option in force keeps it out',
+                    '. To get it: {}'.format(state.fix) if state.fix else ''),
+                    FastchainWarning, stacklevel=2)
+            elif state.requested and state.active and state.note:
+                warnings.warn('fastchain: {}: {}'.format(state.name, state.note),
+                              FastchainWarning, stacklevel=2)
+        for group in _options.groups():
+            for message in group.unused(_of(group, _effective()[0]), handle.explicit):
+                warnings.warn('fastchain: ' + message, FastchainWarning, stacklevel=2)
+        _set_up_before.warn(handle)
+    except BaseException:
+        handle._closers = []    # no trace or autotune cache for an enable() that failed
+        try:
+            handle.disable()
+        except Exception:       # noqa: BLE001 - the warning raised is the error to see
+            pass
+        raise
     return handle
 
 

@@ -38,6 +38,42 @@ def warn(handle):
                     'is' if len(missed_now) == 1 else 'are', fp16), FastchainWarning, stacklevel=3)
 
 
+    _updaters(handle)
+
+
+def _updaters(handle):
+    """loader_workers and prefetch_to_device act when a StandardUpdater is
+    built: one built before they were asked for keeps its SerialIterator,
+    which is named (only when asked for, as fused_update)."""
+    asked = [name for name in ('loader', 'prefetch_to_device') if name in handle.states
+             and handle.states[name].requested and handle.states[name].active]
+    if not asked:
+        return
+    import gc
+    from chainer.iterators import SerialIterator
+    from chainer.training.updaters import StandardUpdater
+    from fastchain.data._group import _DONE
+    def found():
+        # (an updater of the script's own may name its iterators otherwise)
+        return [u for u in gc.get_objects() if issubclass(type(u), StandardUpdater)
+                and u not in _DONE
+                and type(getattr(u, '_iterators', {}).get('main')) is SerialIterator]
+    missed = found()
+    if missed:
+        gc.collect()        # not counting garbage not collected yet
+        missed = found()
+    if missed:
+        warnings.warn(
+            'fastchain: {} act{} when a StandardUpdater is built; {} built before this '
+            'enable() keep{} {} SerialIterator: nothing loads in worker processes for {}. Call '
+            'fastchain.enable() before building the updater'.format(
+                ' and '.join('loader_workers' if n == 'loader' else n for n in asked),
+                '' if len(asked) > 1 else 's',
+                'an updater' if len(missed) == 1 else '{} updaters'.format(len(missed)),
+                's' if len(missed) == 1 else '', 'its' if len(missed) == 1 else 'their',
+                'it' if len(missed) == 1 else 'them'), FastchainWarning, stacklevel=4)
+
+
 def _float32(optimizers):
     """Any of their models with float32 parameters."""
     import numpy

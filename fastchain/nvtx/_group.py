@@ -14,8 +14,11 @@ LINK_HOOKS = 'chainer link and function hooks (nvtx links)'
 
 
 def _timeline_path(value):
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if not isinstance(value, str) or not value:
-        raise ValueError('expected the path of the trace JSON to write')
+        raise ValueError('expected the path of the trace JSON to write (str or os.PathLike), '
+                         'got {!r}'.format(value))
     if os.path.isdir(value):
         raise ValueError('{!r} is a folder; give a file path, e.g. {!r}'.format(
             value, os.path.join(value, 'trace.json')))

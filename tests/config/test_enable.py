@@ -287,6 +287,21 @@ def test_a_failing_group_undoes_what_was_already_applied(monkeypatch):
     assert not fastchain.active_handles()
 
 
+def test_a_warning_raised_as_an_error_takes_the_options_out_again(tmp_path):
+    # -W error (or a suite's filterwarnings = error): enable() raised its
+    # warning after the options were in force, and left them there, handle
+    # and all, with nothing returned to disable them. Nothing is written for
+    # the enable() that failed (no trace).
+    before = snapshot()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', FastchainWarning)
+        with pytest.raises(FastchainWarning, match='fp16'):
+            fastchain.enable(fp16=True, timeline=str(tmp_path / 'trace.json'))
+    assert not fastchain.active_handles()
+    assert snapshot() == before
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_disable_is_idempotent_and_the_handle_reports():
     h = fastchain.enable(cudnn='never', loader_workers=0, fused_update=False, cpu_conv=False,
                          autotune=False)

@@ -373,6 +373,43 @@ def test_asked_for_workers_an_updater_whose_iterator_stays_says_so(make, warned)
         iterator.finalize()
 
 
+def test_an_updater_built_before_workers_were_asked_for_is_named():
+    # It kept its SerialIterator without a word while report() said the
+    # loader was active (a review's trial).
+    def build():
+        return chainer.training.StandardUpdater(
+            serial(Indexed(), 4), chainer.optimizers.SGD(0.1).setup(L.Classifier(L.Linear(3, 2))))
+
+    def said(**options):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter('always')
+            fastchain.enable(**options).disable()
+        return [str(w.message) for w in record if 'when a StandardUpdater is built' in
+                str(w.message)]
+    other = chainer.training.StandardUpdater(     # iterators named otherwise: passed over
+        {'train': serial(Indexed(), 4)},
+        chainer.optimizers.SGD(0.1).setup(L.Classifier(L.Linear(3, 2))))
+    before = build()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter('always')
+        fastchain.enable(loader_workers=2).disable()       # the script's own line
+    assert [w.filename for w in record if 'StandardUpdater is built' in str(w.message)] \
+        == [__file__]
+    assert said(loader_workers=2) == [
+        'fastchain: loader_workers acts when a StandardUpdater is built; an updater built '
+        'before this enable() keeps its SerialIterator: nothing loads in worker processes '
+        'for it. Call fastchain.enable() before building the updater']
+    assert 'loader_workers and prefetch_to_device act' in \
+        said(loader_workers=1, prefetch_to_device=True)[0]
+    assert said() == []             # not asked for: the default loader is not named
+    del before, other
+    with fastchain.enable(loader_workers=2):
+        under = build()             # taken by the loader: not named afterwards
+    assert type(under.get_iterator('main')) is not chainer.iterators.SerialIterator
+    assert said(loader_workers=2) == []
+    under.get_iterator('main').finalize()
+
+
 class _PythonNoisy(Indexed):
     """Draws from Python's ``random``, as an augmentation may."""
 

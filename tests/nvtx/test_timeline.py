@@ -63,6 +63,15 @@ def test_timeline_with_nvtx_false_is_refused():
         fastchain.enable(nvtx=False, timeline='x.json')
 
 
+def test_a_timeline_path_may_be_a_pathlib_path(tmp_path):
+    # (refused as "expected the path of the trace JSON to write", a path given)
+    with fastchain.enable(timeline=tmp_path / 'trace.json', loader_workers=0) as h:
+        assert h.options['timeline'] == str(tmp_path / 'trace.json')
+    assert (tmp_path / 'trace.json').exists()
+    with pytest.raises(ValueError, match=r'timeline.*\(str or os.PathLike\), got 3'):
+        fastchain.enable(timeline=3)
+
+
 def test_a_timeline_path_that_would_lose_the_trace_is_refused(tmp_path):
     with pytest.raises(ValueError, match="is a folder; give a file path, e.g. .*trace.json"):
         fastchain.enable(timeline=str(tmp_path))
