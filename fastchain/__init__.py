@@ -12,7 +12,17 @@ Importing fastchain does nothing beyond defining names: no device probing,
 no configuration writes, and Chainer itself is imported only when a name
 that needs it is first used. (This module is imported at every interpreter
 start by the compat hook, so it must stay cheap.)
+
+It does put the compat hook in place where the ``.pth`` file that does so
+at start was not read (``python -S``, ``pip install --target`` on
+``PYTHONPATH``, a zipapp): Chainer imported after fastchain then works there
+too.
 """
+
+from fastchain._compat import _finder
+
+_finder.install()
+del _finder
 
 __version__ = '0.1.0'
 

@@ -22,13 +22,35 @@ _version_cache = {}     # chainer package dir -> version string or None
 
 def applied():
     """Shims applied in this process, as a list of dicts (name, module, why)."""
-    with _lock:
-        return [dict(name=n, module=m, why=w) for n, m, w in _applied]
+    finder = _installed_finder()
+    lock, record = (finder.lock, finder.applied) if finder is not None else (_lock, _applied)
+    with lock:
+        return [dict(name=n, module=m, why=w) for n, m, w in record]
 
 
 def installed():
     """Whether the finder is on ``sys.meta_path``."""
-    return any(isinstance(f, _ChainerShimFinder) for f in sys.meta_path)
+    return _installed_finder() is not None
+
+
+def _installed_finder():
+    # By name, not class: the finder installed at start belongs to the copy
+    # of this module the .pth file imported, which at_start() let go of.
+    return next((f for f in sys.meta_path if type(f).__name__ == '_ChainerShimFinder'), None)
+
+
+def at_start():
+    """Run by ``fastchain-compat.pth`` at interpreter start: install the
+    finder, then forget the fastchain modules imported to get here, so that
+    a later ``import fastchain`` resolves on the ``sys.path`` of that moment,
+    as for any package: a checkout in the script's folder or the current one
+    comes before the installed copy (it was silently shadowed by it)."""
+    install()
+    ours = ('fastchain', 'fastchain._compat', 'fastchain._compat._finder')
+    if {m for m in sys.modules if m == 'fastchain' or m.startswith('fastchain.')} == \
+            set(ours):      # nothing else of fastchain imported yet (site.addsitedir later)
+        for name in ours:
+            del sys.modules[name]
 
 
 def install():
@@ -106,10 +128,14 @@ def _after_exec(fullname, module, late=False):
         if not _is_target_chainer():
             return
         with _lock:
-            if any(n == shim.name and m == fullname for n, m, _ in _applied):
+            seen = any(n == shim.name and m == fullname for n, m, _ in _applied)
+            if late and seen:
                 continue
+            # Every run of the module's code gets its fix (importlib.reload
+            # runs it again, and lost the fix when it was kept to the first).
             shim.after(module)
-            _applied.append((shim.name, fullname, shim.why))
+            if not seen:
+                _applied.append((shim.name, fullname, shim.why))
 
 
 class _ShimLoader:
@@ -147,6 +173,7 @@ class _ChainerShimFinder:
     """Finds nothing itself; wraps the loader of shimmed Chainer modules."""
 
     _active = _thread._local()
+    lock, applied = _lock, _applied     # what applied() reads from any copy of this module
 
     def find_spec(self, fullname, path, target=None):
         if fullname.split('.', 1)[0] not in _ROOTS:

@@ -36,8 +36,10 @@ class Distribution:
 
 
 def get_distribution(name):
-    """The installed distribution called ``name`` (raises if absent)."""
-    name = str(Requirement(name).name) if not isinstance(name, str) else name
+    """The installed distribution ``name`` names: a project name, a requirement
+    string (``'numpy>=1'``) or a requirement object, as pkg_resources took
+    (raises if absent; the version is not checked, as there)."""
+    name = Requirement(name).name if isinstance(name, str) else name.name
     try:
         version = importlib.metadata.version(canonicalize_name(name))
     except importlib.metadata.PackageNotFoundError:

@@ -30,16 +30,19 @@ def test_training_loop_in_either_import_order(python, tmp_path, first, second):
     assert after > 0.9 and after > before
 
 
-def test_install_is_enough_without_the_pth_file(python):
-    # `python -S` skips site-packages' .pth files: installing the finder by
-    # hand before importing Chainer must then be enough.
+def test_importing_fastchain_is_enough_without_the_pth_file(python):
+    # `python -S` skips site-packages' .pth files (so do `pip install
+    # --target` on PYTHONPATH and zipapps): importing fastchain before Chainer
+    # must then be enough (it was not: Chainer failed on NumPy 2 with
+    # NumPy's own error).
     import sysconfig
     code = '''
 import sys
 sys.path.append({!r})
+assert not any(type(f).__name__ == '_ChainerShimFinder' for f in sys.meta_path)
+import fastchain
 import fastchain._compat as c
-assert not c.installed()
-c.install()
+assert c.installed()
 import chainer.functions.array.as_strided
 print(sorted({{a["name"] for a in c.applied()}}))
 '''.format(sysconfig.get_paths()['purelib'])
@@ -58,6 +61,33 @@ def test_the_hook_costs_little_at_interpreter_start(python):
     # modules (importlib.abc, threading, numpy, chainer).
     out = python('import sys; print(" ".join(sorted(sys.modules)))')
     loaded = set(out.stdout.split())
-    assert 'fastchain._compat._finder' in loaded
     for heavy in ('numpy', 'chainer', 'importlib.abc', 'threading'):
         assert heavy not in loaded, heavy
+    # the finder is in place, and the fastchain imported to put it there let
+    # go of (see the next test)
+    out = python('import sys; print([type(f).__name__ for f in sys.meta_path][0], '
+                 'sorted(m for m in sys.modules if m.startswith("fastchain")))')
+    assert out.stdout.split() == ['_ChainerShimFinder', '[]'], out.stdout
+
+
+def test_a_checkout_in_the_current_folder_comes_before_the_installed_copy(tmp_path):
+    # The .pth file imported the installed fastchain at start, so `python
+    # script.py` or `python -m pytest` in another checkout silently ran the
+    # installed one. The shims still apply to Chainer imported there.
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import fastchain
+    shutil.copytree(os.path.dirname(fastchain.__file__), tmp_path / 'fastchain',
+                    ignore=shutil.ignore_patterns('__pycache__'))
+    with open(tmp_path / 'fastchain' / '__init__.py', 'a') as f:
+        f.write('HERE = True\n')
+    (tmp_path / 'script.py').write_text(
+        'import fastchain\nprint(getattr(fastchain, "HERE", False))\n'
+        'import sys, numpy, chainer.functions\n'
+        'print(any(type(f).__name__ == "_ChainerShimFinder" for f in sys.meta_path))\n')
+    out = subprocess.run([sys.executable, 'script.py'], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ['True', 'True']

@@ -12,6 +12,11 @@ def test_require_an_installed_package():
     dists = pr.require('numpy>=1.0')
     assert dists[0].version == numpy_version
     assert pr.get_distribution('numpy').version == numpy_version
+    # a requirement, as a string or an object, as pkg_resources took it (the
+    # string raised DistributionNotFound, the object a TypeError)
+    from packaging.requirements import Requirement
+    for req in ('numpy>=1', Requirement('numpy>=1')):
+        assert pr.get_distribution(req).version == numpy_version
 
 
 def test_version_conflict_and_missing_distribution():

@@ -150,3 +150,16 @@ def test_cupy14_shim_is_needed_exactly_from_cupy_14(monkeypatch, installed, need
     from tests.helpers import pretend_installed
     pretend_installed(monkeypatch, installed)
     assert _cupy14_shim().needed() is needed
+
+
+def test_a_reloaded_module_keeps_its_fix(python):
+    # importlib.reload runs the module's code again: its after-import fix was
+    # kept to the first run, and NumPy 2's OverflowError came back.
+    out = python('''
+import importlib, numpy
+import chainer.functions.array.pad_sequence as m
+importlib.reload(m)
+xs = [numpy.ones(1, numpy.uint8), numpy.ones(3, numpy.uint8)]
+print(m.pad_sequence(xs, padding=-1).array[0].tolist())
+''')
+    assert out.stdout.split() == ['[1,', '255,', '255]'], out.stdout
