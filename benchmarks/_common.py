@@ -45,7 +45,27 @@ def machine():
     from fastchain.doctor._report import machine as describe
     m = describe()
     m['argv'] = sys.argv[1:]
+    m['date'] = time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())
+    m['commit'] = commit()
     return m
+
+
+def commit():
+    """The commit the code measured is at, ``+changes`` when fastchain/ or
+    benchmarks/ differ from it; None outside a git checkout."""
+    import subprocess
+    here = os.path.dirname(HERE)
+    try:
+        head = subprocess.run(['git', 'rev-parse', '--short=12', 'HEAD'], cwd=here,
+                              capture_output=True, text=True, timeout=10)
+        changed = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no',
+                                  '--', 'fastchain', 'benchmarks'], cwd=here,
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ('+changes' if changed.stdout.strip() else '')
 
 
 class Rows:
@@ -126,6 +146,8 @@ def markdown(result):
                  if m.get('gpus') else '',
                  m.get('python'), m.get('numpy'),
                  ' ({})'.format(m['blas']) if m.get('blas') else '', m.get('chainer')),
+             ] + (['Run: {}, commit {}.'.format(m['date'], m.get('commit') or 'unknown')]
+                  if m.get('date') else []) + [
              '', '| variant | median | unit | spread (min, max) | windows |',
              '| --- | --- | --- | --- | --- |']
     for r in result['rows']:
