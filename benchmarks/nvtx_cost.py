@@ -1,8 +1,10 @@
 """What fastchain's NVTX annotations cost with no profiler attached.
 
 The ResNet-50 recipe's training step (model, optimizer, StandardUpdater,
-converter) on in-memory data, built twice in one process: plain, and under
-``enable(nvtx=True)``. The updaters take turns window by window; each row is
+converter) on in-memory data, built three times in one process: plain, under
+``enable(nvtx=True)``, then plain again (the A/A control: how far two identical
+updaters in one process run apart). The updaters take turns window by window
+(in reverse order every other window); each row is
 iterations per second; ``annotated/plain`` is the speed with annotations over
 the speed without (1.0 = free). Because that difference is far below this
 machine's noise, the cost is also counted: the annotator calls of one step
@@ -100,10 +102,17 @@ def main(argv=None):
         updaters = {'plain': make_updater(size, args.batch, depth, width, device)}
         handle = fastchain.enable(nvtx=True)
         updaters['annotated'] = make_updater(size, args.batch, depth, width, device)
+        # A/A control: the plain one built again, after the annotated one
+        # (nvtx=False stacked over it: the annotated updater keeps its ranges).
+        # Two identical updaters in one process ran up to 11% apart here
+        # (where each one's arrays lie), more than annotations cost.
+        off = fastchain.enable(nvtx=False)
+        updaters['plain_again'] = make_updater(size, args.batch, depth, width, device)
+        off.disable()
     from fastchain.kernels._update import is_fused
     fused = {n: sorted({is_fused(p.update_rule) for p in u.get_optimizer('main').target.params()})
              for n, u in updaters.items()}
-    assert fused['plain'] == fused['annotated'], fused
+    assert fused['plain'] == fused['annotated'] == fused['plain_again'], fused
     for updater in updaters.values():       # warm-up: first calls, allocations
         for _ in range(2):
             updater.update()
@@ -143,6 +152,7 @@ def main(argv=None):
     step_s = 1.0 / rows.median('plain')
     counted = {n: c / 2 * pair / step_s for n, c in per_step.items()}
     ratios = {'annotated/plain': rows.ratio('annotated', 'plain'),
+              'plain_again/plain (A/A control)': rows.ratio('plain_again', 'plain'),
               'annotated/plain (counted)': round(1 / (1 + counted['annotated']), 5),
               'annotated_links/plain (counted)': round(1 / (1 + counted['annotated_links']), 5)}
     config = {'model': 'ResNet-{} (width {})'.format(depth, width), 'input': size,
@@ -154,7 +164,8 @@ def main(argv=None):
     notes = ['Target: annotated/plain >= 0.99 (annotations cost at most 1% of a step).',
              'Counted: {} annotator calls per step ({} with per-link ranges) at {:.2f} us per '
              'push+pop pair = {:.4f}% ({:.3f}%) of a {:.0f} ms step. The timed A/B ratios '
-             'carry the machine\'s noise (see the spread).'.format(
+             'carry the machine\'s noise (see the spread and the A/A control: the plain '
+             'updater built again).'.format(
                  per_step['annotated'], per_step['annotated_links'], pair * 1e6,
                  100 * counted['annotated'], 100 * counted['annotated_links'], step_s * 1e3)]
     _common.write('nvtx_cost', args, config, rows, ratios, notes)
