@@ -52,14 +52,16 @@ def machine():
 
 def commit():
     """The commit the code measured is at, ``+changes`` when fastchain/ or
-    benchmarks/ differ from it; None outside a git checkout."""
+    benchmarks/ (its results aside) differ from it; None outside a git
+    checkout."""
     import subprocess
     here = os.path.dirname(HERE)
     try:
         head = subprocess.run(['git', 'rev-parse', '--short=12', 'HEAD'], cwd=here,
                               capture_output=True, text=True, timeout=10)
         changed = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no',
-                                  '--', 'fastchain', 'benchmarks'], cwd=here,
+                                  '--', 'fastchain', 'benchmarks',
+                                  ':!benchmarks/results'], cwd=here,
                                  capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
