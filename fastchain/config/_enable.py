@@ -91,6 +91,7 @@ class Handle:
         self.resources = {}                     # per-handle objects (timeline)
         self._changes = {}                      # feature -> Changes
         self._closers = []
+        self._failure = []
 
     def _changes_for(self, feature):
         changes = self._changes.get(feature)
@@ -101,6 +102,11 @@ class Handle:
     def on_disable(self, fn, label):
         """Call ``fn()`` when this handle is disabled (after its options left)."""
         self._closers.append((label, fn))
+
+    def on_failure(self, fn):
+        """Call ``fn()`` if the ``enable()`` making this handle fails after its
+        groups opened (what they set up to happen at exit is taken back)."""
+        self._failure.append(fn)
 
     def disable(self):
         """Remove this handle's options; undo what they did to objects.
@@ -229,13 +235,25 @@ def enable(**options):
                 warnings.warn('fastchain: ' + message, FastchainWarning, stacklevel=2)
         _set_up_before.warn(handle)
     except BaseException:
-        handle._closers = []    # no trace or autotune cache for an enable() that failed
+        _forget(handle)
         try:
             handle.disable()
         except Exception:       # noqa: BLE001 - the warning raised is the error to see
             pass
         raise
     return handle
+
+
+def _forget(handle):
+    """Nothing written for an enable() that failed: no trace, no autotune
+    cache, now or at exit."""
+    handle._closers = []
+    for fn in handle._failure:
+        try:
+            fn()
+        except Exception:       # noqa: BLE001 - best effort: the failure is the error to see
+            pass
+    handle._failure = []
 
 
 def _abandon(handle):
@@ -246,11 +264,7 @@ def _abandon(handle):
     _reconcile_collecting()
     for changes in handle._changes.values():
         changes.undo()
-    for _, fn in handle._closers:
-        try:
-            fn()
-        except Exception:
-            pass
+    _forget(handle)     # (it ran the closers: a trace and a cache for a failed enable())
 
 
 def _check_files(values):

@@ -53,11 +53,17 @@ def _updaters(handle):
     from chainer.iterators import SerialIterator
     from chainer.training.updaters import StandardUpdater
     from fastchain.data._group import _DONE
+    def taken(it):
+        # what the loader layer would have taken (a SerialIterator with an
+        # order of the script's own it leaves, and says so when it is built)
+        from chainer.iterators import ShuffleOrderSampler
+        return type(it) is SerialIterator and isinstance(
+            it.order_sampler, (type(None), ShuffleOrderSampler))
+
     def found():
         # (an updater of the script's own may name its iterators otherwise)
         return [u for u in gc.get_objects() if issubclass(type(u), StandardUpdater)
-                and u not in _DONE
-                and type(getattr(u, '_iterators', {}).get('main')) is SerialIterator]
+                and u not in _DONE and taken(getattr(u, '_iterators', {}).get('main'))]
     missed = found()
     if missed:
         gc.collect()        # not counting garbage not collected yet

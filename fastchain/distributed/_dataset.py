@@ -74,12 +74,6 @@ def scatter_dataset(dataset, comm, *positional, shuffle=False, seed=None, root=0
                          .format(n, comm.size))
     if everywhere and comm.size > 1:
         _check_same(dataset, comm, root)
-    dropped = n - per_rank * comm.size
-    if dropped and comm.rank == root:
-        from fastchain.config._warning import FastchainWarning
-        warnings.warn('scatter_dataset: {} of {} examples are left out so that the {} '
-                      'shards have equal size'.format(dropped, n, comm.size), FastchainWarning,
-                      stacklevel=2)
     if shuffle:
         seed = numpy.random.randint(2 ** 31) if seed is None else seed
         seed = comm.bcast_obj(seed, root=root, what='scatter_dataset (seed)')
@@ -88,9 +82,17 @@ def scatter_dataset(dataset, comm, *positional, shuffle=False, seed=None, root=0
         order = numpy.arange(n)
     start = comm.rank * per_rank
     if everywhere or comm.size == 1:
-        return chainer.datasets.SubDataset(dataset, start, start + per_rank, order=order)
-    from fastchain.distributed._sending import send
-    return send(dataset, comm, root, order, per_rank)
+        shard = chainer.datasets.SubDataset(dataset, start, start + per_rank, order=order)
+    else:
+        from fastchain.distributed._sending import send
+        shard = send(dataset, comm, root, order, per_rank)
+    dropped = n - per_rank * comm.size
+    if dropped and comm.rank == root:   # after the last collective: -W error strands no rank
+        from fastchain.config._warning import FastchainWarning
+        warnings.warn('scatter_dataset: {} of {} examples are left out so that the {} '
+                      'shards have equal size'.format(dropped, n, comm.size), FastchainWarning,
+                      stacklevel=2)
+    return shard
 
 
 def _check_same(dataset, comm, root):
@@ -141,11 +143,12 @@ def _walk(h, d, depth):
         return any([_walk(h, d._datasets[k], depth + 1) for k in sorted(d._datasets)])
     if kind is datasets.TransformDataset:
         return _walk(h, d._dataset, depth + 1)
+    # files by their paths under the dataset's folder, not the folder itself:
+    # the same files staged to another place on another node are the same
     if kind in (datasets.LabeledImageDataset, datasets.ImageDataset):
-        _value(h, d._root)
         return _walk(h, d._pairs if kind is datasets.LabeledImageDataset else d._paths, depth)
     if isinstance(d, _ImageDataset):
-        return _walk(h, d._entries, depth)
+        return _walk(h, _relative(d._entries), depth)
     if kind in (numpy.ndarray, list, tuple):
         n = len(d)
         h.update('{} {}'.format(n, getattr(d, 'shape', '')).encode())
@@ -153,6 +156,21 @@ def _walk(h, d, depth):
             _value(h, d[i])
         return True
     return False
+
+
+def _relative(entries):
+    """The sampled ``(path, label)`` entries, their paths relative to the
+    folder the samples share."""
+    import os
+    n = len(entries)
+    picked = [entries[i] for i in sorted({0, n // 2, n - 1} if n else ())]
+    paths = [e[0] if isinstance(e, tuple) else e for e in picked]
+    if not all(isinstance(p, str) for p in paths):
+        return picked
+    top = os.path.dirname(os.path.commonpath(paths)) if len(set(paths)) == 1 \
+        else os.path.commonpath(paths)
+    return [(os.path.relpath(p, top),) + tuple(e[1:]) if isinstance(e, tuple)
+            else os.path.relpath(p, top) for p, e in zip(paths, picked)]
 
 
 def _value(h, x):

@@ -107,3 +107,13 @@ class _Counting:
         if name.startswith('__') or name == '_iterator':
             raise AttributeError(name)
         return getattr(self._iterator, name)
+
+    def __setattr__(self, name, value):
+        # (an evaluator that rewinds by assignment, it.current_position = 0)
+        if name in ('_iterator', 'sizes'):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._iterator, name, value)
+
+    def __reduce_ex__(self, protocol):
+        return self._iterator.__reduce_ex__(protocol)     # pickled: the iterator itself

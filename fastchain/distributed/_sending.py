@@ -4,14 +4,19 @@
   and sends them (a list on that rank).
 - ``transform``: a TransformDataset over an in-memory dataset; the root sends
   each rank its examples of the base and the transform, which runs on that
-  rank, drawing its augmentations there, anew each epoch.
+  rank, drawing its augmentations there, anew each epoch. A transform that
+  does not pickle falls back to ``examples`` (the base is in memory, so that
+  is cheap), said on the root: the other ranks' augmentations are then drawn
+  once, there.
 - ``whole``: any other dataset (files decoded in ``get_example``); pickled
   once and sent to every rank, as ChainerMN does; each rank reads its own.
+  One that does not pickle is refused on every rank: the root reading every
+  rank's files first would take as long as an epoch, with the others waiting.
 
-A dataset or transform that does not pickle falls back to ``examples``, said
-on the root: the other ranks' augmentations are then drawn once, there. A
-rank that cannot unpickle what it got is named on every rank (no rank is left
-waiting for it).
+Every failure is known to every rank before any returns: what the root
+could not pickle (refused in the mode it broadcasts), an example it could
+not read (sent in a shard's place), what a rank could not unpickle (an
+allgather of the outcome at the end).
 """
 
 import pickle
@@ -20,79 +25,110 @@ import warnings
 import chainer
 
 
+class _Failed:
+    """Sent in a shard's place: the root could not make it."""
+
+    def __init__(self, why):
+        self.why = why
+
+
 def send(dataset, comm, root, order, per_rank):
-    mode = blob = None
-    if comm.rank == root:
-        mode, blob = _plan(dataset, root)
-    mode = comm.bcast_obj(mode, root=root, what='scatter_dataset (how to send)')
+    plan = _plan(dataset, root) if comm.rank == root else None
+    mode, said = comm.bcast_obj(plan[:2] if plan else None, root=root,
+                                what='scatter_dataset (how to send)')
+    if mode == 'refused':
+        raise ValueError(said)
     start = comm.rank * per_rank
-    if mode == 'whole':
-        blob = comm.bcast_obj(blob, root=root, what='scatter_dataset (the dataset)')
-        whole = dataset if comm.rank == root else _agreed(comm, root, blob)
-        if comm.rank == root:
-            _agreed(comm, root, None)
-        return chainer.datasets.SubDataset(whole, start, start + per_rank, order=order)
-    transform = None
-    if mode == 'transform':
-        blob = comm.bcast_obj(blob, root=root, what='scatter_dataset (the transform)')
-        transform = dataset._transform if comm.rank == root else _agreed(comm, root, blob)
-        if comm.rank == root:
-            _agreed(comm, root, None)
+    if mode in ('whole', 'transform'):
+        blob = comm.bcast_obj(plan[2] if plan else None, root=root,
+                              what='scatter_dataset (the {})'.format(
+                                  'dataset' if mode == 'whole' else 'transform'))
+        value, why = None, None
+        if comm.rank != root:
+            try:
+                value = pickle.loads(blob)
+            except Exception as e:      # noqa: BLE001 - named on every rank below
+                why = '{}: {}'.format(type(e).__name__, e)
+        _all_fine(comm, why, "could not unpickle rank {}'s {}".format(
+            root, 'dataset' if mode == 'whole' else 'transform'))
+        if mode == 'whole':
+            whole = dataset if comm.rank == root else value
+            return chainer.datasets.SubDataset(whole, start, start + per_rank, order=order)
+    transform = dataset._transform if mode == 'transform' and comm.rank == root else None
+    if mode == 'transform' and comm.rank != root:
+        transform = value
+    why = None
     if comm.rank == root:
         base = dataset._dataset if mode == 'transform' else dataset
+        failed = None
         for r in range(comm.size):
-            if r != root:
-                # indexed with NumPy's ints, as the root's SubDataset and Chainer index
-                shard = [base[i] for i in order[r * per_rank:(r + 1) * per_rank]]
-                comm.send_obj(shard, r, what='scatter_dataset (shard to rank {})'.format(r))
-        return chainer.datasets.SubDataset(dataset, start, start + per_rank, order=order)
-    shard = comm.recv_obj(root, what='scatter_dataset (shard from rank {})'.format(root))
-    return chainer.datasets.TransformDataset(shard, transform) if mode == 'transform' \
-        else shard
+            if r == root:
+                continue
+            shard = failed
+            if failed is None:
+                try:
+                    # indexed with NumPy's ints, as the root's SubDataset and Chainer index
+                    shard = [base[i] for i in order[r * per_rank:(r + 1) * per_rank]]
+                except Exception as e:      # noqa: BLE001 - sent to every rank as the error
+                    shard = failed = _Failed('rank {} could not read an example of rank {}\'s '
+                                             'shard: {}: {}'.format(root, r, type(e).__name__,
+                                                                    e))
+            comm.send_obj(shard, r, what='scatter_dataset (shard to rank {})'.format(r))
+        why = failed.why if failed is not None else None
+        mine = chainer.datasets.SubDataset(dataset, start, start + per_rank, order=order)
+    else:
+        try:
+            shard = comm.recv_obj(root, what='scatter_dataset (shard from rank {})'.format(root))
+            why = shard.why if isinstance(shard, _Failed) else None
+        except Exception as e:      # noqa: BLE001 - a shard that does not unpickle here
+            why = "rank {} could not unpickle its shard: {}: {}".format(
+                comm.rank, type(e).__name__, e)
+        if why is None:
+            mine = chainer.datasets.TransformDataset(shard, transform) \
+                if mode == 'transform' else shard
+    _all_fine(comm, why, None)
+    if said and comm.rank == root:      # after the last collective: -W error strands no rank
+        from fastchain.config._warning import FastchainWarning
+        warnings.warn(said, FastchainWarning, stacklevel=3)
+    return mine
+
+
+def _all_fine(comm, why, what):
+    """Raise on every rank the first failure any rank had."""
+    failed = [(r, w) for r, w in enumerate(comm.allgather_obj(
+        why, what='scatter_dataset (every rank has its shard?)')) if w is not None]
+    if failed:
+        r, w = failed[0]
+        raise ValueError(
+            'scatter_dataset: {}. Every rank needs the classes and functions the dataset is '
+            'made of importable (not defined in an interactive session), and the root its '
+            'examples readable; or build the dataset on every rank and pass it on every '
+            'rank'.format('rank {} {} ({})'.format(r, what, w) if what else w))
 
 
 def _plan(dataset, root):
-    """(mode, pickled bytes or None), decided on the root."""
+    """(mode, what to say, pickled bytes or None), decided on the root."""
     from fastchain.data._group import in_memory
     if in_memory(dataset):
-        return 'examples', None
-    what = dataset
-    mode = 'whole'
-    if type(dataset) is chainer.datasets.TransformDataset and in_memory(dataset._dataset):
-        what, mode = dataset._transform, 'transform'
+        return 'examples', None, None
+    transform = type(dataset) is chainer.datasets.TransformDataset and \
+        in_memory(dataset._dataset)
     try:
-        return mode, pickle.dumps(what, protocol=pickle.HIGHEST_PROTOCOL)
+        return ('transform' if transform else 'whole'), None, pickle.dumps(
+            dataset._transform if transform else dataset, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:      # noqa: BLE001 - any pickling failure, said
-        from fastchain.config._warning import FastchainWarning
-        thing = ("the transform of rank {}'s TransformDataset" if mode == 'transform' else
-                 "rank {}'s " + type(dataset).__name__).format(root)
-        warnings.warn(
-            "scatter_dataset: {} cannot be pickled ({}: {}), so rank {} reads every rank's "
-            "examples and sends them: the other ranks' augmentations are drawn once, there, "
-            'and kept every epoch. Fix: a {} that pickles (a function defined at a '
-            "module's top level, or a class; not a lambda or a closure), or build the dataset "
-            'on every rank and pass it on every rank'.format(
-                thing, type(e).__name__, e, root,
-                'transform' if mode == 'transform' else 'dataset'),
-            FastchainWarning, stacklevel=4)
-        return 'examples', None
-
-
-def _agreed(comm, root, blob):
-    """The object in ``blob`` (None on the root), once every rank has said
-    whether it could unpickle its copy."""
-    value = why = None
-    if blob is not None:
-        try:
-            value = pickle.loads(blob)
-        except Exception as e:      # noqa: BLE001 - named on every rank below
-            why = '{}: {}'.format(type(e).__name__, e)
-    failed = [(r, w) for r, w in enumerate(comm.allgather_obj(
-        why, what='scatter_dataset (unpickled?)')) if w is not None]
-    if failed:
-        raise ValueError(
-            "scatter_dataset: rank {} could not unpickle rank {}'s dataset ({}). Every rank "
-            'needs the classes and functions it is made of importable (not defined in an '
-            "interactive session); or build the dataset on every rank and pass it on every "
-            'rank'.format(failed[0][0], root, failed[0][1]))
-    return value
+        why = '{}: {}'.format(type(e).__name__, e)
+    fix = ("a module's top level, or a class; not a lambda or a closure), or build the dataset "
+           'on every rank and pass it on every rank')
+    if transform:
+        return 'examples', (
+            "scatter_dataset: the transform of rank {}'s TransformDataset cannot be pickled "
+            "({}), so rank {} ran it on every rank's examples and sent them: the other ranks' "
+            'augmentations were drawn once, there, and are kept every epoch. Fix: a transform '
+            'that pickles (a function defined at {}'.format(root, why, root, fix)), None
+    return 'refused', (
+        "scatter_dataset: rank {}'s {} is not in memory, so it is sent whole and every rank "
+        'reads its own examples, but it cannot be pickled ({}); the root reading every rank\'s '
+        'examples instead would take an epoch\'s time while the others wait. Fix: a dataset '
+        "that pickles (its transform a function defined at {}".format(
+            root, type(dataset).__name__, why, fix)), None

@@ -135,6 +135,11 @@ class NvtxGroup(Group):
             atexit.register(at_exit)
             _unwritten[id(timeline)] = at_exit
 
+            def forget():       # the enable() failed: nothing written for it
+                atexit.unregister(at_exit)
+                _unwritten.pop(id(timeline), None)
+            handle.on_failure(forget)
+
             def save():
                 atexit.unregister(at_exit)
                 _unwritten.pop(id(timeline), None)

@@ -10,13 +10,14 @@ cache and its loader workers.
 """
 
 import atexit
+import functools
 import os
 
 from fastchain.backends import cuda
 from fastchain.config._options import Group, Option, State, boolean, unwritable
 
 FLAG = 'fastchain.tune._tuner.enabled'
-_saved_at_exit = set()      # cache files written again when the process ends
+_saved_at_exit = {}         # cache file -> what writes it again when the process ends
 
 
 def _path(value):
@@ -88,8 +89,13 @@ class AutotuneGroup(Group):
         handle.resources['tune_cache'] = {'path': path, 'read': _cache.load(path)}
         handle.on_disable(lambda: _cache.save(path), 'autotune cache -> ' + path)
         if path not in _saved_at_exit:
-            _saved_at_exit.add(path)
-            atexit.register(_save_quietly, path)
+            saver = _saved_at_exit[path] = functools.partial(_save_quietly, path)
+            atexit.register(saver)
+
+            def forget():       # the enable() failed: nothing saved at exit for it
+                atexit.unregister(saver)
+                _saved_at_exit.pop(path, None)
+            handle.on_failure(forget)
 
     def plan(self, values, explicit, plan):
         from fastchain.tune import _tuner

@@ -302,6 +302,24 @@ def test_a_warning_raised_as_an_error_takes_the_options_out_again(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_enable_that_failed_writes_no_autotune_cache_at_exit(python, tmp_path):
+    # (the cache was saved at exit for it all the same)
+    cache = tmp_path / 'tune.json'
+    python('''
+import sys, warnings
+import fastchain
+warnings.simplefilter('error', fastchain.FastchainWarning)
+try:
+    fastchain.enable(fp16=True, autotune=True, tune_cache=sys.argv[1],
+                     timeline=sys.argv[1] + '.trace.json')
+except fastchain.FastchainWarning:
+    pass
+else:
+    raise SystemExit('no warning raised')
+''', str(cache))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_disable_is_idempotent_and_the_handle_reports():
     h = fastchain.enable(cudnn='never', loader_workers=0, fused_update=False, cpu_conv=False,
                          autotune=False)

@@ -389,6 +389,9 @@ def test_an_updater_built_before_workers_were_asked_for_is_named():
     other = chainer.training.StandardUpdater(     # iterators named otherwise: passed over
         {'train': serial(Indexed(), 4)},
         chainer.optimizers.SGD(0.1).setup(L.Classifier(L.Linear(3, 2))))
+    own = chainer.training.StandardUpdater(       # an order of its own: the layer leaves it
+        chainer.iterators.SerialIterator(Indexed(), 4, order_sampler=lambda o, p: o),
+        chainer.optimizers.SGD(0.1).setup(L.Classifier(L.Linear(3, 2))))
     before = build()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter('always')
@@ -402,7 +405,7 @@ def test_an_updater_built_before_workers_were_asked_for_is_named():
     assert 'loader_workers and prefetch_to_device act' in \
         said(loader_workers=1, prefetch_to_device=True)[0]
     assert said() == []             # not asked for: the default loader is not named
-    del before, other
+    del before, other, own
     with fastchain.enable(loader_workers=2):
         under = build()             # taken by the loader: not named afterwards
     assert type(under.get_iterator('main')) is not chainer.iterators.SerialIterator

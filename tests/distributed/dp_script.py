@@ -243,24 +243,32 @@ def scatter_root():
         noise = x - full[order[rank * 5 + k]][0]
         assert (noise > 0).all() and (noise < 1).all() and numpy.ptp(noise) < 1e-6
         assert (shard[k][0] != x).all()          # drawn anew on every read
-    for make, what in ((Unpicklable, "rank 0's Unpicklable"),
-                       (lambda: chainer.datasets.TransformDataset(full, lambda e: e),
-                        "the transform of rank 0's TransformDataset")):
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter('always')
-            shard = distributed.scatter_dataset(make() if rank == 0 else None, comm)
-        said = [str(x.message) for x in w if 'cannot be pickled' in str(x.message)]
-        assert len(said) == (1 - rank), said
-        assert rank or said[0].startswith('scatter_dataset: ' + what) and \
-            'augmentations are drawn once' in said[0], said
-        assert len(shard) == (6 if make is Unpicklable else 5)
-    try:
-        distributed.scatter_dataset(BadElsewhere() if rank == 0 else None, comm)
-    except ValueError as e:
-        assert "rank 1 could not unpickle rank 0's dataset (RuntimeError: no such class " \
-            "here)" in str(e), str(e)
-    else:
-        raise AssertionError('a dataset rank 1 cannot unpickle was accepted')
+    # a transform that does not pickle over data in memory: examples, said
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        shard = distributed.scatter_dataset(
+            chainer.datasets.TransformDataset(full, lambda e: e) if rank == 0 else None, comm)
+    said = [str(x.message) for x in w if 'cannot be pickled' in str(x.message)]
+    assert len(said) == (1 - rank), said
+    assert rank or said[0].startswith("scatter_dataset: the transform of rank 0's "
+                                      'TransformDataset cannot be pickled') and \
+        'augmentations were drawn once' in said[0], said
+    assert len(shard) == 5
+    # refused on every rank: a lazy dataset that does not pickle (the root
+    # would read every rank's files first), one rank 1 cannot unpickle, an
+    # example the root cannot read
+    for make, expected in (
+            (Unpicklable, "rank 0's Unpicklable is not in memory, so it is sent whole"),
+            (BadElsewhere, "rank 1 could not unpickle rank 0's dataset (RuntimeError: no such "
+                           'class here)'),
+            (lambda: chainer.datasets.TransformDataset(full, lambda e: 1 / 0),
+             "rank 0 could not read an example of rank 1's shard: ZeroDivisionError")):
+        try:
+            distributed.scatter_dataset(make() if rank == 0 else None, comm)
+        except ValueError as e:
+            assert expected in str(e) and 'build the dataset on every rank' in str(e), str(e)
+        else:
+            raise AssertionError('accepted: ' + expected)
     done()
 
 

@@ -64,3 +64,24 @@ def test_an_evaluator_that_copies_or_checks_its_iterator_works_as_in_chainer():
                                               'down to 1'):
         assert ev.evaluate() == {'main/n': 7.0}
     assert ev.evaluate() == {'main/n': 7.0}     # the copy left the iterator where it was
+
+
+class _Assigning(extensions.Evaluator):
+    """Sets an attribute of its iterator and pickles it, as scripts may."""
+
+    def evaluate(self):
+        import pickle
+        it = self.get_iterator('main')
+        it.batch_size = 2
+        it.reset()
+        copied = pickle.loads(pickle.dumps(it))
+        assert type(copied) is chainer.iterators.SerialIterator
+        return {'main/batches': float(sum(1 for _ in it))}
+
+
+def test_an_evaluator_that_sets_or_pickles_its_iterator_works():
+    # the assignment stayed on the counting wrapper, and pickling it failed
+    it = chainer.iterators.SerialIterator(list(range(6)), 3, repeat=False, shuffle=False)
+    ev = distributed.create_multi_node_evaluator(_Assigning(it, L.Linear(2, 2)), OneRank())
+    assert ev.evaluate() == {'main/batches': 3.0}
+    assert it.batch_size == 2
