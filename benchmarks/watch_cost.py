@@ -5,8 +5,8 @@ training loop could change in place without setting an attribute: lists,
 sets, dicts, deques and configs (``model.cfg['beta'] = 0.5``), entry by entry
 up to 1024 entries in all, a bigger one by its identity and size
 (``fastchain/static/_configs.py``). This prices that look: the same small
-MLP training step (three ``L.Linear``, batch 8; a step of tens of
-microseconds, where a per-call cost shows most), cached, with nothing held,
+MLP training step (three ``L.Linear``, batch 8; a step of about a
+millisecond, where a per-call cost shows most), cached, with nothing held,
 with a 100-entry and a 1000-entry dict of floats held (not read by the
 forward), and with a 100,000-entry vocabulary held; define-by-run alongside.
 Autotune is off, so every cached step replays. All variants live in one

@@ -183,9 +183,12 @@ def enable(**options):
     known = _options.all_options()
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise TypeError('fastchain.enable() got unknown option(s) {}; valid '
-                        'options are: {}'.format(', '.join(unknown),
-                                                 ', '.join(known)))
+        import difflib
+        close = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+        raise TypeError('fastchain.enable() got unknown option(s) {}{}; valid '
+                        'options are: {}'.format(', '.join(unknown), ''.join(
+                            ' ({!r}: did you mean {!r}?)'.format(u, c[0])
+                            for u, c in close.items() if c), ', '.join(known)))
     resolved = {}
     for name, option in known.items():
         resolved[name] = option.normalize(options.get(name, option.default))

@@ -224,7 +224,7 @@ def test_unknown_option_is_a_type_error_naming_the_valid_ones():
     with pytest.raises(TypeError) as e:
         fastchain.enable(autotun=True)
     msg = str(e.value)
-    assert 'autotun' in msg
+    assert "('autotun': did you mean 'autotune'?)" in msg
     for name in _options.all_options():
         assert name in msg
     assert not fastchain.active_handles()
