@@ -50,20 +50,13 @@ def _updaters(handle):
     if not asked:
         return
     import gc
-    from chainer.iterators import SerialIterator
     from chainer.training.updaters import StandardUpdater
-    from fastchain.data._group import _DONE
-    def taken(it):
-        # what the loader layer would have taken (a SerialIterator with an
-        # order of the script's own it leaves, and says so when it is built)
-        from chainer.iterators import ShuffleOrderSampler
-        return type(it) is SerialIterator and isinstance(
-            it.order_sampler, (type(None), ShuffleOrderSampler))
+    from fastchain.data._group import _DONE, takes
 
     def found():
         # (an updater of the script's own may name its iterators otherwise)
         return [u for u in gc.get_objects() if issubclass(type(u), StandardUpdater)
-                and u not in _DONE and taken(getattr(u, '_iterators', {}).get('main'))]
+                and u not in _DONE and takes(getattr(u, '_iterators', {}).get('main'))]
     missed = found()
     if missed:
         gc.collect()        # not counting garbage not collected yet

@@ -217,13 +217,22 @@ def _outcomes():
     return lines or None
 
 
+def takes(iterator):
+    """Whether the loader layer takes ``iterator`` in its place: a plain
+    SerialIterator whose order is Chainer's own (one with an order sampler
+    of the script's is left, and said)."""
+    from chainer.iterators import SerialIterator, ShuffleOrderSampler
+    return type(iterator) is SerialIterator and isinstance(
+        iterator.order_sampler, (type(None), ShuffleOrderSampler))
+
+
 def _updater_layer(setting, next_, updater, *args, **kwargs):
     """While in force, a StandardUpdater built with a plain SerialIterator
     gets the multiprocess loader and device prefetch instead (unless its
     dataset is in memory already and the workers were not asked for). The
     updater keeps them after the handle is disabled (they hold its
     position)."""
-    from chainer.iterators import SerialIterator, ShuffleOrderSampler
+    from chainer.iterators import SerialIterator
     from fastchain.data._follow import follow, serve, target_of
     workers, prefetch, asked = setting
     chosen = workers is None        # the default: this process's share of the cores
@@ -235,8 +244,7 @@ def _updater_layer(setting, next_, updater, *args, **kwargs):
         serve(taken, updater, False)    # (its own converter: unprepared batches)
         updater._iterators['main'] = taken
         return
-    if type(main) is not SerialIterator or not isinstance(
-            main.order_sampler, (type(None), ShuffleOrderSampler)):
+    if not takes(main):
         import chainer.iterators as I
         parallel = (MultiprocessIterator, DevicePrefetcher, I.MultiprocessIterator,
                     I.MultithreadIterator)

@@ -27,10 +27,11 @@ def scatter_dataset(dataset, comm, *positional, shuffle=False, seed=None, root=0
       TransformDataset over one (its transform sent along, run on each
       rank); any other dataset is sent whole, pickled, as ChainerMN does.
       Either way every rank draws its own augmentations each epoch (its
-      files must be readable on every rank's node). A dataset or transform
-      that does not pickle falls back to the root reading and sending every
-      rank's examples, with a warning: their augmentations are then drawn
-      once.
+      files must be readable on every rank's node). A transform that does
+      not pickle, over data in memory, falls back to the root running it
+      and sending the results, with a warning (their augmentations are then
+      drawn once); any other dataset that does not pickle is refused on
+      every rank.
 
     Shards are disjoint and of equal size, so every rank runs the same number
     of iterations per epoch (unless a loader with ``on_error='skip'`` leaves
@@ -136,7 +137,8 @@ def _walk(h, d, depth):
     if kind is datasets.SubDataset:
         h.update('{} {}'.format(d._start, d._finish).encode())
         _value(h, d._order)
-        return True | _walk(h, d._dataset, depth + 1)
+        _walk(h, d._dataset, depth + 1)
+        return True     # its order and range are told, whatever it holds
     if kind in (datasets.TupleDataset, datasets.ConcatenatedDataset):
         return any([_walk(h, x, depth + 1) for x in d._datasets])
     if kind is datasets.DictDataset:

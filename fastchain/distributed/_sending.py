@@ -39,11 +39,12 @@ def send(dataset, comm, root, order, per_rank):
     if mode == 'refused':
         raise ValueError(said)
     start = comm.rank * per_rank
+    value = None        # what the root pickled, on the other ranks
     if mode in ('whole', 'transform'):
         blob = comm.bcast_obj(plan[2] if plan else None, root=root,
                               what='scatter_dataset (the {})'.format(
                                   'dataset' if mode == 'whole' else 'transform'))
-        value, why = None, None
+        why = None
         if comm.rank != root:
             try:
                 value = pickle.loads(blob)
@@ -54,9 +55,6 @@ def send(dataset, comm, root, order, per_rank):
         if mode == 'whole':
             whole = dataset if comm.rank == root else value
             return chainer.datasets.SubDataset(whole, start, start + per_rank, order=order)
-    transform = dataset._transform if mode == 'transform' and comm.rank == root else None
-    if mode == 'transform' and comm.rank != root:
-        transform = value
     why = None
     if comm.rank == root:
         base = dataset._dataset if mode == 'transform' else dataset
@@ -84,7 +82,7 @@ def send(dataset, comm, root, order, per_rank):
             why = "rank {} could not unpickle its shard: {}: {}".format(
                 comm.rank, type(e).__name__, e)
         if why is None:
-            mine = chainer.datasets.TransformDataset(shard, transform) \
+            mine = chainer.datasets.TransformDataset(shard, value) \
                 if mode == 'transform' else shard
     _all_fine(comm, why, None)
     if said and comm.rank == root:      # after the last collective: -W error strands no rank
