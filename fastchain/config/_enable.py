@@ -149,6 +149,9 @@ class Handle:
         return {name: s.as_dict() for name, s in self.states.items()}
 
     def __enter__(self):
+        if not self.active:     # it would run the block with none of its options
+            raise RuntimeError('fastchain: this handle was disabled, and a disabled handle '
+                               'cannot be enabled again: use `with fastchain.enable(...):`')
         return self
 
     def __exit__(self, *exc):

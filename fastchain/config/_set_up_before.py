@@ -1,5 +1,6 @@
-"""Optimizers set up before an ``enable()`` that asked for an option acting at
-setup (fp16, static_graph): left as they were, and named."""
+"""Optimizers set up and updaters built before an ``enable()`` that asked for
+an option acting at setup (fp16, static_graph, fused_update, loader_workers,
+prefetch_to_device): left as they were, and named."""
 
 import warnings
 
@@ -7,16 +8,25 @@ from fastchain.config._warning import FastchainWarning
 
 
 def warn(handle):
-    """fp16, static_graph and fused_update act when an optimizer is set up:
-    one set up before they were asked for is left as it was, which is named
-    (fused_update only when asked for: on by default, it would be named in
-    every script that enables after its setup)."""
-    names = [name for name in ('fp16', 'static_graph', 'fused_update') if name in handle.states
-             and handle.states[name].requested and handle.states[name].active]
+    """fp16, static_graph and fused_update act when an optimizer is set up,
+    loader_workers and prefetch_to_device when a StandardUpdater is built: one
+    made before they were asked for is left as it was, which is named
+    (fused_update, the loader and the prefetch only when asked for: on by
+    default, fused_update would be named in every script that enables after
+    its setup)."""
+    states = handle.states
+
+    def asked(names):
+        return [n for n in names if n in states and states[n].requested and states[n].active]
+    names = asked(('fp16', 'static_graph', 'fused_update'))
+    loading = asked(('loader', 'prefetch_to_device'))
+    if not names and not loading:
+        return
+    missed = _missed(names, loading)
+    for optimizer in missed.get('not_chains', ()):
+        _name_not_chain(optimizer, 3)
     for name in names:
-        if name == 'static_graph':
-            _not_chains()
-        missed_now = _live(lambda o: not _applied(name, o))
+        missed_now = missed[name]
         if missed_now:  # with fp16, said to fail (a new-user trial met it unannounced)
             fp16 = ''
             if name == 'fp16' and _float32(missed_now):
@@ -36,41 +46,53 @@ def warn(handle):
                     ', '.join('{} of {}'.format(type(o).__name__, type(o.target).__name__)
                               for o in missed_now[::-1][:3]),      # the newest first
                     'is' if len(missed_now) == 1 else 'are', fp16), FastchainWarning, stacklevel=3)
-
-
-    _updaters(handle)
-
-
-def _updaters(handle):
-    """loader_workers and prefetch_to_device act when a StandardUpdater is
-    built: one built before they were asked for keeps its SerialIterator,
-    which is named (only when asked for, as fused_update)."""
-    asked = [name for name in ('loader', 'prefetch_to_device') if name in handle.states
-             and handle.states[name].requested and handle.states[name].active]
-    if not asked:
-        return
-    import gc
-    from chainer.training.updaters import StandardUpdater
-    from fastchain.data._group import _DONE, takes
-
-    def found():
-        # (an updater of the script's own may name its iterators otherwise)
-        return [u for u in gc.get_objects() if issubclass(type(u), StandardUpdater)
-                and u not in _DONE and takes(getattr(u, '_iterators', {}).get('main'))]
-    missed = found()
-    if missed:
-        gc.collect()        # not counting garbage not collected yet
-        missed = found()
-    if missed:
+    updaters = missed['updaters']
+    if updaters:
         warnings.warn(
             'fastchain: {} act{} when a StandardUpdater is built; {} built before this '
             'enable() keep{} {} SerialIterator: nothing loads in worker processes for {}. Call '
             'fastchain.enable() before building the updater'.format(
-                ' and '.join('loader_workers' if n == 'loader' else n for n in asked),
-                '' if len(asked) > 1 else 's',
-                'an updater' if len(missed) == 1 else '{} updaters'.format(len(missed)),
-                's' if len(missed) == 1 else '', 'its' if len(missed) == 1 else 'their',
-                'it' if len(missed) == 1 else 'them'), FastchainWarning, stacklevel=4)
+                ' and '.join('loader_workers' if n == 'loader' else n for n in loading),
+                '' if len(loading) > 1 else 's',
+                'an updater' if len(updaters) == 1 else '{} updaters'.format(len(updaters)),
+                's' if len(updaters) == 1 else '', 'its' if len(updaters) == 1 else 'their',
+                'it' if len(updaters) == 1 else 'them'), FastchainWarning, stacklevel=3)
+
+
+def _missed(names, loading):
+    """{name: [optimizer]} for each of ``names``, 'not_chains' (models the
+    static-graph cache cannot take, not named yet) and 'updaters' (built
+    before ``loading`` was asked for, of the kind the loader takes): from one
+    pass over the heap, and a second after collecting garbage only where the
+    first found any (not counting garbage not collected yet)."""
+    import gc
+    from chainer.optimizer import GradientMethod
+    from chainer.training.updaters import StandardUpdater
+    from fastchain.data._group import _DONE, takes
+
+    def scan():
+        optimizers, updaters = [], []
+        for o in gc.get_objects():
+            # type(), not isinstance(): the latter reads __class__, which some
+            # objects (lazy modules' proxies) answer with a warning
+            kind = type(o)
+            if issubclass(kind, GradientMethod):
+                if getattr(o, 'target', None) is not None:
+                    optimizers.append(o)
+            # (an updater of the script's own may name its iterators otherwise)
+            elif (loading and issubclass(kind, StandardUpdater) and o not in _DONE
+                  and takes(getattr(o, '_iterators', {}).get('main'))):
+                updaters.append(o)
+        found = {name: [o for o in optimizers if not _applied(name, o)] for name in names}
+        if 'static_graph' in names:
+            found['not_chains'] = [o for o in optimizers if _not_a_chain(o)]
+        found['updaters'] = updaters
+        return found
+    if not any(scan().values()):
+        return {name: [] for name in names + ['not_chains', 'updaters']}
+    for _ in range(2):      # (a second pass frees what the first let go)
+        gc.collect()
+    return scan()
 
 
 def _float32(optimizers):
@@ -100,33 +122,18 @@ def _applied(name, optimizer):
             or 'forward' in vars(chain))
 
 
-def _live(select):
-    """The optimizers set up (with a target) that ``select`` picks, not
-    counting garbage not collected yet."""
-    import gc
-    from chainer.optimizer import GradientMethod
-
-    def found():
-        # type(), not isinstance(): the latter reads __class__, which some
-        # objects (lazy modules' proxies) answer with a warning
-        return [o for o in gc.get_objects() if issubclass(type(o), GradientMethod)
-                and getattr(o, 'target', None) is not None and select(o)]
-    if found():
-        for _ in range(2):      # (a second pass frees what the first let go)
-            gc.collect()
-    return found()
-
-
-def _not_chains():
-    """A model that is not a Chain set up before: named the way the setup
-    layer names one set up after (and kept for the report), once."""
+def _not_a_chain(optimizer):
+    """Its model is a Link the static-graph cache cannot take, not named yet."""
     import chainer
-    from fastchain.static._group import _NOT_CACHED, chain_of, not_cached
+    from fastchain.static._group import _NOT_CACHED, chain_of
+    chain = chain_of(optimizer.target)
+    return not isinstance(chain, chainer.Chain) and chain not in _NOT_CACHED
 
-    def refused(optimizer):
-        chain = chain_of(optimizer.target)
-        return not isinstance(chain, chainer.Chain) and chain not in _NOT_CACHED
-    for optimizer in _live(refused):
-        chain = chain_of(optimizer.target)
-        if chain not in _NOT_CACHED:
-            not_cached(chain, 4)
+
+def _name_not_chain(optimizer, stacklevel):
+    """Named the way the setup layer names a model set up after (and kept
+    for the report), once."""
+    from fastchain.static._group import _NOT_CACHED, chain_of, not_cached
+    chain = chain_of(optimizer.target)
+    if chain not in _NOT_CACHED:
+        not_cached(chain, stacklevel + 1)

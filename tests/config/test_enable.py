@@ -332,6 +332,19 @@ def test_disable_is_idempotent_and_the_handle_reports():
     assert set(h.report()) >= {'cudnn', 'autotune', 'tensor_cores'}
 
 
+def test_entering_a_disabled_handle_says_so():
+    """`with h:` after h.disable() ran its block with none of the options,
+    silently (a review found it)."""
+    h = fastchain.enable(loader_workers=0, fp16=True)
+    h.disable()
+    with pytest.raises(RuntimeError, match='this handle was disabled.*with fastchain.enable'):
+        with h:
+            pass                                    # pragma: no cover
+    with fastchain.enable(loader_workers=0) as again:   # an enabled one still enters
+        assert again.active
+    assert not again.active
+
+
 class _SetUpBefore(chainer.Chain):
     def __init__(self):
         super().__init__()
@@ -365,6 +378,7 @@ def test_an_optimizer_set_up_before_fp16_or_static_graph_is_named():
                     str(w.message)]
         assert [m.split(' acts')[0] for m in messages] == ['fastchain: fp16',
                                                           'fastchain: static_graph']
+        assert {w.filename for w in caught} == {__file__}    # the script's enable() line
         assert all('SGD of _SetUpBefore' in m and 'Call fastchain.enable() before' in m
                    for m in messages), messages
         assert 'SGD of _Decorated' in messages[0] and 'SGD of _Decorated' not in messages[1]
@@ -432,7 +446,9 @@ def test_a_single_link_set_up_before_static_graph_is_named_as_after():
         warnings.simplefilter('always')
         handle = fastchain.enable(static_graph=True, loader_workers=0)
     try:
-        [message] = [str(w.message) for w in caught if w.category is StaticGraphFallback]
+        [warning] = [w for w in caught if w.category is StaticGraphFallback]
+        message = str(warning.message)
+        assert warning.filename == __file__
         assert 'Linear is a single link: wrap it in a Chain' in message
         assert 'trains define-by-run' in message
         assert not any('acts when an optimizer' in str(w.message) for w in caught)
