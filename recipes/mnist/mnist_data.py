@@ -39,6 +39,20 @@ class DataError(Exception):
     """The data named cannot be read; the message says why and the fix."""
 
 
+def positive(text):
+    """An argparse type: a whole number of at least 1 (``--epoch 0`` failed
+    with a ZeroDivisionError inside Chainer's trigger, ``--batchsize 0``
+    with 'batch is empty')."""
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError('expected a whole number, got {!r}'.format(text))
+    if value < 1:
+        raise argparse.ArgumentTypeError('expected at least 1, got {}'.format(value))
+    return value
+
+
 def load(spec='digits'):
     """``(train, test)`` TupleDatasets for ``--data spec``; a spec that
     cannot be read ends the script with the reason and the fix."""

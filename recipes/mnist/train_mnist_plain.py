@@ -11,7 +11,7 @@ import chainer.links as L
 from chainer import training
 from chainer.training import extensions
 
-from mnist_data import load
+from mnist_data import load, positive
 
 
 class MLP(chainer.Chain):
@@ -30,11 +30,11 @@ class MLP(chainer.Chain):
 
 def main():
     parser = argparse.ArgumentParser(description='Chainer example: MNIST')
-    parser.add_argument('--batchsize', '-b', type=int, default=100)
-    parser.add_argument('--epoch', '-e', type=int, default=20)
+    parser.add_argument('--batchsize', '-b', type=positive, default=100)
+    parser.add_argument('--epoch', '-e', type=positive, default=20)
     parser.add_argument('--device', '-d', default='@numpy')
     parser.add_argument('--out', '-o', default='result')
-    parser.add_argument('--unit', '-u', type=int, default=1000)
+    parser.add_argument('--unit', '-u', type=positive, default=1000)
     parser.add_argument('--data', default='digits',
                         help="'digits' (they ship with scikit-learn), a folder of "
                         "MNIST's four files, or an .npz (see mnist_data.py)")

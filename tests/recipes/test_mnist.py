@@ -209,6 +209,20 @@ def test_data_that_cannot_be_read_is_named_with_the_fix(tmp_path, case, expected
     assert expected in r.stderr and '--data' in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize('script', ['train_mnist.py', 'train_mnist_plain.py'])
+@pytest.mark.parametrize('argv, expected', [
+    (['--epoch', '0'], 'argument --epoch/-e: expected at least 1, got 0'),
+    (['-b', '0'], 'argument --batchsize/-b: expected at least 1, got 0'),
+    (['-u', 'many'], "argument --unit/-u: expected a whole number, got 'many'")])
+def test_a_count_below_one_is_refused_by_name(tmp_path, script, argv, expected):
+    """--epoch 0 ended in a ZeroDivisionError inside Chainer's trigger, and
+    --batchsize 0 in 'batch is empty', after the data was read."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, script)] + argv
+                       + ['-o', str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr
+    assert expected in r.stderr, r.stderr
+
+
 def test_readme_shows_the_current_diff():
     plain = open(os.path.join(HERE, 'train_mnist_plain.py')).read().splitlines(True)
     ours = open(os.path.join(HERE, 'train_mnist.py')).read().splitlines(True)
