@@ -214,8 +214,9 @@ class WorkerPool:
             if whole:
                 batch.append(value)
                 continue
-            fields = tuple(v[j] if v is not None else x for v, x in zip(views, value))
-            batch.append(fields if self.layout.is_tuple else fields[0])
+            # (v[j, ...]: a 0-d field stays a 0-d array, as the dataset gave it)
+            fields = tuple(v[j, ...] if v is not None else x for v, x in zip(views, value))
+            batch.append(self.layout.example(fields))
         if views is not None and len(batch) == n and \
                 all(not extras[j][0] for j in extras):
             # Every example is a row of the copied-out arrays: hand those

@@ -39,7 +39,8 @@ class SlotLayout:
 
     def __init__(self, example, batch_size):
         fields = example if isinstance(example, tuple) else (example,)
-        self.is_tuple = isinstance(example, tuple)
+        # a namedtuple comes back as one (a tuple of another kind travels whole)
+        self.kind = type(example) if isinstance(example, tuple) else None
         self.fields = []        # (offset, shape, dtype) or None
         offset = 0
         for value in fields:
@@ -51,11 +52,21 @@ class SlotLayout:
         self.slot_bytes = max(offset, 1)
         self.batch_size = batch_size
 
-    def fits(self, fields):
+    def fits(self, example):
+        fields = example if isinstance(example, tuple) else (example,)
+        kind = type(example) if isinstance(example, tuple) else None
+        if kind is not self.kind or (kind not in (None, tuple) and not _named(kind)):
+            return False
         return len(fields) == len(self.fields) and all(
             spec is None or (isinstance(v, numpy.ndarray) and v.shape == spec[1]
                              and v.dtype == spec[2])
             for v, spec in zip(fields, self.fields))
+
+    def example(self, fields):
+        """One example of the layout's kind from its ``fields``."""
+        if self.kind is None:
+            return fields[0]
+        return fields if self.kind is tuple else self.kind._make(fields)
 
     def views(self, buf, slot):
         """The batch arrays of ``slot`` as numpy views of ``buf``."""
@@ -70,6 +81,12 @@ class SlotLayout:
             out.append(numpy.frombuffer(buf, dtype, count, base + offset)
                        .reshape((self.batch_size,) + shape))
         return out
+
+
+def _named(kind):
+    """A namedtuple class (rebuilt from its fields by ``_make``)."""
+    return issubclass(kind, tuple) and callable(getattr(kind, '_make', None)) \
+        and isinstance(getattr(kind, '_fields', None), tuple)
 
 
 def _aligned(n, to=64):
@@ -239,7 +256,7 @@ def _load(dataset, task, shm, layout, own=(), watch=None):
                 names = []      # (the example loaded: what the watch cannot tell is let be)
             drew = (int(index), names) if names else None
         fields = example if isinstance(example, tuple) else (example,)
-        if views is not None and layout.fits(fields):
+        if views is not None and layout.fits(example):
             for value, view in zip(fields, views):
                 if view is not None:
                     view[j] = value

@@ -690,3 +690,53 @@ def test_the_dataset_gets_the_index_type_chainers_iterators_give(workers):
                 [(x.tobytes(), kind) for x, kind in expected.next()]
     finally:
         it.finalize()
+
+
+_Pair = __import__('collections').namedtuple('_Pair', 'x t')
+
+
+class _Tagged(tuple):
+    """A tuple of the script's own kind (not a namedtuple): it travels whole."""
+
+
+class Kinds(chainer.dataset.DatasetMixin):
+    """Examples of several kinds: a namedtuple, 0-d array fields, a tuple
+    subclass, and (from index 8) plain tuples after namedtuples."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __len__(self):
+        return 12
+
+    def get_example(self, i):
+        x = numpy.full((2, 3), i, numpy.float32)
+        if self.kind == 'named':
+            return _Pair(x, numpy.int32(i % 3))
+        if self.kind == '0-d':
+            return x, numpy.array(i % 3, numpy.int32), numpy.array(i / 7)
+        if self.kind == 'own':
+            return _Tagged((x, numpy.int32(i)))
+        return (x, numpy.int32(i)) if i >= 8 else _Pair(x, numpy.int32(i))    # mixed
+
+
+def _structure(example):
+    fields = example if isinstance(example, tuple) else (example,)
+    return (type(example), [(type(f), numpy.shape(f), numpy.asarray(f).tobytes())
+                            for f in fields])
+
+
+@pytest.mark.parametrize('kind', ['named', '0-d', 'own', 'mixed'])
+@pytest.mark.parametrize('workers, shared', [(0, True), (1, True), (1, False)])
+def test_examples_come_back_of_the_kind_the_dataset_gave(kind, workers, shared):
+    # (a review: a namedtuple came back a plain tuple, and a 0-d array field
+    # a NumPy scalar, through shared memory)
+    expected = chainer.iterators.SerialIterator(Kinds(kind), 4, shuffle=False)
+    it = data.MultiprocessIterator(Kinds(kind), 4, shuffle=False, n_workers=workers,
+                                   shared_memory=shared)
+    try:
+        for _ in range(3):
+            assert [_structure(e) for e in it.next()] == \
+                [_structure(e) for e in expected.next()]
+    finally:
+        it.finalize()
