@@ -92,20 +92,53 @@ def check_ranks(serializer, comm):
     return saved
 
 
-def read(serializer, comm):
+def read(serializer, comm, trainer=None):
     """Loading: this rank's own state from the snapshot, or None where it
-    holds none (written before, or by rank 0's snapshot alone: rank 0's
-    stays, as before)."""
+    holds none (written before, by rank 0's snapshot alone, or on an error:
+    rank 0's stays, as before, said on a job of several ranks). Where the
+    deserializer does not list its keys, those ``trainer``'s state has now
+    are read."""
     if check_ranks(serializer, comm) is None:
+        if trainer is not None and comm.size > 1 and comm.rank == 0:
+            _say_rank0_only()
         return None
     sub = serializer['rank{}'.format(comm.rank)]
     keys = saved_keys(sub)
-    return None if keys is None else {k: numpy.asarray(sub(k, None)) for k in keys}
+    if keys is None and trainer is not None:
+        keys = sorted(local(trainer))
+    if keys is None:
+        return None
+    state = {}
+    for key in keys:
+        try:
+            state[key] = numpy.asarray(sub(key, None))
+        except (KeyError, ValueError):      # not saved (None then, or not there yet)
+            pass
+    return state
+
+
+def _say_rank0_only():
+    import warnings
+    from fastchain.config import _patches
+    from fastchain.config._warning import FastchainWarning
+    warnings.warn(
+        "fastchain: this snapshot holds rank 0's iterators and statistics only (written on "
+        "an error, by snapshot_on_error, when the other ranks could not send theirs; or "
+        "written without distributed.multi_node_snapshot): every rank resumes with rank 0's "
+        "iterator order and BatchNormalization statistics, so the run does not continue "
+        "identically. Resume from a snapshot multi_node_snapshot wrote at its trigger",
+        FastchainWarning, stacklevel=_patches.user_stacklevel())
 
 
 def saved_keys(sub):
-    """The keys saved under the deserializer section ``sub`` (an npz file's
-    or a dict's), or None where it does not show them."""
+    """The keys saved under the deserializer section ``sub`` (an npz file's,
+    a dict's or an HDF5 group's), or None where it does not show them."""
+    group = getattr(sub, 'group', None)
+    if group is not None and hasattr(group, 'visititems'):      # h5py: '/' makes groups
+        keys = []
+        group.visititems(lambda name, obj: keys.append(name) if hasattr(obj, 'dtype')
+                         else None)
+        return sorted(keys)
     npz, path = getattr(sub, 'npz', None), getattr(sub, 'path', None)
     if npz is None or path is None:
         return None

@@ -21,16 +21,27 @@ from fastchain.distributed._held import HeldLayer
 
 def _ranks_first(next_, trainer, serializer, *args, **kwargs):
     """Loading a trainer with a multi-node snapshot: the number of ranks the
-    snapshot holds is checked before Chainer restores anything. Chainer
-    restores the updater's iterators first, and another number of ranks
-    failed there, on an order of another shard's length ("could not
-    broadcast input array from shape (748,) into shape (1497,)")."""
-    if isinstance(serializer, chainer.serializer.Deserializer):
-        sections = serializer['extensions']
-        for name, entry in list(trainer._extensions.items()):
-            if isinstance(entry.extension, _MultiNodeSnapshot):
-                _rank_state.check_ranks(sections[name], entry.extension.comm)
-    return next_(trainer, serializer, *args, **kwargs)
+    snapshot holds is checked before Chainer restores anything, and each
+    rank's own state goes over rank 0's once Chainer has restored that.
+    Chainer restores the updater's iterators first, and another number of
+    ranks failed there, on an order of another shard's length ("could not
+    broadcast input array from shape (748,) into shape (1497,)"). Applied
+    here, not when the run starts: an extension whose trigger has finished
+    (a ManualScheduleTrigger past its last point) is not initialized."""
+    if not isinstance(serializer, chainer.serializer.Deserializer):
+        return next_(trainer, serializer, *args, **kwargs)
+    sections = serializer['extensions']
+    ours = [(name, entry.extension) for name, entry in list(trainer._extensions.items())
+            if isinstance(entry.extension, _MultiNodeSnapshot)]
+    for name, made in ours:
+        _rank_state.check_ranks(sections[name], made.comm)
+    result = next_(trainer, serializer, *args, **kwargs)
+    for name, made in ours:
+        made._pending = None        # (read by its serialize; read again, with the trainer)
+        state = _rank_state.read(sections[name], made.comm, trainer)
+        if state is not None:
+            _rank_state.apply(state, trainer)
+    return result
 
 
 def multi_node_snapshot(comm, snapshot=None, **kwargs):
@@ -96,10 +107,10 @@ class _MultiNodeSnapshot(extension.Extension):
 
     def serialize(self, serializer):
         """Every rank's iterators and persistent values (gathered just
-        before rank 0 writes); on load, each rank takes its own."""
+        before rank 0 writes); on load, each rank takes its own (applied by
+        the trainer's load, :func:`_ranks_first`; loaded otherwise, when the
+        run starts)."""
         if isinstance(serializer, chainer.serializer.Deserializer):
-            # applied when the run starts: the snapshot is loaded before
-            # the trainer runs, and iterators restart their loading then
             self._pending = _rank_state.read(serializer, self.comm)
         elif self._gathered is not None:
             _rank_state.save(serializer, self._gathered)

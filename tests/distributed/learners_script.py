@@ -239,7 +239,7 @@ def warm_start():
 
 
 def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0, lazy=False,
-                 rank_order=False, tied=False):
+                 rank_order=False, tied=False, how='npz', on_error=False):
     numpy.random.seed(seed)
     model = L.Classifier(MLP(bn=True, lazy=lazy, tied=tied))
     opt = chainer.optimizers.MomentumSGD(0.05)
@@ -253,9 +253,15 @@ def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0, lazy=False,
     updater = distributed.DataParallelUpdater(it, opt, comm, learner=learner,
                                               distributed_after=2 * BATCH * size)
     trainer = training.Trainer(updater, (stop, 'iteration'), out=out)
-    snap = extensions.snapshot(filename='snap_{.updater.iteration}')
+    snap = extensions.snapshot(filename='snap_{.updater.iteration}', **(
+        {'savefun': chainer.serializers.save_hdf5} if how == 'hdf5' else {}),
+        snapshot_on_error=on_error)
+    # manual: a trigger that has finished when the run resumes after it (the
+    # extension is then not initialized)
+    trigger = training.triggers.ManualScheduleTrigger([5], 'iteration') \
+        if how == 'manual' else (5, 'iteration')
     if per_rank_snapshot:
-        trainer.extend(distributed.multi_node_snapshot(comm, snap), trigger=(5, 'iteration'))
+        trainer.extend(distributed.multi_node_snapshot(comm, snap), trigger=trigger)
     elif rank == 0:
         trainer.extend(snap, trigger=(5, 'iteration'))
     return trainer, model, opt
@@ -312,27 +318,69 @@ def resume(lazy=False, tied=False):
     done(mid_block=apart == [True] if LEARNER != '1bit' else None)
 
 
-def resume_rank_state():
+def resume_rank_state(how='npz'):
     """Each rank shuffles with its own generator and keeps its own
     BatchNormalization statistics: a resumed run through multi_node_snapshot
     ends where the straight one does on every rank, statistics and the
     iterator's place included (every rank loaded rank 0's: rank 1 walked
-    its shard in rank 0's order, its statistics became rank 0's)."""
+    its shard in rank 0's order, its statistics became rank 0's). ``how``:
+    'hdf5' (a review: its keys were not listed, and rank 0's state stayed
+    silently), 'manual' (a review: a snapshot trigger finished when the run
+    resumes; the state waited for an initialize that never came)."""
     out = os.path.join(OUT, 'train')
-    trainer, model, _ = make_trainer(out, 11, LEARNERS[LEARNER](), rank_order=True)
+    trainer, model, _ = make_trainer(out, 11, LEARNERS[LEARNER](), rank_order=True, how=how)
     trainer.run()
     straight = persistents_and_params(model)
     position = trainer.updater.get_iterator('main').current_position
     comm.barrier()
     resumed, model2, _ = make_trainer(os.path.join(OUT, 'resumed'), 11, LEARNERS[LEARNER](),
-                                      seed=99, rank_order=True)
-    chainer.serializers.load_npz(os.path.join(out, 'snap_5'), resumed)   # every rank
-    resumed.run()
+                                      seed=99, rank_order=True, how=how)
+    load = chainer.serializers.load_hdf5 if how == 'hdf5' else chainer.serializers.load_npz
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        load(os.path.join(out, 'snap_5'), resumed)   # every rank
+        resumed.run()
+    assert not [w for w in caught if 'fastchain' in str(w.message)], \
+        [str(w.message) for w in caught]
     for name, value in persistents_and_params(model2).items():
         numpy.testing.assert_array_equal(value, straight[name], err_msg=name)
     assert resumed.updater.get_iterator('main').current_position == position
     differ = gather(persistents_and_params(model2)['/predictor/bn/avg_mean'].tolist())
     done(statistics_differ=differ[0] != differ[1])
+
+
+def resume_on_error():
+    """A snapshot written on an error (snapshot_on_error) holds rank 0's
+    state only (the other ranks may be gone): resuming from it is said, on
+    rank 0 (a review: every rank took rank 0's order and statistics,
+    silently)."""
+    out = os.path.join(OUT, 'train')
+    trainer, _, _ = make_trainer(out, 11, LEARNERS[LEARNER](), rank_order=True, on_error=True)
+
+    def failing(t):
+        if t.updater.iteration == 6:
+            raise RuntimeError('a failure at iteration 6')
+    trainer.extend(failing, trigger=(1, 'iteration'))
+    try:
+        trainer.run()
+        raise AssertionError('the failure did not end the run')
+    except RuntimeError as e:
+        assert 'iteration 6' in str(e)
+    comm.barrier()
+    resumed, _, _ = make_trainer(os.path.join(OUT, 'resumed'), 11, LEARNERS[LEARNER](),
+                                 seed=99, rank_order=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        chainer.serializers.load_npz(os.path.join(out, 'snap_6'), resumed)
+    said = [str(w.message) for w in caught if "holds rank 0's iterators" in str(w.message)]
+    assert len(said) == (1 if rank == 0 else 0), said
+    assert all('snapshot_on_error' in m and 'not continue identically' in m for m in said)
+    assert resumed.updater.iteration == 6
+    with warnings.catch_warnings(record=True) as caught:     # at its trigger: not said
+        warnings.simplefilter('always')
+        chainer.serializers.load_npz(os.path.join(out, 'snap_5'), resumed)
+    assert not [w for w in caught if 'fastchain' in str(w.message)]
+    done()
 
 
 def persistents_and_params(model):
@@ -626,5 +674,8 @@ SCENARIOS = {'finish': finish, 'rank_settings': rank_settings,
              'resume_tied': lambda: resume(tied=True), 'bmuf_formula': bmuf_formula,
              'odd_gradients': odd_gradients, 'fp16_range': fp16_range,
              'resume_rank0': resume_rank0, 'resume_rank_state': resume_rank_state,
+             'resume_rank_state_hdf5': lambda: resume_rank_state('hdf5'),
+             'resume_rank_state_manual': lambda: resume_rank_state('manual'),
+             'resume_on_error': resume_on_error,
              'trainer': trainer_run, 'fp16_skip': fp16_skip, 'raise': raising}
 SCENARIOS[SCENARIO]()
