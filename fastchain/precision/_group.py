@@ -5,7 +5,7 @@ import functools
 from fastchain.backends import cuda
 from fastchain.config import _patches
 from fastchain.config._options import Group, Option, State
-from fastchain.precision import _attach, _copied
+from fastchain.precision import _attach, _copied, _snapshot
 from fastchain.precision._scaler import DynamicLossScaler
 
 # cuDNN's TensorCore algorithms want room; Chainer's default is 8 MiB.
@@ -55,11 +55,13 @@ class Fp16Group(Group):
         return []
 
     def plan(self, values, explicit, plan):
+        from chainer.optimizer import GradientMethod
         if not _wanted(values['fp16']):
+            # a snapshot of an fp16 run, loaded: its masters are not read, said
+            plan.wrap(GradientMethod, 'serialize', 'fp16', _snapshot.masters_not_read)
             return
         import chainer
         from chainer.dataset import convert
-        from chainer.optimizer import GradientMethod
         plan.config('dtype', chainer.mixed16)
         changes = plan.changes('fp16', 'fp16')
         plan.wrap(GradientMethod, 'setup', 'fp16', functools.partial(

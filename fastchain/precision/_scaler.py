@@ -4,6 +4,7 @@ import math
 import numbers
 import warnings
 
+from fastchain.config import _patches
 from fastchain.config._warning import FastchainWarning
 
 
@@ -147,6 +148,23 @@ class DynamicLossScaler:
             value = serializer(name, getattr(self, name))
             # Loading returns numpy scalars; keep plain Python numbers.
             setattr(self, name, type(getattr(self, name))(value))
+        import chainer
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            self._within_range()
+
+    def _within_range(self):
+        """A loaded scale outside this run's ``[min_scale, max_scale]`` (the
+        snapshot's run had other settings) is brought into it, and said: it
+        stayed outside, and growth kept it there (a review)."""
+        if self.min_scale <= self.scale <= self.max_scale:
+            return
+        loaded = self.scale
+        self.scale = min(max(self.scale, self.min_scale), self.max_scale)
+        warnings.warn(
+            'fastchain: the loss scale the snapshot holds ({:g}) is outside this run\'s '
+            'range [min_scale={:g}, max_scale={:g}]; going on from {:g}'.format(
+                loaded, self.min_scale, self.max_scale, self.scale),
+            FastchainWarning, stacklevel=_patches.user_stacklevel())
 
     def state_dict(self):
         return {'scale': self.scale, 'good_steps': self.good_steps,
@@ -156,6 +174,7 @@ class DynamicLossScaler:
         self.scale = float(state['scale'])
         for name in ('good_steps', 'steps', 'skipped_steps'):
             setattr(self, name, int(state[name]))
+        self._within_range()
 
     def __repr__(self):
         return ('DynamicLossScaler(scale={:g}, steps={}, skipped_steps={}, '

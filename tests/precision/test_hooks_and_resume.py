@@ -776,3 +776,57 @@ def test_a_copy_of_an_optimizer_with_a_fixed_scale_below_the_default_updates():
         other = copy.deepcopy(opt)
         step(model, other, x, t)
         assert other._loss_scale == scale
+
+
+@pytest.mark.parametrize('fmt', ['npz', 'hdf5'])
+def test_an_fp16_snapshot_loaded_with_fp16_off_says_its_masters_are_not_read(tmp_path, fmt):
+    # (a review: the exact fp32 masters were passed over and the model took
+    # its float16-rounded weights, silently)
+    save, load = {'npz': (serializers.save_npz, serializers.load_npz),
+                  'hdf5': (serializers.save_hdf5, serializers.load_hdf5)}[fmt]
+    path = str(tmp_path / 'opt')
+    with fp16_enable():
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        for x, t in batches(2):
+            step(model, opt, x, t)
+        save(path, opt)
+    numpy.random.seed(0)
+    fp32 = CNN()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with fastchain.enable(loader_workers=0):
+            load(path, chainer.optimizers.MomentumSGD(0.1).setup(fp32))
+            # a snapshot of an fp32 run: nothing to say
+            plain = chainer.optimizers.MomentumSGD(0.1).setup(fp32)
+            step(fp32, plain, *next(batches(1)))
+            save(str(tmp_path / 'plain'), plain)
+            load(str(tmp_path / 'plain'), chainer.optimizers.MomentumSGD(0.1).setup(fp32))
+    said = [w for w in caught if 'master weights' in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in caught]
+    assert 'fp32 master weights of 4 parameters; fp16 is off now' in str(said[0].message)
+    assert 'fastchain.enable(fp16=True)' in str(said[0].message)
+
+
+def test_a_loaded_loss_scale_outside_this_runs_range_is_brought_into_it(tmp_path):
+    # (a review: a fixed scale of 128 asked for, the snapshot's 32768 kept
+    # for the whole run)
+    with fp16_enable():
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        step(model, opt, *next(batches(1)))
+        serializers.save_npz(str(tmp_path / 'opt.npz'), opt)
+        assert scaler_of(opt).scale > 128
+    fixed = {'init_scale': 128, 'min_scale': 128, 'max_scale': 128}
+    with fp16_enable(loss_scale=fixed):
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        with pytest.warns(FastchainWarning, match=r"holds \(\d+\) is outside this run's range "
+                          r"\[min_scale=128, max_scale=128\]; going on from 128"):
+            serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
+        for x, t in batches(2, seed=1):
+            step(model, opt, x, t)
+        assert scaler_of(opt).scale == 128
