@@ -97,6 +97,11 @@ def release(target):
                 updater.converter = target._convert
 
 
+def followed(loader):
+    """A script's iterator follows ``loader``."""
+    return loader in _followers
+
+
 def target_of(iterator):
     """The iterator ``iterator`` follows, or None."""
     try:

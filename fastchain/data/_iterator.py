@@ -170,13 +170,17 @@ class MultiprocessIterator(iterator_module.Iterator):
                 raise StopIteration
             indices, epoch, position = self._schedule.batch(
                 self.epoch, self.current_position, draw=True)
-            if self._pool is not None:
-                batch = self._take(indices)
-            else:
-                batch = self._load_here(indices)
-            self._previous_epoch_detail = before
-            self.is_new_epoch = epoch > at_start
-            self.epoch, self.current_position = epoch, position
+            try:
+                try:
+                    batch = self._take(indices) if self._pool is not None \
+                        else self._load_here(indices)
+                finally:    # past the batch, loaded or not, as Chainer's iterators stand
+                    self._previous_epoch_detail = before
+                    self.is_new_epoch = epoch > at_start
+                    self.epoch, self.current_position = epoch, position
+            except DataLoadError:   # (the script's iterator is handed back past it)
+                self.finalize()
+                raise
             if self._drew is not None:
                 drew, self._drew = self._drew, None
                 say_draws(*drew)    # (raised under -W error: the position moved on)
@@ -387,7 +391,6 @@ class MultiprocessIterator(iterator_module.Iterator):
     def _on_bad_example(self, index, kind, message, path, detail):
         path = self._path_of(index, path)
         if self.on_error == 'raise':
-            self.finalize()
             raise DataLoadError(index, path, kind, message, detail)
         self.skipped.append({'index': index, 'path': path, 'error': kind + ': ' + str(message)})
 

@@ -25,6 +25,7 @@ from chainer.dataset import iterator as iterator_module
 
 from fastchain.data import _follow
 from fastchain.data._edge import cuda_edge as _cuda_edge
+from fastchain.data._errors import DataLoadError
 from fastchain.data._transforms import Normalize
 
 _END = object()
@@ -247,6 +248,7 @@ class DevicePrefetcher(iterator_module.Iterator):
                 item = self._fetch_here()
             except Exception as e:
                 self._ended = e
+                self._hand_back(e)
                 raise
         if item is _END:
             if self._thread is not None:
@@ -255,6 +257,7 @@ class DevicePrefetcher(iterator_module.Iterator):
             raise StopIteration
         if isinstance(item, BaseException):
             self._ended = item
+            self._hand_back(item)
             raise item
         batch, state, skipped = item
         self._copy_state(state)
@@ -264,6 +267,17 @@ class DevicePrefetcher(iterator_module.Iterator):
         return batch
 
     next = __next__
+
+    def _hand_back(self, error):
+        """An example that failed to load (``error``): the loader stopped,
+        past that batch as Chainer's iterators stand. Where it serves the
+        script's iterator (``enable()``'s loader), that one is handed back
+        there and the updater goes on with it serially, as plain Chainer goes
+        on after an error the script caught; else this one stays stopped,
+        saying so at the next call."""
+        if isinstance(error, DataLoadError) and _follow.followed(self):
+            self._copy_state()
+            self.finalize()
 
     def _get(self):
         while True:
