@@ -167,6 +167,20 @@ def _get(self, name):
 
 
 def _set(self, name, value):
+    # (a review: written on the loader, these were accepted where Chainer
+    # refuses them, and then broke its next batch or were overwritten by it;
+    # a new dataset or order sampler was not seen by the workers)
+    cls = type(self).__mro__[1]
+    kind = getattr(cls, name, None)
+    if isinstance(kind, property) and kind.fset is None:        # as the class refuses it
+        raise AttributeError("property {!r} of {!r} object has no setter".format(
+            name, cls.__name__))
+    if name in ('dataset', 'order_sampler'):
+        raise AttributeError(
+            "fastchain: this {0}'s {1} cannot change while fastchain's loader serves it: the "
+            'loader and its workers keep the one they started with. Keep Chainer\'s iterator '
+            'for a script that changes it, fastchain.enable(loader_workers=0), or build a new '
+            'iterator and updater'.format(cls.__name__, name))
     target = target_of(self)
     if hasattr(target, name):
         setattr(target, name, value)

@@ -517,6 +517,36 @@ def test_the_scripts_own_iterator_follows_the_loaders(prefetch):
 
 
 @pytest.mark.parametrize('prefetch', [False, True])
+def test_writes_to_the_scripts_own_iterator_are_refused_where_chainer_or_the_loader_cannot(
+        prefetch):
+    # (a review: its read-only properties were written on the loader, which
+    # broke its next batch or overwrote them; a new dataset or order sampler
+    # was not seen, the batches went on from the old ones, silently)
+    with fastchain.enable(loader_workers=1, prefetch_to_device=prefetch):
+        train_iter = chainer.iterators.SerialIterator(Offset(), 4)
+        updater = chainer.training.StandardUpdater(
+            train_iter, chainer.optimizers.SGD(0.1).setup(L.Classifier(L.Linear(3, 2))))
+    try:
+        updater.update()
+        for name in ('epoch', 'current_position', 'is_new_epoch', 'epoch_detail'):
+            with pytest.raises(AttributeError, match="property '{}' of 'SerialIterator' "
+                               'object has no setter'.format(name)):
+                setattr(train_iter, name, 0)
+        for name, value in (('dataset', Offset()), ('order_sampler', lambda o, p: o)):
+            with pytest.raises(AttributeError, match="SerialIterator's {} cannot change while "
+                               "fastchain's loader serves it.*loader_workers=0".format(name)):
+                setattr(train_iter, name, value)
+        train_iter.repeat_note = 'the script may keep its own attributes'
+        updater.update()
+        assert (train_iter.epoch, train_iter.current_position) == (0, 8)
+        assert train_iter.repeat_note == 'the script may keep its own attributes'
+    finally:
+        updater.finalize()
+    train_iter.dataset = Offset()          # handed back: its own again
+    assert train_iter.next()
+
+
+@pytest.mark.parametrize('prefetch', [False, True])
 def test_the_scripts_own_iterator_outlives_the_run_and_copies_as_its_class(prefetch):
     """In plain Chainer a SerialIterator outlives ``trainer.run()`` (its
     finalize does nothing): a second trainer goes on with it. Under the
