@@ -16,7 +16,10 @@ option, another worker count) is measured again.
 
 Read when the handle is enabled; written when it is disabled and at the
 process's exit (each write merges this process's decided choices into what
-the file holds, through a temporary file and a rename). A file that cannot
+the file holds, through a temporary file and a rename, under a lock on
+the file's folder: ranks that save at once each keep their choices). A file of
+a newer format (a newer fastchain) is not used and left as it is, said
+once. A file that cannot
 be read, parsed or used gives one warning naming it, is kept beside as
 ``PATH.unusable`` and measured around, and a new file is written; a JSON
 file that is not a cache at all (a script's own configuration given by
@@ -25,7 +28,9 @@ mistake) is refused, not replaced.
 
 import datetime
 import json
+import contextlib
 import os
+import socket
 import threading
 import warnings
 
@@ -63,11 +68,13 @@ def _read(path):
                 '{} is not a fastchain autotune cache (a JSON object with a whole-number '
                 '"format" and "machines"), and enable(tune_cache=...) would replace it: '
                 'give the cache another path'.format(path))
+        if isinstance(data['format'], int) and data['format'] > FORMAT:
+            raise NewerFormat(data['format'])
         problem = _problem(data)
         if problem is not None:
             raise ValueError(problem)
         return data
-    except ForeignFile:
+    except (ForeignFile, NewerFormat):
         raise
     except (OSError, ValueError) as e:
         from fastchain.config import _patches
@@ -88,6 +95,22 @@ def _read(path):
 
 class ForeignFile(ValueError):
     """A JSON file that is not an autotune cache (refused, not replaced)."""
+
+
+class NewerFormat(Exception):
+    """A cache a newer fastchain wrote: not used, not replaced (two versions
+    sharing a path would destroy each other's choices; a review)."""
+
+
+def _newer(path, error):
+    from fastchain.config import _patches
+    from fastchain.config._warning import FastchainWarning
+    message = ('fastchain: the autotune cache {} was written by a newer fastchain (format {}, '
+               'this one reads {}): it is not used, and left as it is; give this version '
+               'another tune_cache path'.format(path, error.args[0], FORMAT))
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, FastchainWarning, stacklevel=_patches.user_stacklevel())
 
 
 def _problem(data):
@@ -126,7 +149,11 @@ def load(path):
     from fastchain.tune import _tuner
     key, _ = fingerprint()
     with _lock:
-        entry = _read(path).get('machines', {}).get(key, {})
+        try:
+            entry = _read(path).get('machines', {}).get(key, {})
+        except NewerFormat as e:
+            _newer(path, e)
+            entry = {}
     known = {(kind, key_repr): choice
              for kind, entries in (entry.get('choices') or {}).items()
              for key_repr, choice in entries.items()}
@@ -140,8 +167,12 @@ def save(path):
     from fastchain.tune import _tuner
     key, described = fingerprint()
     decided = _tuner.decided()
-    with _lock:
-        data = _read(path) or {'format': FORMAT, 'machines': {}}
+    with _lock, _file_lock(path):
+        try:
+            data = _read(path) or {'format': FORMAT, 'machines': {}}
+        except NewerFormat as e:
+            _newer(path, e)
+            return 0
         entry = data['machines'].setdefault(key, {'choices': {}})
         entry['machine'] = described
         entry['saved'] = datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -149,9 +180,34 @@ def save(path):
         choices = entry.setdefault('choices', {})
         for (kind, key_repr), choice in decided.items():
             choices.setdefault(kind, {})[key_repr] = choice
-        tmp = '{}.tmp{}'.format(path, os.getpid())
+        # (the host too: two machines' processes may share a path and a pid)
+        tmp = '{}.tmp.{}.{}'.format(path, socket.gethostname(), os.getpid())
         with open(tmp, 'w') as f:
             json.dump(data, f, indent=1, sort_keys=True)
             f.write('\n')
         os.replace(tmp, path)
     return sum(len(v) for v in choices.values())
+
+
+@contextlib.contextmanager
+def _file_lock(path):
+    """Held by one process at a time: an advisory lock on the cache's folder
+    (no lock file is left beside the cache). Without it, processes saving at
+    once each merged into what the file held before the others wrote, and
+    the last rename kept only its own choices (a review: 3 of 4 ranks'
+    kept). Where the lock cannot be taken (no fcntl, a file system without
+    locks), the write goes on without it."""
+    try:
+        import fcntl
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)        # (the lock goes with it)
