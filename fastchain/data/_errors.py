@@ -109,3 +109,20 @@ def check_same_length(iterator, n):
             "updater) after changing the dataset, or use Chainer's SerialIterator, which "
             'follows it (under fastchain.enable(), loader_workers=0 keeps it)'.format(
                 len(iterator.dataset), n))
+
+
+def load_order(serializer, order):
+    """``serializer('order', order)``: a snapshot's order of another length
+    than this dataset's is named, with the likely cause (Chainer's message
+    was NumPy's "could not broadcast input array from shape (48,) into shape
+    (96,)"; a review)."""
+    try:
+        return serializer('order', order)
+    except ValueError as e:
+        if 'broadcast' not in str(e):
+            raise
+        raise ValueError(
+            "this snapshot's iterator walks a dataset of another length than this one's {} "
+            'examples ({}): it was written for another dataset, or by a data-parallel job of '
+            'another number of ranks (each rank walks its own shard). Resume with the same '
+            'dataset and number of processes'.format(len(order), e)) from None

@@ -9,7 +9,7 @@ from fastchain.data import _follow, _workers
 from fastchain.data._draws import KeptGenerators, say_draws
 from fastchain.data._generators import find as find_generators, seed_example
 from fastchain.data._errors import (DataLoadError, FixedBatchSize, _whole, check_args,
-                                    chainer_names, check_same_length)
+                                    chainer_names, check_same_length, load_order)
 from fastchain.data._pool import WorkerPool
 from fastchain.data._schedule import Schedule, order_source, seed_from_global_rng
 
@@ -104,13 +104,11 @@ class MultiprocessIterator(iterator_module.Iterator):
        ``random`` and the dataset's own generators as they were.
 
     .. note::
-       With ``rng='global'``, examples loaded here (``n_workers=0``) draw
-       their random numbers as SerialIterator's do; those loaded by workers
-       draw from ``numpy.random``, Python's ``random`` and the generators the
-       dataset holds (``self.rng``, a transform's) seeded for each example
-       from ``seed``: the same under the same ``numpy.random.seed`` for any
-       number of workers, but not the numbers SerialIterator's examples
-       would get.
+       With ``rng='global'``, examples loaded here (``n_workers=0``) draw as
+       SerialIterator's do; a worker's draw from ``numpy.random``, Python's
+       ``random`` and the dataset's generators (``self.rng``, a transform's)
+       seeded per example from ``seed``: the same for any number of workers
+       under one ``numpy.random.seed``, but not SerialIterator's numbers.
     """
 
     _pool = None
@@ -175,8 +173,7 @@ class MultiprocessIterator(iterator_module.Iterator):
                     batch = self._take(indices) if self._pool is not None \
                         else self._load_here(indices)
                 finally:    # past the batch, loaded or not, as Chainer's iterators stand
-                    self._previous_epoch_detail = before
-                    self.is_new_epoch = epoch > at_start
+                    self._previous_epoch_detail, self.is_new_epoch = before, epoch > at_start
                     self.epoch, self.current_position = epoch, position
             except DataLoadError:   # (the script's iterator is handed back past it)
                 self.finalize()
@@ -294,7 +291,7 @@ class MultiprocessIterator(iterator_module.Iterator):
                 order = schedule.order(self.epoch)
                 # None: loading where this epoch's order is not drawn (a buffer)
                 order = numpy.array(numpy.arange(schedule.n) if order is None else order)
-                serializer('order', order)
+                load_order(serializer, order)
                 if loading:
                     schedule.set_order(self.epoch, order)
         finally:

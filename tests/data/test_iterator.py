@@ -740,3 +740,20 @@ def test_examples_come_back_of_the_kind_the_dataset_gave(kind, workers, shared):
                 [_structure(e) for e in expected.next()]
     finally:
         it.finalize()
+
+
+def test_a_snapshot_of_another_datasets_length_is_named_with_the_likely_cause():
+    # (a review: a data-parallel job resumed with another number of ranks
+    # failed on NumPy's "could not broadcast input array from shape (48,)")
+    saved = {}
+    serial = chainer.iterators.SerialIterator(Indexed(), 4)
+    serial.next()
+    serializers.DictionarySerializer(saved).save(serial)
+    half = chainer.datasets.SubDataset(Indexed(), 0, len(Indexed()) // 2)
+    it = data.MultiprocessIterator(half, 4, n_workers=0)
+    try:
+        with pytest.raises(ValueError, match=r"another length than this one's 6 examples "
+                           r"\(.*broadcast.*\): .*another number of ranks"):
+            serializers.NpzDeserializer(saved).load(it)
+    finally:
+        it.finalize()
