@@ -2,6 +2,7 @@
 and ``onednn``."""
 
 import functools
+import weakref
 
 from fastchain.config import _patches
 from fastchain.config._options import Group, State, boolean
@@ -74,11 +75,19 @@ class KernelGroup(Group):
         conv = all(_patches.in_force(cls, '_forward_cpu_core', 'cpu_conv') is not None
                    for cls, _ in _conv.functions())
         fused = _patches.in_force(GradientMethod, 'setup', 'fused_update') is not None
+        update = State('fused_update', True, fused, setting=values['fused_update'],
+                       requested='fused_update' in explicit and values['fused_update'] is True)
+        if fused:
+            update.calls = _rules()
+            if not update.calls['fused'] and update.calls['kept']:
+                # (a review: active and requested, none fused, nothing said)
+                update.note = ('no update rule is fused: it takes the SGD and MomentumSGD rules '
+                               "of parameters on the CPU; those set up keep Chainer's update "
+                               '({})'.format(', '.join('{} {}'.format(k, n) for k, n in sorted(
+                                   update.calls['kept'].items()))))
         return [State('cpu_conv', True, conv, setting=values['cpu_conv'],
                       requested='cpu_conv' in explicit and values['cpu_conv'] is True),
-                State('fused_update', True, fused, setting=values['fused_update'],
-                      requested='fused_update' in explicit and values['fused_update'] is True),
-                self._onednn_state(values, explicit)]
+                update, self._onednn_state(values, explicit)]
 
     def _onednn_state(self, values, explicit):
         from fastchain.kernels import _onednn, _onednn_bn
@@ -105,12 +114,36 @@ def _onednn_probe(in_force):
                  else NOT_BITWISE.format(version, IN_FORCE if in_force else WHEN_ON))
 
 
+_SET_UP = weakref.WeakKeyDictionary()      # optimizers set up under the layer
+
+
 def _fuse_layer(changes, next_, optimizer, link):
     """While in force, every optimizer set up gets the fused update kernel."""
     from fastchain.kernels._update import fuse
     result = next_(optimizer, link)
     fuse(optimizer, changes)
+    _SET_UP[optimizer] = True
     return result
+
+
+def _rules():
+    """{'fused': rules with the fused kernel, 'kept': {why: rules}} of the
+    optimizers set up under the layer that still live (a parameter on a GPU
+    keeps Chainer's GPU kernel; other rules are kept by their class)."""
+    import numpy
+    from fastchain.kernels._update import is_fused
+    fused, kept = 0, {}
+    for optimizer in list(_SET_UP):
+        for param in optimizer.target.params():
+            rule = param.update_rule
+            if rule is None:
+                continue
+            if is_fused(rule) and param.device.xp is numpy:
+                fused += 1
+            else:
+                why = type(rule).__name__ if not is_fused(rule) else 'on a GPU'
+                kept[why] = kept.get(why, 0) + 1
+    return {'fused': fused, 'kept': kept}
 
 
 GROUP = KernelGroup()

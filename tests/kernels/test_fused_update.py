@@ -164,6 +164,22 @@ def test_enable_turns_it_on_by_default_and_off_on_request():
         fastchain.enable(fused_update='yes')
 
 
+def test_the_report_counts_the_rules_fused_and_says_when_none_is():
+    # (a review: fused_update=True with Adam reported active, requested and
+    # no reason, with none of its rules fused)
+    with fastchain.enable(fused_update=True, loader_workers=0) as handle:
+        adam = optimizers.Adam().setup(Net())
+        state = handle.report()['fused_update']
+        assert state['active'] and state['calls'] == {'fused': 0, 'kept': {'AdamRule': 5}}
+        assert state['note'].startswith('no update rule is fused: it takes the SGD and '
+                                        'MomentumSGD rules of parameters on the CPU')
+        assert state['note'].endswith("keep Chainer's update (AdamRule 5)")
+        sgd = optimizers.MomentumSGD().setup(Net())
+        state = handle.report()['fused_update']
+        assert state['calls'] == {'fused': 5, 'kept': {'AdamRule': 5}} and state['note'] is None
+    del adam, sgd
+
+
 @pytest.mark.parametrize('when', ['before set-up', 'after set-up'])
 def test_a_kernel_patched_on_chainers_class_runs_as_patched(when, monkeypatch):
     # A script or library that patches MomentumSGDRule.update_core_cpu (here
