@@ -1,5 +1,11 @@
 """ResNet v1.5 (He et al. 2016, with the stride on the 3x3 convolution, as in
-NVIDIA's and torchvision's ResNet-50).
+NVIDIA's and torchvision's ResNet-50; 25,557,032 parameters at depth 50, as
+torchvision's). Two differences from Chainer's example ResNet-50 (v1: the
+stride on the first 1x1 convolution, a stem convolution with a bias, a 3x3
+max pooling without padding and a 7x7 average pooling): the v1.5 layout, and
+each block's last BatchNormalization starting at gamma=0 by default
+(``zero_init_residual``, as Goyal et al. 2017 for large batches; Chainer's
+example and torchvision start it at 1).
 
 Link names follow the usual paths, so per-link NVTX ranges read
 ``res3/a/conv2``: stages ``res2``..``res5``, blocks ``a``, ``b``, ...,
@@ -148,8 +154,11 @@ class CifarResNet(chainer.Chain):
     """The CIFAR-size ResNet of He et al. (2016, section 4.2): a 3x3 stem,
     three stages of ``(depth - 2) / 6`` basic blocks at ``width``,
     ``2 width`` and ``4 width`` channels (strides 1, 2, 2), global average
-    pooling and a linear layer. ``depth=20`` is ResNet-20 (0.27 M parameters
-    at width 16) for 32x32 inputs.
+    pooling and a linear layer, for 32x32 inputs. Where a stage changes the
+    width, the shortcut is a 1x1 convolution with BatchNormalization (the
+    paper's option B; its CIFAR networks use option A, zero-padded identity
+    shortcuts): ``depth=20`` at width 16 has 272,474 parameters, where the
+    paper's ResNet-20 has 0.27 M.
     """
 
     def __init__(self, depth=20, n_classes=10, width=16, in_channels=3,
