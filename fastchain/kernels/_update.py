@@ -87,6 +87,11 @@ def _sgd_blocks(p, g, lr):
         numpy.subtract(pb, t, out=pb)               # param -= ...
 
 
+def _one_number(value):
+    value = numpy.asarray(value)
+    return value.ndim == 0 and value.dtype.kind in 'fiu'
+
+
 def _plain_arrays(*arrays):
     return all(type(a) is numpy.ndarray for a in arrays)
 
@@ -110,8 +115,9 @@ def fused_layer(rule, momentum, next_, param):
             and p.shape == grad.shape == v.shape
             and p.flags.c_contiguous and v.flags.c_contiguous
             # an array of learning rates or momenta (a freeze mask, per row) is
-            # Chainer's: the blocks take one value for all (they raised, a trial)
-            and numpy.ndim(hp.lr) == 0 and (not momentum or numpy.ndim(hp.momentum) == 0)):
+            # Chainer's: the blocks take one value for all (they raised, a trial);
+            # so is a value that is not a number (lr=None: Chainer's error)
+            and _one_number(hp.lr) and (not momentum or _one_number(hp.momentum))):
         return next_(param)
     if not _tuner.enabled:
         return _fused(rule, momentum, p, grad, v)

@@ -164,6 +164,24 @@ def test_enable_turns_it_on_by_default_and_off_on_request():
         fastchain.enable(fused_update='yes')
 
 
+@pytest.mark.parametrize('make', [lambda: optimizers.SGD(lr=None),
+                                  lambda: optimizers.MomentumSGD(lr=None),
+                                  lambda: optimizers.MomentumSGD(momentum='0.9')])
+def test_a_hyperparameter_that_is_not_a_number_fails_as_in_chainer(make):
+    # (a review: NumPy's "Cannot cast ufunc 'multiply' output from dtype('O')"
+    # where Chainer says "unsupported operand type(s) for *: 'NoneType'")
+    said = []
+    for fused in (False, True):
+        with fastchain.enable(fused_update=fused, loader_workers=0):
+            opt = make().setup(Net())
+            for param in opt.target.params():
+                param.grad = numpy.ones_like(param.array)
+            with pytest.raises(TypeError) as raised:
+                opt.update()
+            said.append((type(raised.value), str(raised.value)))
+    assert said[1] == said[0]
+
+
 def test_the_report_counts_the_rules_fused_and_says_when_none_is():
     # (a review: fused_update=True with Adam reported active, requested and
     # no reason, with none of its rules fused)
