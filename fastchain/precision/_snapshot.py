@@ -25,12 +25,16 @@ def serialize(opt, scaler, next_, serializer):
     first update tolerated, then the scaler's state (``scaler``: None for
     fp32 masters only) and the fp32 master weights."""
     unstarted = saved_before_first_update(opt, serializer)
-    for rule in unstarted:      # Chainer's load: missing state raises unless disabled
+    for rule, _ in unstarted:   # Chainer's load: missing state raises unless disabled
         rule.enabled = False
     try:
         next_(serializer)
+    except BaseException:       # (a wrong file: the rules keep the state they had)
+        for rule, state in unstarted:
+            rule._state = state
+        raise
     finally:
-        for rule in unstarted:
+        for rule, _ in unstarted:
             rule.enabled = True
     missing = []
     if scaler is not None:
@@ -87,21 +91,22 @@ def saved_before_first_update(optimizer, serializer):
     ``UpdateRule.serialize`` looks for their state and raises ``KeyError``
     ('W/m is not a file in the archive'); such a rule is to be as in the run
     saved: without state (dropped, where a run going back to the snapshot
-    has made some since), its state made at its first update."""
+    has made some since), its state made at its first update. Returns
+    [(rule, the state it had)]."""
     if not isinstance(serializer, chainer.serializer.Deserializer):
         return []
     out = []
     for name, param in optimizer.target.namedparams():
         rule = getattr(param, 'update_rule', None)
-        if rule is None or not rule.enabled or rule in out:
+        if rule is None or not rule.enabled or any(rule is r for r, _ in out):
             continue
         try:
             t = serializer[name[1:]]('t', None)
         except (KeyError, ValueError):
             continue
         if t is not None and int(t) == 0:
+            out.append((rule, rule._state))
             rule._state = None
-            out.append(rule)
     return out
 
 

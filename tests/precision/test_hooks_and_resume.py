@@ -830,3 +830,30 @@ def test_a_loaded_loss_scale_outside_this_runs_range_is_brought_into_it(tmp_path
         for x, t in batches(2, seed=1):
             step(model, opt, x, t)
         assert scaler_of(opt).scale == 128
+
+
+def test_a_load_that_fails_leaves_the_rules_their_state(tmp_path):
+    # (a review: a rule the file says had no state lost its own before
+    # Chainer's load, which then raised on the damaged file)
+    def trained():
+        numpy.random.seed(0)
+        model = CNN()
+        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+        for x, t in batches(2):
+            step(model, opt, x, t)
+        return model, opt
+    with fp16_enable():
+        model, opt = trained()
+        serializers.save_npz(str(tmp_path / 'opt.npz'), opt)
+        with numpy.load(str(tmp_path / 'opt.npz')) as f:
+            damaged = {k: f[k] for k in f.files if not k.startswith(('fc/W/', 'conv/W/'))
+                       or k.endswith('/t')}
+        damaged['conv/W/t'] = numpy.array(0)       # conv/W: saved before its first update
+        numpy.savez(str(tmp_path / 'damaged.npz'), **damaged)
+        before = {k: v.copy() for k, v in model.conv.W.update_rule.state.items()}
+        with pytest.raises(KeyError, match='fc/W/'):
+            serializers.load_npz(str(tmp_path / 'damaged.npz'), opt)
+        state = model.conv.W.update_rule.state
+        assert state is not None and model.conv.W.update_rule.enabled
+        for key, value in before.items():
+            numpy.testing.assert_array_equal(state[key], value)
