@@ -169,15 +169,15 @@ class MultiprocessIterator(iterator_module.Iterator):
             indices, epoch, position = self._schedule.batch(
                 self.epoch, self.current_position, draw=True)
             try:
-                try:
-                    batch = self._take(indices) if self._pool is not None \
-                        else self._load_here(indices)
-                finally:    # past the batch, loaded or not, as Chainer's iterators stand
-                    self._previous_epoch_detail, self.is_new_epoch = before, epoch > at_start
-                    self.epoch, self.current_position = epoch, position
-            except DataLoadError:   # (the script's iterator is handed back past it)
+                batch, failed = self._take(indices) if self._pool is not None \
+                    else self._load_here(indices), None
+            except DataLoadError as e:  # past it, as Chainer's iterators stand (another
+                batch, failed = None, e  # error, a dead worker or Ctrl-C, leaves the place)
+            self._previous_epoch_detail, self.is_new_epoch = before, epoch > at_start
+            self.epoch, self.current_position = epoch, position
+            if failed is not None:      # (the script's iterator is handed back past it)
                 self.finalize()
-                raise
+                raise failed
             if self._drew is not None:
                 drew, self._drew = self._drew, None
                 say_draws(*drew)    # (raised under -W error: the position moved on)

@@ -757,3 +757,35 @@ def test_a_snapshot_of_another_datasets_length_is_named_with_the_likely_cause():
             serializers.NpzDeserializer(saved).load(it)
     finally:
         it.finalize()
+
+
+def test_an_error_that_is_not_the_datasets_leaves_the_position(monkeypatch):
+    # (a review of the change that moves past a batch that failed to load:
+    # it moved on for any error, Ctrl-C or a dead worker too, one batch each
+    # call, and the workers' batches fell out of step with the position)
+    it = data.MultiprocessIterator(Indexed(), 4, shuffle=False, n_workers=1)
+    try:
+        it.next()
+        take, calls = it._take, []
+
+        def interrupted(indices):
+            calls.append(indices)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return take(indices)
+        monkeypatch.setattr(it, '_take', interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            it.next()
+        assert (it.epoch, it.current_position) == (0, 4)
+        assert [int(t) for _, t in it.next()] == [4, 5, 6, 7]
+        os.kill(it._pool.workers[0].pid, signal.SIGKILL)
+        with pytest.raises(data.WorkerDiedError):
+            for _ in range(4):      # (a batch loaded ahead may come first)
+                at = (it.epoch, it.current_position)
+                it.next()
+        assert (it.epoch, it.current_position) == at
+        with pytest.raises(RuntimeError, match='finalized'):
+            it.next()
+        assert (it.epoch, it.current_position) == at
+    finally:
+        it.finalize()
