@@ -95,12 +95,10 @@ def check_ranks(serializer, comm):
 def read(serializer, comm, trainer=None):
     """Loading: this rank's own state from the snapshot, or None where it
     holds none (written before, by rank 0's snapshot alone, or on an error:
-    rank 0's stays, as before, said on a job of several ranks). Where the
+    rank 0's stays, as before; :func:`say_rank0_only`). Where the
     deserializer does not list its keys, those ``trainer``'s state has now
     are read."""
     if check_ranks(serializer, comm) is None:
-        if trainer is not None and comm.size > 1 and comm.rank == 0:
-            _say_rank0_only()
         return None
     sub = serializer['rank{}'.format(comm.rank)]
     keys = saved_keys(sub)
@@ -117,7 +115,11 @@ def read(serializer, comm, trainer=None):
     return state
 
 
-def _say_rank0_only():
+def say_rank0_only(comm):
+    """On rank 0 of a job of several ranks: the snapshot loaded holds rank 0's
+    state only."""
+    if comm.size < 2 or comm.rank != 0:
+        return
     import warnings
     from fastchain.config import _patches
     from fastchain.config._warning import FastchainWarning

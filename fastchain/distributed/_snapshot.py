@@ -36,11 +36,15 @@ def _ranks_first(next_, trainer, serializer, *args, **kwargs):
     for name, made in ours:
         _rank_state.check_ranks(sections[name], made.comm)
     result = next_(trainer, serializer, *args, **kwargs)
+    held = False
     for name, made in ours:
         made._pending = None        # (read by its serialize; read again, with the trainer)
         state = _rank_state.read(sections[name], made.comm, trainer)
         if state is not None:
             _rank_state.apply(state, trainer)
+            held = True
+    if ours and not held:   # (one said, not each: the file is written by one of them)
+        _rank_state.say_rank0_only(ours[0][1].comm)
     return result
 
 

@@ -262,6 +262,9 @@ def make_trainer(out, stop, learner, per_rank_snapshot=True, seed=0, lazy=False,
         if how == 'manual' else (5, 'iteration')
     if per_rank_snapshot:
         trainer.extend(distributed.multi_node_snapshot(comm, snap), trigger=trigger)
+        if how == 'two':    # a second, frequent one: its section of snap_5 is empty
+            trainer.extend(distributed.multi_node_snapshot(
+                comm, extensions.snapshot(filename='latest')), trigger=(2, 'iteration'))
     elif rank == 0:
         trainer.extend(snap, trigger=(5, 'iteration'))
     return trainer, model, opt
@@ -326,7 +329,9 @@ def resume_rank_state(how='npz'):
     its shard in rank 0's order, its statistics became rank 0's). ``how``:
     'hdf5' (a review: its keys were not listed, and rank 0's state stayed
     silently), 'manual' (a review: a snapshot trigger finished when the run
-    resumes; the state waited for an initialize that never came)."""
+    resumes; the state waited for an initialize that never came), 'two' (two
+    multi_node_snapshot extensions: the one that did not write the file was
+    said to hold rank 0's state only)."""
     out = os.path.join(OUT, 'train')
     trainer, model, _ = make_trainer(out, 11, LEARNERS[LEARNER](), rank_order=True, how=how)
     trainer.run()
@@ -676,6 +681,7 @@ SCENARIOS = {'finish': finish, 'rank_settings': rank_settings,
              'resume_rank0': resume_rank0, 'resume_rank_state': resume_rank_state,
              'resume_rank_state_hdf5': lambda: resume_rank_state('hdf5'),
              'resume_rank_state_manual': lambda: resume_rank_state('manual'),
+             'resume_rank_state_two': lambda: resume_rank_state('two'),
              'resume_on_error': resume_on_error,
              'trainer': trainer_run, 'fp16_skip': fp16_skip, 'raise': raising}
 SCENARIOS[SCENARIO]()

@@ -70,7 +70,8 @@ def test_resume_mid_block_continues_bit_for_bit(scenario, learner, tmp_path):
 
 
 @pytest.mark.parametrize('scenario', [
-    'resume_rank_state', 'resume_rank_state_hdf5', 'resume_rank_state_manual'])
+    'resume_rank_state', 'resume_rank_state_hdf5', 'resume_rank_state_manual',
+    'resume_rank_state_two'])
 def test_resume_gives_each_rank_its_own_iterator_and_statistics(scenario, tmp_path):
     """(A new-user trial: after a resume every rank had rank 0's iterator
     order and BatchNormalization statistics; 2.7e-2 of the largest weight
