@@ -16,6 +16,7 @@ rank's group leaves it that moment).
 import _posixshmem
 import errno
 import os
+import pickle
 import signal
 import time
 import traceback
@@ -39,8 +40,10 @@ class SlotLayout:
 
     def __init__(self, example, batch_size):
         fields = example if isinstance(example, tuple) else (example,)
-        # a namedtuple comes back as one (a tuple of another kind travels whole)
-        self.kind = type(example) if isinstance(example, tuple) else None
+        # a namedtuple comes back as one (a tuple of another kind travels
+        # whole); the workers compare its field names, the class stays here
+        self.shape = _shape(example)
+        self.made = type(example) if self.shape not in (None, ()) else None
         self.fields = []        # (offset, shape, dtype) or None
         offset = 0
         for value in fields:
@@ -52,10 +55,12 @@ class SlotLayout:
         self.slot_bytes = max(offset, 1)
         self.batch_size = batch_size
 
+    def __getstate__(self):     # (a namedtuple class pickle cannot find by name)
+        return dict(vars(self), made=None)
+
     def fits(self, example):
         fields = example if isinstance(example, tuple) else (example,)
-        kind = type(example) if isinstance(example, tuple) else None
-        if kind is not self.kind or (kind not in (None, tuple) and not _named(kind)):
+        if _shape(example) != self.shape or self.shape is False:
             return False
         return len(fields) == len(self.fields) and all(
             spec is None or (isinstance(v, numpy.ndarray) and v.shape == spec[1]
@@ -63,10 +68,11 @@ class SlotLayout:
             for v, spec in zip(fields, self.fields))
 
     def example(self, fields):
-        """One example of the layout's kind from its ``fields``."""
-        if self.kind is None:
+        """One example of the layout's kind from its ``fields`` (in the
+        process that built the layout)."""
+        if self.shape is None:
             return fields[0]
-        return fields if self.kind is tuple else self.kind._make(fields)
+        return fields if self.shape == () else self.made._make(fields)
 
     def views(self, buf, slot):
         """The batch arrays of ``slot`` as numpy views of ``buf``."""
@@ -83,10 +89,19 @@ class SlotLayout:
         return out
 
 
-def _named(kind):
-    """A namedtuple class (rebuilt from its fields by ``_make``)."""
-    return issubclass(kind, tuple) and callable(getattr(kind, '_make', None)) \
-        and isinstance(getattr(kind, '_fields', None), tuple)
+def _shape(example):
+    """None: not a tuple; (): a plain tuple; a namedtuple's field names
+    (rebuilt from its fields by ``_make``; one class made per example
+    matches by its names); False: a tuple of another kind."""
+    kind = type(example)
+    if not isinstance(example, tuple):
+        return None
+    if kind is tuple:
+        return ()
+    names = getattr(kind, '_fields', None)
+    if callable(getattr(kind, '_make', None)) and isinstance(names, tuple) and names:
+        return (kind.__name__,) + names
+    return False
 
 
 def _aligned(n, to=64):
@@ -165,7 +180,11 @@ def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
             task = task_conn.recv()
             if task is None:
                 return
-            result_conn.send(_load(dataset, task, shm, layout, own, watch))
+            result = _load(dataset, task, shm, layout, own, watch)
+            try:
+                result_conn.send(result)
+            except (pickle.PicklingError, AttributeError, TypeError) as e:
+                result_conn.send(_unsendable(result, task, e))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         # A killed main process's pipes close a moment before it is gone.
         deadline = time.monotonic() + 1.0
@@ -221,6 +240,23 @@ def unlink_name(shm):
         _posixshmem.shm_unlink(shm._name)
     except FileNotFoundError:
         pass
+
+
+def _unsendable(result, task, error):
+    """The message for a batch whose examples pickle cannot send back (it
+    pickles the message before sending any of it): each loaded example is
+    an error naming why and the fixes (the worker ended, and was said to
+    have called sys.exit; a review)."""
+    batch_id, extras, errors, drew = result
+    indices = task[2]
+    message = ('the worker cannot send the example back to the training process ({}: {}): '
+               "pickle finds an example's classes by name, and a class made inside "
+               'get_example (a namedtuple made per call), a local class or a lambda has '
+               'none. Fix: return arrays, numbers and tuples of them, or classes defined at '
+               "a module's top level; or load in the training process: loader_workers=0"
+               .format(type(error).__name__, error))
+    return batch_id, {}, errors + [(j, int(indices[j]), 'PicklingError', message, None, '')
+                                   for j in sorted(extras)], drew
 
 
 def launched_by_mpi():
