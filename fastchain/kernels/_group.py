@@ -74,11 +74,12 @@ class KernelGroup(Group):
         from fastchain.kernels import _conv
         conv = all(_patches.in_force(cls, '_forward_cpu_core', 'cpu_conv') is not None
                    for cls, _ in _conv.functions())
-        fused = _patches.in_force(GradientMethod, 'setup', 'fused_update') is not None
+        layer = _patches.in_force(GradientMethod, 'setup', 'fused_update')
+        fused = layer is not None
         update = State('fused_update', True, fused, setting=values['fused_update'],
                        requested='fused_update' in explicit and values['fused_update'] is True)
         if fused:
-            update.calls = _rules()
+            update.calls = _rules(layer.args[0])
             if not update.calls['fused'] and update.calls['kept']:
                 # (a review: active and requested, none fused, nothing said)
                 update.note = ('no update rule is fused: it takes the SGD and MomentumSGD rules '
@@ -114,7 +115,7 @@ def _onednn_probe(in_force):
                  else NOT_BITWISE.format(version, IN_FORCE if in_force else WHEN_ON))
 
 
-_SET_UP = weakref.WeakKeyDictionary()      # optimizers set up under the layer
+_SET_UP = weakref.WeakKeyDictionary()      # optimizer set up -> the layer's Changes
 
 
 def _fuse_layer(changes, next_, optimizer, link):
@@ -122,18 +123,19 @@ def _fuse_layer(changes, next_, optimizer, link):
     from fastchain.kernels._update import fuse
     result = next_(optimizer, link)
     fuse(optimizer, changes)
-    _SET_UP[optimizer] = True
+    _SET_UP[optimizer] = changes
     return result
 
 
-def _rules():
+def _rules(changes):
     """{'fused': rules with the fused kernel, 'kept': {why: rules}} of the
-    optimizers set up under the layer that still live (a parameter on a GPU
-    keeps Chainer's GPU kernel; other rules are kept by their class)."""
+    optimizers set up under the layer in force now (its ``changes``; not
+    under an earlier handle's) that still live (a parameter on a GPU keeps
+    Chainer's GPU kernel; other rules are kept by their class)."""
     import numpy
     from fastchain.kernels._update import is_fused
     fused, kept = 0, {}
-    for optimizer in list(_SET_UP):
+    for optimizer in [o for o, c in list(_SET_UP.items()) if c is changes]:
         for param in optimizer.target.params():
             rule = param.update_rule
             if rule is None:

@@ -1,6 +1,8 @@
 """The fused CPU update gives exactly Chainer's results, and steps aside
 where it does not apply."""
 
+import warnings
+
 import chainer
 import chainer.links as L
 import numpy
@@ -195,6 +197,14 @@ def test_the_report_counts_the_rules_fused_and_says_when_none_is():
         sgd = optimizers.MomentumSGD().setup(Net())
         state = handle.report()['fused_update']
         assert state['calls'] == {'fused': 5, 'kept': {'AdamRule': 5}} and state['note'] is None
+    # another handle counts what is set up under it (a review: it counted the
+    # earlier handle's Adam, and warned at enable() that none was fused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with fastchain.enable(fused_update=True, loader_workers=0) as handle:
+            state = handle.report()['fused_update']
+            assert state['calls'] == {'fused': 0, 'kept': {}} and state['note'] is None
+    assert not [w for w in caught if 'no update rule is fused' in str(w.message)]
     del adam, sgd
 
 
