@@ -17,7 +17,8 @@ option, another worker count) is measured again.
 Read when the handle is enabled; written when it is disabled and at the
 process's exit (each write merges this process's decided choices into what
 the file holds, through a temporary file and a rename, under a lock on
-the file's folder: ranks that save at once each keep their choices). A file of
+the file's folder, or ``PATH.lock`` where that cannot be locked: ranks that
+save at once each keep their choices). A file of
 a newer format (a newer fastchain) is not used and left as it is, said
 once. A file that cannot
 be read, parsed or used gives one warning naming it, is kept beside as
@@ -192,22 +193,32 @@ def save(path):
 @contextlib.contextmanager
 def _file_lock(path):
     """Held by one process at a time: an advisory lock on the cache's folder
-    (no lock file is left beside the cache). Without it, processes saving at
+    (no file is left beside the cache), or where the file system refuses
+    that (NFS emulates ``flock`` with POSIX locks, which a folder opened for
+    reading cannot hold) on ``PATH.lock``. Without it, processes saving at
     once each merged into what the file held before the others wrote, and
     the last rename kept only its own choices (a review: 3 of 4 ranks'
-    kept). Where the lock cannot be taken (no fcntl, a file system without
-    locks), the write goes on without it."""
+    kept). Where no lock can be taken, the write goes on without it."""
+    fd = _locked(os.path.dirname(os.path.abspath(path)), os.O_RDONLY, 'flock')
+    if fd is None:
+        fd = _locked(path + '.lock', os.O_RDWR | os.O_CREAT, 'lockf')
     try:
-        import fcntl
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    except (ImportError, OSError):
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
         yield
     finally:
-        os.close(fd)        # (the lock goes with it)
+        if fd is not None:
+            os.close(fd)        # (the lock goes with it)
+
+
+def _locked(name, flags, how):
+    """A descriptor of ``name`` holding an exclusive lock, or None."""
+    try:
+        import fcntl
+        fd = os.open(name, flags, 0o666)
+    except (ImportError, OSError):
+        return None
+    try:
+        (fcntl.flock if how == 'flock' else fcntl.lockf)(fd, fcntl.LOCK_EX)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None

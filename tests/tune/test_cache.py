@@ -286,3 +286,26 @@ def test_processes_saving_at_once_each_keep_their_choices(tmp_path):
         (machine,) = json.load(open(path))['machines'].values()
         assert len(machine['choices']['demo']) == 4 * (trial + 1), trial
     assert sorted(os.listdir(str(tmp_path))) == ['autotune.json']     # nothing beside
+
+
+def test_where_the_folder_cannot_be_locked_a_lock_file_is(tmp_path, monkeypatch):
+    # (NFS emulates flock with POSIX locks, which a folder opened for reading
+    # cannot hold: the write went on without a lock, silently; a review)
+    import errno
+    import fcntl
+    import subprocess
+    import sys
+
+    def refused(fd, op):
+        raise OSError(errno.EBADF, 'Bad file descriptor')
+    monkeypatch.setattr(fcntl, 'flock', refused)
+    path = str(tmp_path / 'autotune.json')
+    probe = ('import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\ntry:\n'
+             '    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n    print("free")\n'
+             'except OSError:\n    print("held")\n')
+    with _cache._file_lock(path):
+        held = subprocess.run([sys.executable, '-c', probe, path + '.lock'],
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+    after = subprocess.run([sys.executable, '-c', probe, path + '.lock'],
+                           capture_output=True, text=True, timeout=60).stdout.strip()
+    assert (held, after) == ('held', 'free')
