@@ -52,7 +52,7 @@ TAG = 7301
 STALL_TAG = 7302
 GRACE = 1.0
 PATIENCE = 1.0
-SETTLE_LIMIT = 5.0
+SETTLE_LIMIT = 30.0     # seconds a peer's exit handlers may take after Ctrl-C (a save)
 STALL = 5.0             # seconds in one collective before the peers are told
 STALL_GRACE = 2.0       # every rank stalled, apart, this long: no collective can complete
 EXITED, FINALIZED, LEFT_BLOCKED = 0, 1, 2      # what a departure message says
@@ -116,11 +116,18 @@ class Departures:
         except MPI.Exception:
             pass
 
-    def settle(self, limit=SETTLE_LIMIT):
+    settle_limit = SETTLE_LIMIT
+
+    def running(self):
+        """The peers that have not announced their departure."""
+        left = self.check(after_announcing=True)
+        return [r for r in range(self._size) if r != self._rank and r not in left]
+
+    def settle(self, limit=None):
         """After this rank announced ``LEFT_BLOCKED``: wait, at most ``limit``
-        seconds, until every peer has announced its departure (after its
-        exit handlers). True if they all did."""
-        deadline = time.monotonic() + limit
+        seconds (``settle_limit``), until every peer has announced its
+        departure (after its exit handlers). True if they all did."""
+        deadline = time.monotonic() + (self.settle_limit if limit is None else limit)
         while len(self.check(after_announcing=True)) < self._size - 1:
             if time.monotonic() > deadline:
                 return False

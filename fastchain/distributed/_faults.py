@@ -139,7 +139,10 @@ class _Hooks:
             self.wakeup = None
 
     def _uncaught(self, kind, value, tb, thread_args=None):
-        if _hooks is not self or not _holders or self.leaving:
+        if _hooks is not self or not _holders or self.leaving or (
+                thread_args is not None and issubclass(kind, SystemExit)):
+            # (SystemExit in a thread ends that thread only, as Python's own
+            # hook has it: a review saw it abort the job)
             # A stale layer (someone installed a hook over it, and it was
             # given back), or an error in an exit handler after Ctrl-C (an
             # abort now would cut the other ranks' own exit short): pass
@@ -240,8 +243,14 @@ def leave_blocked(comm, what):
         # The interpreter's exit handlers, run from here: the main thread
         # cannot unwind to run them itself (they announce LEFT_BLOCKED).
         atexit._run_exitfuncs()
-        if comm._departures is not None:
-            comm._departures.settle()       # the peers' handlers have run too
+        departures = comm._departures
+        if departures is not None and not departures.settle():   # the peers' handlers too
+            # (a review: a peer saving its model on Ctrl-C was cut short, silently)
+            sys.stderr.write(
+                '[rank {}] fastchain: rank(s) {} still in their exit handlers after {:g} s '
+                '(saving?); ending the job now: what they were writing may be cut short\n'
+                .format(comm.rank, ', '.join(map(str, departures.running())),
+                        departures.settle_limit))
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

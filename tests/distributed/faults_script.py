@@ -108,6 +108,44 @@ def ctrl_c(in_allreduce):
         it.next()
 
 
+def ctrl_c_saving(delay):
+    """Rank 0 blocked in an allreduce, rank 1 in Python, whose exit handler
+    takes ``delay`` seconds to save (a model written on Ctrl-C) before it
+    writes ``saved.1``. Rank 0 waits for it, 4 s at most here."""
+    import atexit
+    import time
+    from fastchain.distributed import _departures
+    _departures.Departures.settle_limit = 4.0
+    comm = distributed.create_communicator('mpi')
+    buf = numpy.zeros(4, numpy.float32)
+    comm.allreduce(buf, 'allreduce of step 0')
+    if comm.rank == 1:
+        def save():
+            time.sleep(delay)
+            with open(os.path.join(OUT, 'saved.1'), 'w') as f:
+                f.write('saved')
+        atexit.register(save)
+        comm.recv_obj(0, what='marker')     # rank 0 is in the allreduce now
+        ready()
+        while True:
+            time.sleep(0.01)
+    ready()
+    comm.send_obj('entering', 1, what='marker')
+    comm.allreduce(buf, 'allreduce of step 1')
+
+
+def thread_exit():
+    """A thread of the script's ends with sys.exit(): that thread only ends,
+    as in one process (a review: the job was aborted)."""
+    comm = distributed.create_communicator('mpi')
+    worker = threading.Thread(target=sys.exit, args=(0,))
+    worker.start()
+    worker.join()
+    comm.allreduce(numpy.ones(3), what='after the thread')
+    comm.finalize()
+    done(comm.rank)
+
+
 def raise_with_loader():
     """Both ranks load batches; rank 1 then raises. Its excepthook aborts the
     job (MPI_Abort runs no exit handler) and mpiexec kills rank 0: neither
@@ -174,4 +212,5 @@ def reuse():
 
 {'hooks': hooks, 'ctrl_c_in_python': lambda: ctrl_c(False),
  'ctrl_c_in_allreduce': lambda: ctrl_c(True), 'raise_with_loader': raise_with_loader,
- 'reuse': reuse}[SCENARIO]()
+ 'reuse': reuse, 'thread_exit': thread_exit, 'ctrl_c_saving_short': lambda: ctrl_c_saving(1.0),
+ 'ctrl_c_saving_long': lambda: ctrl_c_saving(9.0)}[SCENARIO]()

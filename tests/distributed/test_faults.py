@@ -30,6 +30,14 @@ def test_finalize_gives_back_the_hooks_and_leaves_a_users_own(tmp_path):
     assert said == [], r.stderr
 
 
+def test_sys_exit_in_a_thread_ends_that_thread_only(tmp_path):
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, SCRIPT, 'thread_exit',
+                        str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['ok.0', 'ok.1'], r.stderr
+    assert 'aborting' not in r.stderr, r.stderr
+
+
 def test_nothing_of_fastchains_reaches_a_communicator_made_after_its_own(tmp_path):
     # a reviewer's case: the peers' stall and finalize messages, unread when
     # a communicator was finalised, reached the script's next duplicate of
@@ -150,6 +158,41 @@ def test_ctrl_c_ends_every_rank_quietly_and_frees_the_loaders_memory(scenario, t
         proc.stdout.close()
         # MPICH removes its segment in MPI_Finalize, which a rank that leaves
         # a blocked Allreduce cannot call (nor an aborted job): remove ours.
+        for path in mpich:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+@pytest.mark.parametrize('scenario', ['ctrl_c_saving_short', 'ctrl_c_saving_long'])
+def test_ctrl_c_waits_for_a_peer_saving_and_says_when_it_cuts_it_short(scenario, tmp_path):
+    # (a review: a rank blocked in a collective ended the job 5 s after
+    # Ctrl-C, cutting short a peer writing its model on the way out, silently)
+    err_path, mpich = tmp_path / 'stderr.txt', []
+    with open(err_path, 'w') as err:
+        proc = subprocess.Popen([mpi.mpiexec_path(), '-n', '2', sys.executable, SCRIPT,
+                                 scenario, str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=err, start_new_session=True,
+                                preexec_fn=_ctrl_c_as_in_a_terminal)
+    try:
+        lines = _read_lines(proc.stdout, 2, 60)
+        ready = [line.split()[1:] for line in lines if line.startswith('ready ')]
+        assert len(ready) == 2, '{}\n{}'.format(lines, err_path.read_text()[-6000:])
+        mpich = sorted({s for fields in ready for s in fields[-1].split(',') if s})
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        err = err_path.read_text()
+        assert proc.returncode == 130, err[-4000:]
+        said = '[rank 0] fastchain: rank(s) 1 still in their exit handlers after 4 s'
+        if scenario == 'ctrl_c_saving_short':       # waited for: saved, nothing said
+            assert (tmp_path / 'saved.1').exists() and said not in err, err[-4000:]
+        else:
+            assert said in err and 'may be cut short' in err, err[-4000:]
+            assert not (tmp_path / 'saved.1').exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
         for path in mpich:
             if os.path.exists(path):
                 os.unlink(path)
