@@ -55,7 +55,9 @@ def create_communicator(name='auto', mpi_comm=None, timeout=None):
                 status.why, status.fix))
         from mpi4py import MPI
         _allocator.settle()         # after MPI's initialisation (see _allocator)
-        mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if mpi_comm is None:
+            mpi_comm = MPI.COMM_WORLD
+            _one_of_many(mpi_comm)
         setup['initialised'](mpi_comm)
         if name == 'auto':
             from fastchain.backends import cuda
@@ -73,3 +75,28 @@ def create_communicator(name='auto', mpi_comm=None, timeout=None):
         import os
         _threads.plan(_node.own_cores(), [_node.own_cores()], os.environ)
     return comm
+
+
+def _one_of_many(world):
+    """MPI sees a job of one process where the launcher started several (its
+    variables say so; SLURM's are left out: an allocation's tasks are not a
+    job's): another MPI's launcher than mpi4py's. Each process trained alone,
+    all writing to one output folder, and exited 0 (a review)."""
+    import os
+    if world.size != 1:
+        return
+    for rank, size in (('PMI_RANK', 'PMI_SIZE'), ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE'),
+                       ('PMIX_RANK', 'PMIX_SIZE')):
+        try:
+            launched = int(os.environ[size])
+        except (KeyError, ValueError):
+            continue
+        if launched > 1:
+            from mpi4py import MPI
+            raise RuntimeError(
+                'fastchain: this process was started as rank {} of {} ({}={}), but MPI sees a '
+                'job of one process: the launcher belongs to another MPI than the one mpi4py '
+                'uses ({}). Each process would train alone. Fix: start the job with '
+                'fastchain-run -n {} or the mpiexec of the environment mpi4py is installed in'
+                .format(os.environ.get(rank, '?'), launched, size, launched,
+                        ' '.join(MPI.Get_library_version().split('\n')[0].split()), launched))

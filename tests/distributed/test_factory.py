@@ -33,3 +33,28 @@ def test_scatter_dataset_refuses_options_given_by_position():
     with pytest.raises(TypeError, match=r'scatter_dataset\(dataset, comm, 0, True\): give '
                                         r'shuffle, seed and root by name'):
         distributed.scatter_dataset(list(range(8)), OneRank(), 0, True)
+
+
+@pytest.mark.mpi
+def test_a_launcher_of_another_mpi_is_named_not_n_trainings_alone():
+    # (a review: under Open MPI's launcher, with mpi4py on MPICH, each process
+    # was rank 0 of 1, trained alone, wrote into the same folder, and exited 0)
+    rank, size = 'OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE'
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, **{rank: '1', size: '2'})
+    for name in ('PMI_RANK', 'PMI_SIZE', 'PMI_FD', 'PMI_PORT', 'PMI_ID'):
+        env.pop(name, None)
+    r = subprocess.run([sys.executable, '-c', 'from fastchain import distributed\n'
+                        "distributed.create_communicator('mpi')"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0
+    assert ('started as rank 1 of 2 ({}=2), but MPI sees a job of one process'.format(size)
+            in r.stderr), r.stderr[-3000:]
+    assert 'fastchain-run -n 2' in r.stderr
+    env[size] = '1'     # a launcher's job of one process: as before
+    r = subprocess.run([sys.executable, '-c', 'from fastchain import distributed\n'
+                        "print(distributed.create_communicator('mpi').size)"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.split()[-1] == '1', r.stderr[-3000:]
