@@ -60,8 +60,7 @@ def create_communicator(name='auto', mpi_comm=None, timeout=None):
             _one_of_many(mpi_comm)
         setup['initialised'](mpi_comm)
         if name == 'auto':
-            from fastchain.backends import cuda
-            name = 'nccl' if cuda.available() else 'mpi'
+            name = _agreed(mpi_comm)
         if name == 'mpi':
             from fastchain.distributed._mpi import MpiCommunicator
             comm = MpiCommunicator(mpi_comm, timeout)
@@ -100,3 +99,23 @@ def _one_of_many(world):
                 'fastchain-run -n {} or the mpiexec of the environment mpi4py is installed in'
                 .format(os.environ.get(rank, '?'), launched, size, launched,
                         ' '.join(MPI.Get_library_version().split('\n')[0].split()), launched))
+
+
+def _agreed(mpi_comm):
+    """'auto': 'nccl' where this rank has a usable GPU, else 'mpi', agreed by
+    every rank (one allgather). Decided on each rank alone, a node without
+    a GPU took 'mpi' where the others set up NCCL, and that rank failed in
+    MPI with no word of why (a review)."""
+    from fastchain.backends import cuda
+    mine = 'nccl' if cuda.available() else 'mpi'
+    if mpi_comm.size == 1:
+        return mine
+    seen = mpi_comm.allgather((mine, cuda.cupy_status().why))
+    if len({kind for kind, _ in seen}) == 1:
+        return mine
+    raise RuntimeError(
+        "fastchain: create_communicator('auto') found a usable GPU on some ranks and none on "
+        "{}, so the ranks cannot agree on NCCL. Fix: give each rank a GPU (`fastchain doctor` "
+        "on that node says why it has none), or pass 'mpi' to train every rank on its "
+        'CPU'.format(', '.join('rank {} ({})'.format(r, why or 'no GPU')
+                               for r, (kind, why) in enumerate(seen) if kind == 'mpi')))

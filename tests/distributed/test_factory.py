@@ -58,3 +58,32 @@ def test_a_launcher_of_another_mpi_is_named_not_n_trainings_alone():
                         "print(distributed.create_communicator('mpi').size)"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.split()[-1] == '1', r.stderr[-3000:]
+
+
+_MIXED = '''
+from fastchain.backends import cuda
+from mpi4py import MPI
+if MPI.COMM_WORLD.rank == 0:
+    cuda.available = lambda: True       # rank 0 as on a node with a GPU
+from fastchain import distributed
+distributed.create_communicator('auto')
+'''
+
+
+@pytest.mark.mpi
+def test_ranks_that_disagree_on_auto_are_told_which_has_no_gpu(tmp_path):
+    # (a review: decided on each rank alone, a node without a GPU took 'mpi'
+    # while the others set up NCCL, and failed in MPI with no word of why)
+    import re
+    import subprocess
+    import sys
+    from fastchain.backends import mpi
+    script = tmp_path / 'mixed.py'
+    script.write_text(_MIXED)
+    r = subprocess.run([mpi.mpiexec_path(), '-n', '2', sys.executable, str(script)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    said = re.findall(r"found a usable GPU on some ranks and none on rank 1 \((.+?)\), so "
+                      "the ranks cannot agree on NCCL", r.stderr)
+    assert len(said) == 2 and said[0], r.stderr[-3000:]     # on every rank, with why
+    assert "pass 'mpi'" in r.stderr
