@@ -357,10 +357,11 @@ class CommunicatorBase(abc.ABC):
         raise RuntimeError(message)     # reached only if abort returned
 
     def abort_timeout(self, what):
-        message = ('fastchain: rank {} of {}: {} did not complete within {:g} s: another '
-                   'rank has crashed or hangs. Aborting the job (raise {} if steps are '
-                   'this slow).'.format(self.rank, self.size, what, self.timeout,
-                                        TIMEOUT_VARIABLE))
+        who = self._departures.missing(self.timeout) if self._departures is not None and \
+            self.name == 'mpi' else 'another rank has crashed or hangs'   # (NCCL's tell not)
+        message = ('fastchain: rank {} of {}: {} did not complete within {:g} s: {}. Aborting '
+                   'the job (raise {} if steps are this slow).'.format(
+                       self.rank, self.size, what, self.timeout, who, TIMEOUT_VARIABLE))
         print(message, file=sys.stderr, flush=True)
         self.abort(1)
         raise CollectiveTimeout(message)     # reached only if abort returned

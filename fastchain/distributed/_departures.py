@@ -134,6 +134,19 @@ class Departures:
             time.sleep(0.005)
         return True
 
+    def missing(self, waited):
+        """Who a wait that timed out after ``waited`` seconds is for: the
+        peers that have not said they wait in a collective (a rank waiting
+        ``STALL`` seconds tells), where known (a review: every rank said
+        'another rank', none which)."""
+        self.check()
+        absent = [r for r in range(self._size) if r != self._rank and r not in self.stalls]
+        if not absent or waited < 2 * STALL:
+            return 'another rank has crashed or hangs'
+        return ('rank{} {} had not been waiting in a collective for {:g} s: crashed, hangs '
+                'outside MPI, or still computing'.format(
+                    's' if len(absent) > 1 else '', ', '.join(map(str, absent)), STALL))
+
     def overdue(self, waiting_since, peer=None):
         """``(rank, how)`` of a rank that left (``peer`` only, if given), if
         this wait has gone on ``GRACE`` seconds since both it began and this

@@ -85,10 +85,13 @@ def test_a_killed_rank_with_a_loader_worker_ends_the_job_in_seconds(tmp_path):
 
 
 def test_a_hung_rank_times_out_naming_rank_and_operation(tmp_path):
-    r = mpirun('hang', tmp_path, env={'FASTCHAIN_COLLECTIVE_TIMEOUT': '4'})
+    r = mpirun('hang', tmp_path, env={'FASTCHAIN_COLLECTIVE_TIMEOUT': '11'})
     assert r.returncode != 0 and r.ok == []
     assert 'rank 0 of 2: allreduce of gradient bucket' in r.stderr
-    assert 'did not complete within 4 s' in r.stderr
+    assert 'did not complete within 11 s' in r.stderr
+    # which rank it waits for (a review: 'another rank has crashed or hangs')
+    assert 'rank 1 had not been waiting in a collective for 5 s: crashed, hangs outside MPI, ' \
+        'or still computing' in r.stderr, r.stderr[-3000:]
     assert r.seconds < 30         # not the 120 s the hung rank sleeps
 
 
