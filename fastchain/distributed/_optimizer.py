@@ -233,7 +233,7 @@ def _attach(optimizer, comm, options, broadcast=True):
         exact = state['exact'] = learner.averages_exactly()
         batch = _batch_size(args, kwds)
         if same.tries and lossfun is None:
-            same.look(lambda: of_gradients(target.params()))
+            same.look(lambda: of_gradients(target.params()), batch)
         if lossfun is None:
             # Gradients were computed by the caller: average them all now.
             state['pending'] = True
@@ -247,7 +247,7 @@ def _attach(optimizer, comm, options, broadcast=True):
         def lossfun_then_capture(*a, **k):
             loss = inner(*a, **k)
             if same.tries:
-                same.look(lambda: of_step(loss, a, k))
+                same.look(lambda: of_step(loss, a, k), batch)
             target.cleargrads()             # what update() does next anyway
             if exact:
                 sync.begin_step()

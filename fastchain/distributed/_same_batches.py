@@ -39,6 +39,13 @@ SAME_BATCHES = (
     'numpy.random.seed(seed + comm.rank)')
 
 
+UNEQUAL = (
+    'fastchain data-parallel: the ranks\' batch sizes differ ({sizes}): the step averages '
+    'the ranks\' gradients, each the mean over its own batch, so an example of a smaller '
+    'batch weighs more than one of a larger (as in ChainerMN). Give every rank the same '
+    'batch size (scatter_dataset gives each rank the same number of examples)')
+
+
 class SameBatches:
     """One data-parallel optimizer's check (see the module)."""
 
@@ -46,11 +53,14 @@ class SameBatches:
         self.comm = comm
         self.tries = TRIES if comm.size > 1 else 0
         self.same = 0
+        self.sizes_said = False
 
-    def look(self, take):
+    def look(self, take, batch=None):
         """Compare this step's fingerprint, ``take()`` (:func:`of_inputs`,
         :func:`of_gradients`), over the ranks (a collective: every rank
-        calls it at the same step; a fingerprint that fails is None)."""
+        calls it at the same step; a fingerprint that fails is None); and
+        the ranks' ``batch`` sizes, where known (a review: unequal ones
+        passed unsaid)."""
         if not self.tries:
             return
         self.tries -= 1
@@ -58,8 +68,15 @@ class SameBatches:
             mine = take()
         except Exception:   # an input of a kind it does not know: no information
             mine = None
-        everyone = self.comm.allgather_obj(
-            mine, what='batch fingerprints (the same-batches check)')
+        both = self.comm.allgather_obj(
+            (mine, batch), what='batch fingerprints (the same-batches check)')
+        sizes, everyone = [b for _, b in both], [f for f, _ in both]
+        if not self.sizes_said and None not in sizes and len(set(sizes)) > 1:
+            self.sizes_said = True
+            if self.comm.rank == 0:
+                warnings.warn(UNEQUAL.format(sizes=', '.join(
+                    'rank {}: {}'.format(r, b) for r, b in enumerate(sizes))),
+                    FastchainWarning, stacklevel=_patches.user_stacklevel())
         if any(f is None for f in everyone):
             return          # no information on some rank: not counted
         if any(f != everyone[0] for f in everyone):

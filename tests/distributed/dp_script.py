@@ -470,6 +470,30 @@ def same_batches():
     done()
 
 
+def unequal_batches():
+    """Ranks at different batch sizes (a per-rank setting gone wrong): rank 0
+    says so once, naming each rank's; at equal sizes nothing (a review: it
+    passed unsaid where every trigger counts iterations)."""
+    shard = distributed.scatter_dataset(data(40, seed=5), comm, shuffle=True, seed=1)
+    for sizes in ((4, 2), (4, 4)):
+        numpy.random.seed(0)
+        model = L.Classifier(MLP())
+        opt = distributed.create_multi_node_optimizer(
+            chainer.optimizers.SGD(0.1), comm).setup(model)
+        it = chainer.iterators.SerialIterator(shard, sizes[rank])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            for _ in range(3):
+                opt.update(model, *chainer.dataset.concat_examples(it.next()))
+        said = [w for w in caught if 'batch sizes differ' in str(w.message)]
+        if sizes[0] != sizes[1] and rank == 0:
+            assert len(said) == 1 and '(rank 0: 4, rank 1: 2)' in str(said[0].message), said
+            assert said[0].filename == __file__
+        else:
+            assert said == [], [str(w.message) for w in said]
+    done()
+
+
 def lazy_loop():
     """A custom loop (the script's own forward and backward, then
     ``update()``) on lazily shaped links: with every rank seeded alike it is
@@ -748,7 +772,7 @@ SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': eval
              'hang': lambda: failing('hang'), 'exit': lambda: failing('exit'),
              'exit0': lambda: failing('exit0'), 'mismatch': mismatch,
              'kill_with_loader': kill_with_loader,
-             'same_batches': same_batches, 'lazy_loop': lazy_loop,
+             'same_batches': same_batches, 'unequal_batches': unequal_batches, 'lazy_loop': lazy_loop,
              'apart': lambda: apart('apart'), 'turns': lambda: apart('turns'),
              'snapshot_rank0': lambda: apart('snapshot')}
 SCENARIOS[SCENARIO]()

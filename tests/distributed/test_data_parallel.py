@@ -49,6 +49,7 @@ def test_n_ranks_equal_one_process_with_n_times_the_batch(how, tmp_path):
     'agreement',            # overlap on one rank's step and not another's: still paired
     'loss_scale_agreement',  # NaN on one rank: every rank skips the same step
     'same_batches',         # scatter_dataset forgotten: said once, on rank 0
+    'unequal_batches',      # ranks at different batch sizes: said once, on rank 0
 ])
 def test_scenario(scenario, tmp_path):
     r = mpirun(scenario, tmp_path)

@@ -23,7 +23,8 @@ class Gathered:
 
     def allgather_obj(self, obj, what=''):
         self.gathers += 1
-        return [obj] + [self.peers(obj) for _ in range(self.size - 1)]
+        mine, batch = obj       # (the fingerprint, the batch size)
+        return [obj] + [(self.peers(mine), batch) for _ in range(self.size - 1)]
 
 
 def _said(check, takes):
