@@ -49,6 +49,7 @@ def main(argv=None):
         command = [args.script] + args.args     # the interpreter named: as given
         if args.args and not args.args[0].startswith('-'):
             script = args.args[0]
+        _say_other_python(args.script)
     else:
         command = [sys.executable, args.script] + args.args
         script = args.script
@@ -70,6 +71,21 @@ def main(argv=None):
         print(' '.join(cmd))
         return 0
     os.execv(mpiexec, cmd)
+
+
+def _say_other_python(name):
+    """The interpreter named is not in this Python's folder (a venv not
+    activated: PATH's ``python``): the ranks may lack fastchain (a review:
+    every rank failed on 'No module named chainer')."""
+    import shutil
+    found = shutil.which(name)
+    here = os.path.dirname(os.path.abspath(sys.executable))
+    if found is None or os.path.dirname(os.path.abspath(found)) != here:
+        sys.stderr.write(
+            'fastchain-run: {} is {}, not in the folder of the Python fastchain-run runs in '
+            '({}): the ranks run without this environment\'s packages unless that one has '
+            'them too. Give the script alone (fastchain-run -n N script.py) to run it with '
+            '{}\n'.format(name, found or 'not found on PATH', here, sys.executable))
 
 
 if __name__ == '__main__':

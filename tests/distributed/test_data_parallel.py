@@ -425,6 +425,25 @@ def test_fastchain_run_is_mpiexec():
         assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
+def test_fastchain_run_says_when_the_python_named_is_not_its_own(tmp_path):
+    # (a review: run without the venv activated, PATH's python had no
+    # chainer, and every rank failed on the import)
+    run = os.path.join(os.path.dirname(sys.executable), 'fastchain-run')
+    elsewhere = tmp_path / 'python3'
+    elsewhere.write_text('#!/bin/sh\n')
+    elsewhere.chmod(0o755)
+    env = dict(os.environ, PATH='{}:{}'.format(tmp_path, os.environ['PATH']))
+    r = subprocess.run([run, '-n', '2', '--dry-run', 'python3', 'train.py'],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and 'python3 is {}, not in the folder'.format(elsewhere) \
+        in r.stderr, r.stderr
+    assert 'fastchain-run -n N script.py' in r.stderr
+    own = os.path.basename(sys.executable)      # this environment's: nothing said
+    r = subprocess.run([run, '-n', '2', '--dry-run', sys.executable, 'train.py'],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and 'not in the folder' not in r.stderr, (own, r.stderr)
+
+
 @pytest.mark.gpu
 def test_nccl_communicator_averages_gpu_arrays():
     # One process: NCCL with a world of one still goes through set-up and the
