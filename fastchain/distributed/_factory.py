@@ -46,6 +46,8 @@ def create_communicator(name='auto', mpi_comm=None, timeout=None):
         raise ValueError('communicator name must be one of {}, got {!r}'.format(
             ', '.join(repr(n) for n in NAMES), name))
     timeout = _base.check_timeout(timeout)
+    import os
+    _threads.check(os.environ)      # (before MPI starts)
     from fastchain.backends import mpi as mpi_backend
     with _setup.setup_deadline(timeout) as setup:
         # Importing mpi4py.MPI initialises MPI, which waits for every rank.

@@ -32,6 +32,24 @@ USER_VARIABLES = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS',
 SET_FOR_CHILDREN = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS')
 
 
+def check(environ):
+    """``FASTCHAIN_THREADS_PER_PROCESS`` as a number, or None where unset;
+    refused, naming the fix, where it is not a positive whole number (read
+    before MPI starts: every rank printed the same traceback after)."""
+    if VARIABLE not in environ:
+        return None
+    text = environ[VARIABLE]
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError('{}={!r} is not a positive number of threads. Fix: set it to '
+                         'the BLAS/OpenMP threads each process should use, e.g. '
+                         '{}=1'.format(VARIABLE, text, VARIABLE))
+    return n
+
+
 def plan(own, node, environ):
     """``(threads, what)``: the threads this process should use (None: leave
     them as the environment set them) and a phrase saying why.
@@ -42,15 +60,7 @@ def plan(own, node, environ):
         environ: the environment.
     """
     if VARIABLE in environ:
-        text = environ[VARIABLE]
-        try:
-            n = int(text)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError('{}={!r} is not a positive number of threads. Fix: set it to '
-                             'the BLAS/OpenMP threads each process should use, e.g. '
-                             '{}=1'.format(VARIABLE, text, VARIABLE))
+        n = check(environ)
         cores = len(frozenset().union(*map(frozenset, node))) if node else len(own)
         share = max(1, cores // max(1, len(node)))
         if n > share:

@@ -20,6 +20,16 @@ def test_a_bad_collective_timeout_names_the_variable_and_the_fix(value, monkeypa
         distributed.create_communicator('mpi')
 
 
+def test_a_bad_thread_count_is_refused_before_mpi_starts(monkeypatch):
+    # (a review: checked after MPI's start, every rank printed it)
+    import sys
+    monkeypatch.setenv('FASTCHAIN_THREADS_PER_PROCESS', 'zero')
+    monkeypatch.setitem(sys.modules, 'mpi4py', None)    # MPI is not reached
+    with pytest.raises(ValueError, match="FASTCHAIN_THREADS_PER_PROCESS='zero' is not a "
+                                         'positive number of threads. Fix: .*=1'):
+        distributed.create_communicator('mpi')
+
+
 def test_scatter_dataset_refuses_a_root_that_is_not_a_rank():
     # It failed with a bare IndexError from the list of who has data.
     for root in (1, -1, '0', numpy.int64(3)):
