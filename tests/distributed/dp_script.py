@@ -772,7 +772,8 @@ SCENARIOS = {'equivalence': equivalence, 'sharding': sharding, 'evaluator': eval
              'hang': lambda: failing('hang'), 'exit': lambda: failing('exit'),
              'exit0': lambda: failing('exit0'), 'mismatch': mismatch,
              'kill_with_loader': kill_with_loader,
-             'same_batches': same_batches, 'unequal_batches': unequal_batches, 'lazy_loop': lazy_loop,
+             'same_batches': same_batches, 'unequal_batches': unequal_batches,
+             'lazy_loop': lazy_loop,
              'apart': lambda: apart('apart'), 'turns': lambda: apart('turns'),
              'snapshot_rank0': lambda: apart('snapshot')}
 SCENARIOS[SCENARIO]()
