@@ -45,9 +45,8 @@ class MultiprocessIterator(iterator_module.Iterator):
     one slot per batch in flight; only labels and other small fields are
     pickled.
 
-    A :class:`~fastchain.data.DevicePrefetcher` can wrap it: it reads ahead
-    (where :meth:`may_fetch_ahead`) and gives back what the training loop
-    did not use through :meth:`seek`.
+    A :class:`~fastchain.data.DevicePrefetcher` can wrap it (reading ahead
+    where :meth:`may_fetch_ahead`; :meth:`seek` gives back what is unused).
 
     Args:
         dataset: any Chainer dataset (indexable, ``len``).
@@ -84,16 +83,14 @@ class MultiprocessIterator(iterator_module.Iterator):
             sampler (``sampler(current_order, current_position)`` returns the
             next epoch's order), called as SerialIterator calls it.
         order: with an order sampler, the first epoch's order, already drawn
-            (e.g. a SerialIterator's, to take its place); default: drawn
-            here.
+            (e.g. a SerialIterator's, to take its place); default: drawn here.
         warn_draws (bool): warn (once) at the first example a worker loads
             that draws random numbers (below), naming the generators; set by
             ``fastchain.enable`` where it takes a SerialIterator's place.
 
     .. note::
-       The batch size and the dataset's length are fixed (changing either is
-       refused, naming the fix); the workers hold the dataset as it was when
-       they started (as Chainer's MultiprocessIterator's do).
+       The batch size and the dataset's length are fixed (a change is refused,
+       naming the fix); the workers hold the dataset as it was at their start.
 
     .. note::
        With workers and shared memory, the first examples of the order are
@@ -171,8 +168,11 @@ class MultiprocessIterator(iterator_module.Iterator):
             try:
                 batch, failed = self._take(indices) if self._pool is not None \
                     else self._load_here(indices), None
-            except DataLoadError as e:  # past it, as Chainer's iterators stand (another
-                batch, failed = None, e  # error, a dead worker or Ctrl-C, leaves the place)
+            except DataLoadError as e:  # past it, as Chainer's iterators stand
+                batch, failed = None, e
+            except BaseException:       # Ctrl-C, a dead worker: the place stays, and
+                self._restart_loading()  # the workers load from it again
+                raise
             self._previous_epoch_detail, self.is_new_epoch = before, epoch > at_start
             self.epoch, self.current_position = epoch, position
             if failed is not None:      # (the script's iterator is handed back past it)

@@ -779,18 +779,19 @@ def test_an_error_that_is_not_the_datasets_leaves_the_position(monkeypatch):
     it = data.MultiprocessIterator(Indexed(), 4, shuffle=False, n_workers=1)
     try:
         it.next()
-        take, calls = it._take, []
+        assemble, calls = it._pool._assemble, []
 
-        def interrupted(indices):
-            calls.append(indices)
+        def interrupted(*args):     # Ctrl-C as the batch is copied out of its slot
+            calls.append(args)      # (the pool has taken it: the second review)
             if len(calls) == 1:
                 raise KeyboardInterrupt
-            return take(indices)
-        monkeypatch.setattr(it, '_take', interrupted)
+            return assemble(*args)
+        monkeypatch.setattr(it._pool, '_assemble', interrupted)
         with pytest.raises(KeyboardInterrupt):
             it.next()
         assert (it.epoch, it.current_position) == (0, 4)
         assert [int(t) for _, t in it.next()] == [4, 5, 6, 7]
+        assert [int(t) for _, t in it.next()] == [8, 9, 10, 11]
         os.kill(it._pool.workers[0].pid, signal.SIGKILL)
         with pytest.raises(data.WorkerDiedError):
             for _ in range(4):      # (a batch loaded ahead may come first)
