@@ -16,7 +16,6 @@ rank's group leaves it that moment).
 import _posixshmem
 import errno
 import os
-import pickle
 import signal
 import time
 import traceback
@@ -183,8 +182,11 @@ def worker_main(dataset, task_conn, result_conn, shm_name, layout, parent_pid):
             result = _load(dataset, task, shm, layout, own, watch)
             try:
                 result_conn.send(result)
-            except (pickle.PicklingError, AttributeError, TypeError) as e:
-                result_conn.send(_unsendable(result, task, e))
+            except Exception as e:      # (pickles before it sends: nothing went)
+                try:
+                    result_conn.send(_unsendable(result, task, e))
+                except Exception as e:
+                    result_conn.send(_unsent(task, e))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         # A killed main process's pipes close a moment before it is gone.
         deadline = time.monotonic() + 1.0
@@ -243,20 +245,40 @@ def unlink_name(shm):
 
 
 def _unsendable(result, task, error):
-    """The message for a batch whose examples pickle cannot send back (it
-    pickles the message before sending any of it): each loaded example is
-    an error naming why and the fixes (the worker ended, and was said to
-    have called sys.exit; a review)."""
+    """The message for a batch pickle cannot send back: each example that
+    does not pickle is an error naming why and the fixes, the others go as
+    they are, and the errors as text (a worker that raised here ended, and
+    was said to have called sys.exit; a review). ``error``: the first try's."""
+    from multiprocessing.reduction import ForkingPickler
     batch_id, extras, errors, drew = result
-    indices = task[2]
-    message = ('the worker cannot send the example back to the training process ({}: {}): '
-               "pickle finds an example's classes by name, and a class made inside "
-               'get_example (a namedtuple made per call), a local class or a lambda has '
-               'none. Fix: return arrays, numbers and tuples of them, or classes defined at '
-               "a module's top level; or load in the training process: loader_workers=0"
-               .format(type(error).__name__, error))
-    return batch_id, {}, errors + [(j, int(indices[j]), 'PicklingError', message, None, '')
-                                   for j in sorted(extras)], drew
+    indices, kept, bad = task[2], {}, []
+    for j, value in extras.items():
+        try:
+            ForkingPickler.dumps(value)
+            kept[j] = value
+        except Exception as e:
+            bad.append((j, int(indices[j]), 'PicklingError', UNSENDABLE.format(
+                type(e).__name__, e), None, ''))
+    try:
+        ForkingPickler.dumps(drew)
+    except Exception:
+        drew = None
+    return batch_id, kept, [tuple(None if v is None else v if isinstance(v, int) else str(v)
+                                  for v in e) for e in errors] + bad, drew
+
+
+def _unsent(task, error):
+    """The last resort: every example of the batch an error, in text."""
+    return task[0], {}, [(j, int(index), 'PicklingError', UNSENDABLE.format(
+        type(error).__name__, error), None, '') for j, index in enumerate(task[2])], None
+
+
+UNSENDABLE = (
+    'the worker cannot send the example back to the training process ({}: {}): pickle finds '
+    "an example's classes by name, and a class made inside get_example (a namedtuple made per "
+    'call), a local class or a lambda has none. Fix: return arrays, numbers and tuples of them, '
+    "or classes defined at a module's top level; or load in the training process: "
+    'loader_workers=0')
 
 
 def launched_by_mpi():

@@ -803,3 +803,37 @@ def test_an_error_that_is_not_the_datasets_leaves_the_position(monkeypatch):
         assert (it.epoch, it.current_position) == at
     finally:
         it.finalize()
+
+
+class _Unsendable(chainer.dataset.DatasetMixin):
+    """Example 3 does not pickle (a ctypes pointer among its fields); the
+    error of example 1 holds an object pickle refuses (a lock)."""
+
+    def __len__(self):
+        return 8
+
+    def get_example(self, i):
+        import ctypes
+        import threading
+        from fastchain.data._images import ImageDecodeError
+        if i == 1:
+            raise ImageDecodeError('/data/img1.jpg', i, threading.Lock())
+        return (numpy.full(3, i, numpy.float32),
+                ctypes.pointer(ctypes.c_int(i)) if i == 3 else numpy.int32(i))
+
+
+def test_what_a_worker_cannot_send_back_is_named_and_the_rest_of_the_batch_goes():
+    # (a second review: every example of the batch was blamed, a ctypes
+    # pointer or an error holding a lock still ended the worker, said to
+    # have called sys.exit)
+    it = data.MultiprocessIterator(_Unsendable(), 4, shuffle=False, n_workers=1,
+                                   on_error='skip')
+    try:
+        assert [int(t) for _, t in it.next()] == [0, 2]
+        assert [s['index'] for s in it.skipped] == [1, 3]
+        assert 'ImageDecodeError' in it.skipped[0]['error']
+        assert ('cannot send the example back to the training process (ValueError: ctypes'
+                in it.skipped[1]['error'])
+        assert [int(t) for _, t in it.next()] == [4, 5, 6, 7]
+    finally:
+        it.finalize()
