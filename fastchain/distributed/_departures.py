@@ -123,13 +123,14 @@ class Departures:
         left = self.check(after_announcing=True)
         return [r for r in range(self._size) if r != self._rank and r not in left]
 
-    def settle(self, limit=None):
+    def settle(self, limit=None, stop=None):
         """After this rank announced ``LEFT_BLOCKED``: wait, at most ``limit``
         seconds (``settle_limit``), until every peer has announced its
-        departure (after its exit handlers). True if they all did."""
+        departure (after its exit handlers), or ``stop()``. True if they all
+        did."""
         deadline = time.monotonic() + (self.settle_limit if limit is None else limit)
         while len(self.check(after_announcing=True)) < self._size - 1:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or stop is not None and stop():
                 return False
             time.sleep(0.005)
         return True

@@ -28,7 +28,8 @@ never will. Its watchdog sees the SIGINT and, once a peer has said it is
 ending or the call is still blocked ``INTERRUPT_GRACE`` (1 s) later, runs
 the exit handlers and ends the process with 130 itself
 (:func:`leave_blocked`): once every peer has said it is ending (after its
-own exit handlers; ``_departures.Departures.settle``, 5 s at most), it calls
+own exit handlers; ``_departures.Departures.settle``, 30 s at most, said
+after a second, cut short by a second Ctrl-C), it calls
 MPI_Abort with 130, which ends the peers waiting in their MPI_Finalize for
 it. mpiexec then exits with 130 (MPICH adds its one line about the abort),
 and no rank prints a traceback.
@@ -37,7 +38,7 @@ and no rank prints a traceback.
    (MPICH's mpiexec does: "Sending Ctrl-C to processes as requested"). A
    rank that never gets it goes on to its next collective, which the peers'
    departures end (an abort about a second after it learns of them; a
-   blocked peer waits for it at most 5 s first). A rank that leaves a blocked Allreduce
+   blocked peer waits for it at most 30 s first). A rank that leaves a blocked Allreduce
    cannot finalise MPI, so MPICH leaves its own shared-memory file
    (``/dev/shm/mpich_shm_*``, 2 MiB for two ranks), as after any aborted job.
 """
@@ -221,6 +222,27 @@ def _take_wakeup_fd():
     return pair
 
 
+def _settle(comm, departures):
+    """Wait for every peer to end, ``settle_limit`` seconds at most, said
+    after a second; a second Ctrl-C ends the wait. Those cut short are named
+    (a review: a peer saving its model on Ctrl-C was cut short after 5 s,
+    silently)."""
+    first = interrupted_at() or 0.0
+    if departures.settle(limit=1.0):
+        return
+    sys.stderr.write('[rank {}] fastchain: waiting up to {:g} s for rank(s) {} to end (their '
+                     'exit handlers may be saving); Ctrl-C again ends the job now\n'.format(
+                         comm.rank, departures.settle_limit,
+                         ', '.join(map(str, departures.running()))))
+    sys.stderr.flush()
+    if departures.settle(stop=lambda: (interrupted_at() or 0.0) > first + 0.5):
+        return
+    sys.stderr.write(
+        '[rank {}] fastchain: ending the job with rank(s) {} still running (in their exit '
+        'handlers, or hung): what they were writing may be cut short\n'.format(
+            comm.rank, ', '.join(map(str, departures.running()))))
+
+
 def leave_blocked(comm, what):
     """End the job from a side thread while this rank's main thread is
     blocked in ``what`` after Ctrl-C: the exit handlers (atexit,
@@ -235,22 +257,18 @@ def leave_blocked(comm, what):
     report status 9 (traced: about one run in a hundred). MPI_Abort ends the
     job with its own code: mpiexec exits 130."""
     global _leaving_blocked
-    sys.stderr.write('[rank {}] fastchain: interrupted while blocked in {} (a peer has '
-                     'already stopped); leaving\n'.format(comm.rank, what))
+    departures = comm._departures
+    sys.stderr.write('[rank {}] fastchain: interrupted while blocked in {}{}; leaving\n'.format(
+        comm.rank, what, ' (a peer has already stopped)' if departures is not None
+        and departures.check() else ''))
     sys.stderr.flush()
     _leaving_blocked = True
     try:
         # The interpreter's exit handlers, run from here: the main thread
         # cannot unwind to run them itself (they announce LEFT_BLOCKED).
         atexit._run_exitfuncs()
-        departures = comm._departures
-        if departures is not None and not departures.settle():   # the peers' handlers too
-            # (a review: a peer saving its model on Ctrl-C was cut short, silently)
-            sys.stderr.write(
-                '[rank {}] fastchain: rank(s) {} still in their exit handlers after {:g} s '
-                '(saving?); ending the job now: what they were writing may be cut short\n'
-                .format(comm.rank, ', '.join(map(str, departures.running())),
-                        departures.settle_limit))
+        if departures is not None:      # the peers' exit handlers too (a model saved)
+            _settle(comm, departures)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -212,5 +212,5 @@ def reuse():
 
 {'hooks': hooks, 'ctrl_c_in_python': lambda: ctrl_c(False),
  'ctrl_c_in_allreduce': lambda: ctrl_c(True), 'raise_with_loader': raise_with_loader,
- 'reuse': reuse, 'thread_exit': thread_exit, 'ctrl_c_saving_short': lambda: ctrl_c_saving(1.0),
+ 'reuse': reuse, 'thread_exit': thread_exit, 'ctrl_c_saving_short': lambda: ctrl_c_saving(2.0),
  'ctrl_c_saving_long': lambda: ctrl_c_saving(9.0)}[SCENARIO]()
