@@ -144,8 +144,9 @@ class Departures:
         absent = [r for r in range(self._size) if r != self._rank and r not in self.stalls]
         if not absent or waited < 2 * STALL:
             return 'another rank has crashed or hangs'
-        return ('rank{} {} had not been waiting in a collective for {:g} s: crashed, hangs '
-                'outside MPI, or still computing'.format(
+        return ('rank{} {} had not been waiting in a collective of this communicator for '
+                "{:g} s: crashed, hangs, still computing, or waits in another communicator's "
+                'or its own MPI call'.format(
                     's' if len(absent) > 1 else '', ', '.join(map(str, absent)), STALL))
 
     def overdue(self, waiting_since, peer=None):
