@@ -135,7 +135,7 @@ def _rules(changes):
     import numpy
     from fastchain.kernels._update import is_fused
     fused, kept = 0, {}
-    for optimizer in [o for o, c in list(_SET_UP.items()) if c is changes]:
+    for optimizer in [o for o, c in list(_SET_UP.items()) if c.current() is changes]:
         for param in optimizer.target.params():
             rule = param.update_rule
             if rule is None:

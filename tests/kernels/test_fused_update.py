@@ -205,7 +205,15 @@ def test_the_report_counts_the_rules_fused_and_says_when_none_is():
             state = handle.report()['fused_update']
             assert state['calls'] == {'fused': 0, 'kept': {}} and state['note'] is None
     assert not [w for w in caught if 'no update rule is fused' in str(w.message)]
-    del adam, sgd
+    # set up under a nested handle, disabled first: the outer one takes its
+    # changes over, and counts them (the second review: 'fused: 0')
+    with fastchain.enable(fused_update=True, loader_workers=0) as outer:
+        inner = fastchain.enable(fused_update=True, loader_workers=0)
+        nested = optimizers.MomentumSGD().setup(Net())
+        inner.disable()
+        assert _update.is_fused(nested.target.big.W.update_rule)
+        assert outer.report()['fused_update']['calls'] == {'fused': 5, 'kept': {}}
+    del adam, sgd, nested
 
 
 @pytest.mark.parametrize('when', ['before set-up', 'after set-up'])

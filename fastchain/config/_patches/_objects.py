@@ -51,6 +51,7 @@ class Changes:
     def __init__(self, label):
         self.label = label
         self._entries = []
+        self.heir = None
 
     def __len__(self):
         return len(self._entries)
@@ -69,9 +70,18 @@ class Changes:
         self._entries.append(('call', None, label, undo, None))
 
     def adopt(self, other):
-        """Take over ``other``'s entries (they are undone with this owner's)."""
+        """Take over ``other``'s entries (they are undone with this owner's;
+        ``other.heir`` says where they went)."""
         self._entries.extend(other._entries)
         other._entries = []
+        other.heir = self
+
+    def current(self):
+        """The Changes holding this one's entries now (itself, or its heir's)."""
+        changes = self
+        while changes.heir is not None:
+            changes = changes.heir
+        return changes
 
     def undo(self):
         """Undo everything; returns the list of what could not be undone."""
