@@ -30,6 +30,7 @@ mistake) is refused, not replaced.
 import datetime
 import json
 import contextlib
+import errno
 import os
 import socket
 import threading
@@ -209,16 +210,28 @@ def _file_lock(path):
             os.close(fd)        # (the lock goes with it)
 
 
+LOCK_WAIT = 30.0    # seconds; a lock held longer (a stale one on NFS) is passed over
+
+
 def _locked(name, flags, how):
-    """A descriptor of ``name`` holding an exclusive lock, or None."""
+    """A descriptor of ``name`` holding an exclusive lock, or None (no lock
+    here, or one still held by another after ``LOCK_WAIT``: a save at exit
+    must not hang on it)."""
+    import time
     try:
         import fcntl
         fd = os.open(name, flags, 0o666)
     except (ImportError, OSError):
         return None
-    try:
-        (fcntl.flock if how == 'flock' else fcntl.lockf)(fd, fcntl.LOCK_EX)
-        return fd
-    except OSError:
+    lock = fcntl.flock if how == 'flock' else fcntl.lockf
+    deadline = time.monotonic() + LOCK_WAIT
+    while True:
+        try:
+            lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as e:    # (held: EAGAIN, or EACCES from lockf)
+            if e.errno in (errno.EAGAIN, errno.EACCES) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                continue
         os.close(fd)
         return None
