@@ -57,8 +57,7 @@ class MultiprocessIterator(iterator_module.Iterator):
         seed (int): the order's and the augmentation's seed (default: drawn
             from the OS; with ``rng='global'``, derived from the state of
             NumPy's global RNG without drawing from it), saved in snapshots.
-        n_workers (int): worker processes (default: the cores available to
-            this process). ``0`` loads in the calling process.
+        n_workers (int): worker processes (default: this process's cores; 0: none).
         prefetch (int): batches in flight (default: ``2 * n_workers``).
         on_error (str): ``'raise'`` (default): a bad example raises
             :class:`DataLoadError` naming its index and file. ``'skip'``: it
@@ -71,22 +70,19 @@ class MultiprocessIterator(iterator_module.Iterator):
             calls by iteration, not epoch; after a whole epoch's worth of
             examples none of which loads, :class:`DataLoadError`). Either way
             this happens in :meth:`next`, for the batch the example is in.
-        shared_memory (bool): pass arrays through /dev/shm (default) or
-            pickle them through pipes.
+        shared_memory (bool): arrays through /dev/shm (default) or pickled.
         timeout (float): seconds to wait for one batch before raising
             ``TimeoutError`` (default: wait as long as the workers live).
         start_method (str): multiprocessing start method (default ``'fork'``
             where available: the dataset need not be picklable).
-        rng (str): ``'seed'`` or ``'global'``, as above (default ``'global'``
-            with ``order_sampler``, else ``'seed'``).
+        rng (str): ``'seed'`` or ``'global'`` (default: ``'global'`` with ``order_sampler``).
         order_sampler (callable): with ``rng='global'``, a Chainer order
             sampler (``sampler(current_order, current_position)`` returns the
             next epoch's order), called as SerialIterator calls it.
         order: with an order sampler, the first epoch's order, already drawn
             (e.g. a SerialIterator's, to take its place); default: drawn here.
-        warn_draws (bool): warn (once) at the first example a worker loads
-            that draws random numbers (below), naming the generators; set by
-            ``fastchain.enable`` where it takes a SerialIterator's place.
+        warn_draws (bool): warn once at the first example a worker loads that
+            draws random numbers, naming the generators (``fastchain.enable`` sets it).
 
     .. note::
        The batch size and the dataset's length are fixed (a change is refused,
@@ -110,6 +106,7 @@ class MultiprocessIterator(iterator_module.Iterator):
 
     _pool = None
     _drew = None
+    _resync = False     # an interrupt came: the workers load again from the place kept
     batch_size = FixedBatchSize()
 
     def __init__(self, dataset, batch_size, repeat=True, shuffle=None, seed=None,
@@ -170,8 +167,8 @@ class MultiprocessIterator(iterator_module.Iterator):
                     else self._load_here(indices), None
             except DataLoadError as e:  # past it, as Chainer's iterators stand
                 batch, failed = None, e
-            except BaseException:       # Ctrl-C, a dead worker: the place stays, and
-                self._restart_loading()  # the workers load from it again
+            except BaseException:       # Ctrl-C, a dead worker: the place stays (the
+                self._resync = True     # pool is not touched now: Ctrl-C may end the run)
                 raise
             self._previous_epoch_detail, self.is_new_epoch = before, epoch > at_start
             self.epoch, self.current_position = epoch, position
@@ -354,6 +351,9 @@ class MultiprocessIterator(iterator_module.Iterator):
         if pool.closed:
             raise RuntimeError('fastchain: this MultiprocessIterator was finalized '
                                '(its workers are stopped); make a new one')
+        if self._resync:
+            self._resync = False
+            pool.seek(self.epoch, self.current_position)
         pool.fill()         # the batch after a sampler's draw is not sent yet
         batch, errors, drew = pool.take(indices)
         for index, kind, message, path, detail in errors:

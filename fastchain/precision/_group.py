@@ -1,10 +1,12 @@
 """The fp16 accelerator group of ``fastchain.enable``."""
 
 import functools
+import warnings
 
 from fastchain.backends import cuda
 from fastchain.config import _patches
 from fastchain.config._options import Group, Option, State
+from fastchain.config._warning import FastchainWarning
 from fastchain.precision import _attach, _copied, _snapshot
 from fastchain.precision._scaler import DynamicLossScaler
 
@@ -58,7 +60,7 @@ class Fp16Group(Group):
         from chainer.optimizer import GradientMethod
         if not _wanted(values['fp16']):
             # a snapshot of an fp16 run, loaded: its masters are not read, said
-            plan.wrap(GradientMethod, 'serialize', 'fp16', _snapshot.masters_not_read)
+            plan.wrap(GradientMethod, 'serialize', 'fp16', _masters_not_read)
             return
         import chainer
         from chainer.dataset import convert
@@ -172,3 +174,29 @@ def cast_floating(arrays, dtype=None):
 
 
 GROUP = Fp16Group()
+
+
+def _masters_not_read(next_, optimizer, serializer):
+    """fp16 off (the ``serialize`` layer then): a snapshot an fp16 run wrote
+    holds its fp32 master weights, which this load does not read (the model
+    takes the snapshot's float16 weights); said, with the fix (a review:
+    nothing was said)."""
+    import chainer
+    result = next_(optimizer, serializer)
+    if (isinstance(serializer, chainer.serializer.Deserializer)
+            and _attach.scaler_of(optimizer) is None
+            and not optimizer.__dict__.get('_use_fp32_update')):
+        from fastchain.distributed._rank_state import saved_keys
+        try:
+            keys = saved_keys(serializer[_snapshot.SERIAL_MASTERS])
+        except (KeyError, ValueError):
+            keys = None
+        if keys:
+            warnings.warn(
+                'fastchain: this snapshot was written with fp16=True and holds the fp32 master '
+                'weights of {} parameter{}; fp16 is off now, so they are not read, and the '
+                "model starts from the snapshot's float16-rounded weights: the run does not "
+                'continue as the fp16 run would. Resume under fastchain.enable(fp16=True) to '
+                'continue it'.format(len(keys), 's' if len(keys) > 1 else ''),
+                FastchainWarning, stacklevel=_patches.user_stacklevel())
+    return result

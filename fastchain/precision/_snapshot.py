@@ -60,31 +60,6 @@ def serialize(opt, scaler, next_, serializer):
                       FastchainWarning, stacklevel=_patches.user_stacklevel())
 
 
-def masters_not_read(next_, optimizer, serializer):
-    """fp16 off (the ``serialize`` layer then): a snapshot an fp16 run wrote
-    holds its fp32 master weights, which this load does not read (the model
-    takes the snapshot's float16 weights); said, with the fix (a review:
-    nothing was said)."""
-    result = next_(optimizer, serializer)
-    from fastchain.precision._attach import scaler_of
-    if (isinstance(serializer, chainer.serializer.Deserializer) and scaler_of(optimizer) is None
-            and not optimizer.__dict__.get('_use_fp32_update')):
-        from fastchain.distributed._rank_state import saved_keys
-        try:
-            keys = saved_keys(serializer[SERIAL_MASTERS])
-        except (KeyError, ValueError):
-            keys = None
-        if keys:
-            warnings.warn(
-                'fastchain: this snapshot was written with fp16=True and holds the fp32 master '
-                'weights of {} parameter{}; fp16 is off now, so they are not read, and the '
-                "model starts from the snapshot's float16-rounded weights: the run does not "
-                'continue as the fp16 run would. Resume under fastchain.enable(fp16=True) to '
-                'continue it'.format(len(keys), 's' if len(keys) > 1 else ''),
-                FastchainWarning, stacklevel=_patches.user_stacklevel())
-    return result
-
-
 def saved_before_first_update(optimizer, serializer):
     """Loading: the update rules the snapshot says had no state (saved with
     ``t == 0``: the scaler skipped every step before it). Chainer's
