@@ -84,10 +84,12 @@ def _one_of_many(world):
     job's): another MPI's launcher than mpi4py's. Each process trained alone,
     all writing to one output folder, and exited 0 (a review)."""
     import os
+    from fastchain.backends.mpi import _RANK_VARIABLES
     if world.size != 1:
         return
-    for rank, size in (('PMI_RANK', 'PMI_SIZE'), ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE'),
-                       ('PMIX_RANK', 'PMIX_SIZE')):
+    for rank, size in _RANK_VARIABLES:
+        if rank.startswith('SLURM_'):
+            continue
         try:
             launched = int(os.environ[size])
         except (KeyError, ValueError):

@@ -92,7 +92,7 @@ def check_ranks(serializer, comm):
     return saved
 
 
-def read(serializer, comm, trainer=None):
+def read(serializer, comm, trainer):
     """Loading: this rank's own state from the snapshot, or None where it
     holds none (written before, by rank 0's snapshot alone, or on an error:
     rank 0's stays, as before; :func:`say_rank0_only`). Where the
@@ -102,10 +102,8 @@ def read(serializer, comm, trainer=None):
         return None
     sub = serializer['rank{}'.format(comm.rank)]
     keys = saved_keys(sub)
-    if keys is None and trainer is not None:
-        keys = sorted(local(trainer))
     if keys is None:
-        return None
+        keys = sorted(local(trainer))
     state = {}
     for key in keys:
         try:

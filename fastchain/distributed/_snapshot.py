@@ -38,7 +38,6 @@ def _ranks_first(next_, trainer, serializer, *args, **kwargs):
     result = next_(trainer, serializer, *args, **kwargs)
     held = False
     for name, made in ours:
-        made._pending = None        # (read by its serialize; read again, with the trainer)
         state = _rank_state.read(sections[name], made.comm, trainer)
         if state is not None:
             _rank_state.apply(state, trainer)
@@ -86,12 +85,8 @@ class _MultiNodeSnapshot(extension.Extension):
         self.name = 'multi_node_' + getattr(snapshot, 'default_name',
                                              type(snapshot).__name__)
         self._gathered = None
-        self._pending = None
 
     def initialize(self, trainer):
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            _rank_state.apply(pending, trainer)
         if self.comm.rank == 0 and hasattr(self.snapshot, 'initialize'):
             self.snapshot.initialize(trainer)
 
@@ -111,12 +106,11 @@ class _MultiNodeSnapshot(extension.Extension):
 
     def serialize(self, serializer):
         """Every rank's iterators and persistent values (gathered just
-        before rank 0 writes); on load, each rank takes its own (applied by
-        the trainer's load, :func:`_ranks_first`; loaded otherwise, when the
-        run starts)."""
-        if isinstance(serializer, chainer.serializer.Deserializer):
-            self._pending = _rank_state.read(serializer, self.comm)
-        elif self._gathered is not None:
+        before rank 0 writes); on load, each rank takes its own, read and
+        applied by the trainer's load (:func:`_ranks_first`), which has the
+        trainer to apply it to."""
+        if not isinstance(serializer, chainer.serializer.Deserializer) and \
+                self._gathered is not None:
             _rank_state.save(serializer, self._gathered)
 
     def on_error(self, trainer, exc, tb):
