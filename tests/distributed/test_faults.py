@@ -56,6 +56,17 @@ def _ctrl_c_as_in_a_terminal():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _job_in_a_terminal(scenario, tmp_path, err_path):
+    """2 ranks of ``scenario``; mpiexec leads its own process group, as a job
+    in a terminal does; stderr goes to ``err_path``, so waiting never depends
+    on descendants closing a pipe."""
+    with open(err_path, 'w') as err:
+        return subprocess.Popen([mpi.mpiexec_path(), '-n', '2', sys.executable, SCRIPT,
+                                 scenario, str(tmp_path)], stdout=subprocess.PIPE,
+                                stderr=err, start_new_session=True,
+                                preexec_fn=_ctrl_c_as_in_a_terminal)
+
+
 def _read_lines(stream, n, timeout):
     """The first ``n`` lines of a pipe, waiting at most ``timeout`` seconds."""
     text, deadline = b'', time.monotonic() + timeout
@@ -107,14 +118,7 @@ def _alive(pid):
 def test_ctrl_c_ends_every_rank_quietly_and_frees_the_loaders_memory(scenario, tmp_path):
     err_path = tmp_path / 'stderr.txt'
     pids, mpich = [], []
-    with open(err_path, 'w') as err:
-        # mpiexec leads its own process group, as a job in a terminal does;
-        # stderr goes to a file, so waiting never depends on descendants
-        # closing a pipe.
-        proc = subprocess.Popen([mpi.mpiexec_path(), '-n', '2', sys.executable, SCRIPT,
-                                 scenario, str(tmp_path)], stdout=subprocess.PIPE,
-                                stderr=err, start_new_session=True,
-                                preexec_fn=_ctrl_c_as_in_a_terminal)
+    proc = _job_in_a_terminal(scenario, tmp_path, err_path)
     try:
         lines = _read_lines(proc.stdout, 2, 60)
         ready = [line.split()[1:] for line in lines if line.startswith('ready ')]
@@ -168,11 +172,7 @@ def test_ctrl_c_waits_for_a_peer_saving_and_says_when_it_cuts_it_short(scenario,
     # (a review: a rank blocked in a collective ended the job 5 s after
     # Ctrl-C, cutting short a peer writing its model on the way out, silently)
     err_path, mpich = tmp_path / 'stderr.txt', []
-    with open(err_path, 'w') as err:
-        proc = subprocess.Popen([mpi.mpiexec_path(), '-n', '2', sys.executable, SCRIPT,
-                                 scenario, str(tmp_path)], stdout=subprocess.PIPE,
-                                stderr=err, start_new_session=True,
-                                preexec_fn=_ctrl_c_as_in_a_terminal)
+    proc = _job_in_a_terminal(scenario, tmp_path, err_path)
     try:
         lines = _read_lines(proc.stdout, 2, 60)
         ready = [line.split()[1:] for line in lines if line.startswith('ready ')]

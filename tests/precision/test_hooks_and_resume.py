@@ -778,6 +778,16 @@ def test_a_copy_of_an_optimizer_with_a_fixed_scale_below_the_default_updates():
         assert other._loss_scale == scale
 
 
+def _trained(steps=2):
+    """A CNN and its MomentumSGD after ``steps`` steps, seeded."""
+    numpy.random.seed(0)
+    model = CNN()
+    opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
+    for x, t in batches(steps):
+        step(model, opt, x, t)
+    return model, opt
+
+
 @pytest.mark.parametrize('fmt', ['npz', 'hdf5'])
 def test_an_fp16_snapshot_loaded_with_fp16_off_says_its_masters_are_not_read(tmp_path, fmt):
     # (a review: the exact fp32 masters were passed over and the model took
@@ -786,11 +796,7 @@ def test_an_fp16_snapshot_loaded_with_fp16_off_says_its_masters_are_not_read(tmp
                   'hdf5': (serializers.save_hdf5, serializers.load_hdf5)}[fmt]
     path = str(tmp_path / 'opt')
     with fp16_enable():
-        numpy.random.seed(0)
-        model = CNN()
-        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
-        for x, t in batches(2):
-            step(model, opt, x, t)
+        _, opt = _trained()
         save(path, opt)
     numpy.random.seed(0)
     fp32 = CNN()
@@ -835,15 +841,8 @@ def test_a_loaded_loss_scale_outside_this_runs_range_is_brought_into_it(tmp_path
 def test_a_load_that_fails_leaves_the_rules_their_state(tmp_path):
     # (a review: a rule the file says had no state lost its own before
     # Chainer's load, which then raised on the damaged file)
-    def trained():
-        numpy.random.seed(0)
-        model = CNN()
-        opt = chainer.optimizers.MomentumSGD(0.1).setup(model)
-        for x, t in batches(2):
-            step(model, opt, x, t)
-        return model, opt
     with fp16_enable():
-        model, opt = trained()
+        model, opt = _trained()
         serializers.save_npz(str(tmp_path / 'opt.npz'), opt)
         with numpy.load(str(tmp_path / 'opt.npz')) as f:
             damaged = {k: f[k] for k in f.files if not k.startswith(('fc/W/', 'conv/W/'))
